@@ -1,0 +1,835 @@
+"""DFlash drafter: model, training mask, loss, compile gate, speculative decoding, save/load.
+
+One file, read top to bottom:
+  1. the compile gate       - the ONE entry point of every compiled call in the process
+  2. config + model         - Qwen3-shaped layers with KV injection of target features
+  3. training mask          - flex_attention mask_mod, compiled block-mask creation, dense reference
+  4. anchors, blocks, loss  - random anchors, same-position labels, decayed weights, chunked LM head
+  5. speculative decoding   - dflash_generate (greedy is lossless; sampling is exact speculative sampling)
+  6. save / load            - the serving format (config.json with dflash_config + model.safetensors)
+
+The method is described in ../shared/dflash-spec.md; the failure the gate prevents in compile-race.md.
+"""
+import json
+import math
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+# -----------------------------------------------------------------------------
+# 1. The compile gate
+#
+# Why: torch.fx keeps a PROCESS-GLOBAL "FX tracing" flag (thread-local only from torch 2.14). While
+# one thread compiles (make_fx raises the flag), a compiled call in another thread either fails with
+# "Detected that you are using FX to symbolically trace a dynamo-optimized function" or, with
+# error_on_nested_fx_trace=False, silently runs the uncompiled (dense) function. So:
+#   * before warm-up is complete the gate is EXCLUSIVE: one compiled call at a time, process-wide;
+#   * warm-up compiles every (name, device, shape) the run will use, then marks the gate warm;
+#   * once warm, calls of warmed keys share the gate (no lock contention) under the
+#     "fail_on_recompile" stance, so a compile can never start behind our back;
+#   * an unwarmed key either fails with a clear error (default) or, by config, compiles while
+#     holding the gate exclusively (others wait), with a logged notice;
+#   * dynamo config is set in EVERY thread that passes the gate (torch >= 2.12 keeps it per thread)
+#     and read back, so recompile limits and error_on_nested_fx_trace are really in force.
+
+
+class UnwarmedShapeError(RuntimeError):
+    pass
+
+
+class CompileGate:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0            # threads inside a shared (post warm-up) call
+        self._writer = None          # thread holding the gate exclusively
+        self._writers_waiting = 0
+        self._local = threading.local()
+        self.warm = False
+        self.warmed = set()          # keys (name, device, shape) compiled and safe to share
+        self.on_unwarmed = "error"   # or "compile"
+        self.recompile_limit = 8     # sized by warm-up to devices x shapes (+ margin)
+        self.enabled = True          # False only for the debug/race-test "no gate" mode
+        self.config_generation = 0
+        self.log = print
+        self.stats = {"calls": 0, "exclusive": 0, "late_compiles": 0, "max_waiting": 0}
+
+    # --- per-thread dynamo configuration --------------------------------------------------
+    def configure_thread(self):
+        """Set and verify the dynamo settings in the calling thread (idempotent)."""
+        if getattr(self._local, "generation", -1) == self.config_generation:
+            return
+        import torch._dynamo.config as dcfg
+        wanted = {
+            "error_on_nested_fx_trace": True,      # never silently run uncompiled
+            "fail_on_recompile_limit_hit": True,   # never silently fall back to eager
+            "recompile_limit": self.recompile_limit,
+            "accumulated_recompile_limit": max(256, 4 * self.recompile_limit),
+        }
+        for k, v in wanted.items():
+            if not hasattr(dcfg, k):
+                raise RuntimeError(f"torch {torch.__version__} has no torch._dynamo.config.{k}; "
+                                   "this trainer needs torch >= 2.6")
+            setattr(dcfg, k, v)
+        got = {k: getattr(dcfg, k) for k in wanted}
+        if got != wanted:
+            raise RuntimeError(f"dynamo config did not take in thread {threading.current_thread().name}: "
+                               f"wanted {wanted}, got {got}")
+        self._local.generation = self.config_generation
+
+    def set_recompile_limit(self, n):
+        self.recompile_limit = int(n)
+        self.config_generation += 1   # every thread re-applies on its next call
+        self.configure_thread()
+
+    # --- locking ------------------------------------------------------------------------------
+    @contextmanager
+    def _exclusive(self):
+        me = threading.current_thread()
+        with self._cond:
+            self._writers_waiting += 1
+            self.stats["max_waiting"] = max(self.stats["max_waiting"], self._writers_waiting)
+            while self._writer is not None or self._readers > 0:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writer = me
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = None
+                self._cond.notify_all()
+
+    @contextmanager
+    def _shared(self):
+        with self._cond:
+            while self._writer is not None or self._writers_waiting > 0:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @property
+    def waiting(self):
+        with self._cond:
+            return self._writers_waiting
+
+    # --- the entry point ----------------------------------------------------------------------
+    def run(self, name, device, shape, fn, *args, **kwargs):
+        """Call the compiled `fn` for key (name, device, shape) under the gate's rules."""
+        self.configure_thread()
+        self.stats["calls"] += 1
+        if not self.enabled:
+            return fn(*args, **kwargs)
+        if getattr(self._local, "depth", 0) > 0:      # nested gated call: we already hold it
+            return fn(*args, **kwargs)
+        key = (name, str(device), tuple(shape))
+        self._local.depth = 1
+        try:
+            if not self.warm:
+                with self._exclusive():
+                    self.stats["exclusive"] += 1
+                    out = fn(*args, **kwargs)
+                self.warmed.add(key)
+                return out
+            if key in self.warmed:
+                with self._shared():
+                    return fn(*args, **kwargs)
+            if self.on_unwarmed != "compile":
+                raise UnwarmedShapeError(
+                    f"compiled call '{name}' with shape {tuple(shape)} on {device} was not warmed up. "
+                    f"Warmed keys: {sorted(k for k in self.warmed if k[1] == str(device))}. "
+                    "Add the shape to the warm-up buckets, or pass --on-unwarmed compile to compile it "
+                    "under an exclusive hold of the gate.")
+            with self._exclusive():
+                self.log(f"[gate] NOTICE: compiling unwarmed '{name}' shape {tuple(shape)} on {device} "
+                         "while holding the gate exclusively (other threads wait)")
+                self.stats["late_compiles"] += 1
+                t0 = time.time()
+                prior = torch.compiler.set_stance("default")
+                try:
+                    out = fn(*args, **kwargs)
+                finally:
+                    torch.compiler.set_stance("fail_on_recompile")
+                self.warmed.add(key)
+                self.log(f"[gate] compiled '{name}' {tuple(shape)} on {device} in {time.time() - t0:.1f}s")
+                return out
+        finally:
+            self._local.depth = 0
+
+    def mark_warm(self):
+        """Warm-up done: from now on compiled calls share the gate and may not recompile."""
+        with self._exclusive():
+            torch.compiler.set_stance("fail_on_recompile")
+            self.warm = True
+        self.log(f"[gate] warm: {len(self.warmed)} compiled keys, recompile_limit={self.recompile_limit}, "
+                 f"unwarmed shapes -> {self.on_unwarmed}")
+
+    def reset(self):
+        """Back to the cold, exclusive state (tests, diagnose.py)."""
+        with self._exclusive():
+            torch.compiler.set_stance("default")
+            self.warm = False
+            self.warmed.clear()
+            self.on_unwarmed = "error"
+            self.enabled = True
+            self.stats = {"calls": 0, "exclusive": 0, "late_compiles": 0, "max_waiting": 0}
+
+
+GATE = CompileGate()
+
+
+def _require_compiled(what):
+    # Inside a compiled region dynamo folds this check away. If the code ever runs eagerly (a dynamo
+    # fallback, a bypass), it raises instead of quietly running the dense math path.
+    if not torch.compiler.is_dynamo_compiling():
+        raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x H x Q x KV "
+                           "scores). Every flex call must go through the compiled functions and GATE.")
+
+
+# -----------------------------------------------------------------------------
+# 2. Config and model
+
+
+def build_target_layer_ids(num_target_layers, num_draft_layers):
+    """Which target layers feed the drafter: spread over the depth, skipping the first and last ones."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _rope_theta(cfg):
+    if getattr(cfg, "rope_theta", None) is not None:
+        return float(cfg.rope_theta)
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    for sub in params.values():   # per-layer-type dicts
+        if isinstance(sub, dict) and "rope_theta" in sub:
+            return float(sub["rope_theta"])
+    return 10000.0
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    num_draft_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int = 0
+    target_layer_ids: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.target_layer_ids:
+            self.target_layer_ids = build_target_layer_ids(self.num_target_layers, self.num_draft_layers)
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} outside a target of {self.num_target_layers} layers")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside vocab {self.vocab_size}")
+        if self.block_size < 2:
+            raise ValueError("block_size must be >= 2")
+
+    @classmethod
+    def from_target_config(cls, tcfg, num_draft_layers=5, block_size=16, mask_token_id=0,
+                           target_layer_ids=None, intermediate_size=None):
+        """Take sizes from any transformers causal-LM config (Qwen3, Qwen2, Llama, ...)."""
+        tcfg = getattr(tcfg, "text_config", None) or tcfg
+        heads = tcfg.num_attention_heads
+        return cls(
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=intermediate_size or tcfg.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
+            vocab_size=tcfg.vocab_size,
+            num_target_layers=tcfg.num_hidden_layers,
+            rope_theta=_rope_theta(tcfg),
+            rms_norm_eps=getattr(tcfg, "rms_norm_eps", None) or 1e-6,
+            max_position_embeddings=getattr(tcfg, "max_position_embeddings", 40960),
+            num_draft_layers=num_draft_layers,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=list(target_layer_ids or []),
+        )
+
+
+def choose_mask_token_id(tokenizer, vocab_size):
+    """A token whose frozen embedding fills masked block positions (recorded in the saved config).
+
+    Preference: an existing <|MASK|>; else a spare embedding row past the tokenizer (Qwen3's case);
+    else a special token that the chat template and normal text never produce.
+    """
+    vocab = tokenizer.get_vocab()
+    if "<|MASK|>" in vocab:
+        return vocab["<|MASK|>"]
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = tokenizer.chat_template or ""
+    for tok in getattr(tokenizer, "all_special_tokens", []) + sorted(getattr(tokenizer, "added_tokens_encoder", {})):
+        tid = vocab.get(tok)
+        if tid is not None and tid not in used and tok not in template:
+            return tid
+    raise ValueError("no spare or unused special token to use as the mask token; pass --mask-token-id")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight.to(x.dtype)   # stay in the compute dtype (bf16 under autocast)
+
+
+def rope_cos_sin(positions, head_dim, theta, dtype):
+    """cos/sin of shape (B, 1, L, head_dim) for integer positions (B, L)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    ang = positions.float()[..., None] * inv
+    ang = torch.cat([ang, ang], dim=-1)[:, None]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    """Queries from the block; keys/values from [target context ; block] with shared projections."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
+
+    def kv(self, x, cos, sin):
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, L, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, k_ctx, v_ctx, cos_q, sin_q, attend):
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, L, self.nh, self.hd)).transpose(1, 2)
+        q = apply_rope(q, cos_q, sin_q)
+        k_blk, v_blk = self.kv(x, cos_q, sin_q)
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        o = attend(q, k, v)
+        return self.o_proj(o.transpose(1, 2).reshape(B, L, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, h, k_ctx, v_ctx, cos_q, sin_q, attend):
+        h = h + self.self_attn(self.input_layernorm(h), k_ctx, v_ctx, cos_q, sin_q, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable: layers, fc, hidden_norm, norm. Frozen and never saved: the target's embedding and LM head."""
+
+    def __init__(self, config: DFlashConfig, embed_weight=None, lm_head_weight=None):
+        super().__init__()
+        c = self.config = config
+        n_ctx = len(c.target_layer_ids)
+        self.layers = nn.ModuleList([DecoderLayer(c) for _ in range(c.num_draft_layers)])
+        self.fc = nn.Linear(n_ctx * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # Non-persistent buffers: they move with .to(device) but are not in state_dict().
+        e = embed_weight if embed_weight is not None else torch.zeros(c.vocab_size, c.hidden_size)
+        h = lm_head_weight if lm_head_weight is not None else e
+        self.register_buffer("embed_weight", e.detach(), persistent=False)
+        self.register_buffer("lm_head_weight", h.detach(), persistent=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def attach_target(self, target):
+        """Use the target's own (frozen) token embedding and LM head."""
+        self.embed_weight = target.get_input_embeddings().weight.detach()
+        self.lm_head_weight = target.get_output_embeddings().weight.detach()
+        return self
+
+    def num_trainable(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def context(self, target_feats):
+        """(B, S, n_ctx*H) target features -> (B, S, H), computed once, shared by all layers."""
+        return self.hidden_norm(self.fc(target_feats))
+
+    def body(self, target_feats, block_ids, ctx_pos, block_pos, attend):
+        """Drafter trunk: returns final-normed hidden states of the block tokens (B, Lq, H)."""
+        c = self.config
+        ctx = self.context(target_feats)
+        h = F.embedding(block_ids, self.embed_weight).to(ctx.dtype)
+        cos_c, sin_c = rope_cos_sin(ctx_pos, c.head_dim, c.rope_theta, ctx.dtype)
+        cos_q, sin_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, ctx.dtype)
+        for layer in self.layers:
+            k_ctx, v_ctx = layer.self_attn.kv(ctx, cos_c, sin_c)
+            h = layer(h, k_ctx, v_ctx, cos_q, sin_q, attend)
+        return self.norm(h)
+
+
+# -----------------------------------------------------------------------------
+# 3. The training attention mask
+#
+# Queries: A blocks of `bs` tokens (q = i*bs + k). Keys: [S context features | A*bs block tokens].
+#   context visible: kv < S and kv < anchor_i   (STRICTLY before the anchor: the anchor's own
+#                    feature is what the target computes AFTER seeing the anchor token)
+#   block visible:   kv >= S and (kv - S) // bs == i  (own block, both directions)
+# Padding blocks carry anchor 0: they see no context, only themselves, and carry no loss.
+
+
+def _visible(anchor_of_q, q_idx, kv_idx, S, bs):
+    # Anchors are always < S (sample_anchors guarantees it), so `kv < anchor` implies `kv < S`;
+    # and for kv < S, (kv - S) // bs is negative, so it never equals a block index. Written this way
+    # the predicate has two comparisons instead of four (and dodges a CPU-inductor codegen bug
+    # with chains of boolean masks on torch 2.13).
+    return (kv_idx < anchor_of_q) | ((kv_idx - S) // bs == q_idx // bs)
+
+
+def make_mask_mod(anchors, S, bs):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return _visible(anchors[b, q_idx // bs], q_idx, kv_idx, S, bs)
+    return mask_mod
+
+
+def dense_dflash_mask(anchors, S, bs):
+    """Boolean reference of the same mask, (B, 1, Q, KV); for tests and the SDPA path."""
+    B, A = anchors.shape
+    q = torch.arange(A * bs, device=anchors.device)
+    kv = torch.arange(S + A * bs, device=anchors.device)
+    a = anchors[:, q // bs]                                       # (B, Q)
+    return _visible(a[:, :, None], q[None, :, None], kv[None, None, :], S, bs)[:, None]
+
+
+def _block_mask_impl(anchors, S, bs):
+    B, A = anchors.shape
+    return create_block_mask(make_mask_mod(anchors, S, bs), B, None, A * bs, S + A * bs,
+                             device=anchors.device)
+
+
+def _flex_impl(q, k, v, block_mask):
+    _require_compiled("flex_attention")
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def _body_flex_impl(drafter, target_feats, block_ids, ctx_pos, block_pos, block_mask):
+    _require_compiled("drafter body (flex)")
+    return drafter.body(target_feats, block_ids, ctx_pos, block_pos,
+                        lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True))
+
+
+# The compiled callables. dynamic=False: every shape is its own, fully specialised entry, and the
+# bucketing keeps their number small. They are only ever called through GATE.run.
+compiled_block_mask = torch.compile(_block_mask_impl, dynamic=False, fullgraph=True)
+compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
+compiled_body = torch.compile(_body_flex_impl, dynamic=False, fullgraph=True)
+
+
+def create_dflash_block_mask(anchors, S, bs):
+    """Compiled block-mask creation through the gate (milliseconds; eager would be dense B x Q x KV)."""
+    B, A = anchors.shape
+    if S % 128 or (A * bs) % 128:
+        # flex works on 128 x 128 tiles; ragged tiles cost masked loads on GPU and hit an inductor
+        # codegen bug on CPU (torch 2.13). The trainer's buckets and anchor counts respect this.
+        raise ValueError(f"flex path needs S ({S}) and anchors*block ({A}*{bs}) to be multiples of 128")
+    return GATE.run("block_mask", anchors.device, (B, S, A), compiled_block_mask, anchors, S, bs)
+
+
+def gated_flex_attention(q, k, v, block_mask):
+    return GATE.run("flex", q.device, tuple(q.shape) + tuple(k.shape), compiled_flex, q, k, v, block_mask)
+
+
+# -----------------------------------------------------------------------------
+# 4. Anchors, blocks, loss
+
+
+def sample_anchors(loss_mask, lengths, num_anchors, block_size, generator=None):
+    """Random anchors per sequence from positions p <= len-bs with loss_mask[p] and loss_mask[p+1].
+
+    Returns anchors (B, A) long (sorted; padding = 0) and valid (B, A) bool. Sampled on the CPU with
+    `generator` so that a resumed run draws the same anchors.
+    """
+    lm = loss_mask.detach().to("cpu", torch.bool)
+    B, S = lm.shape
+    anchors = torch.zeros(B, num_anchors, dtype=torch.long)
+    valid = torch.zeros(B, num_anchors, dtype=torch.bool)
+    for b in range(B):
+        n = int(lengths[b])
+        last = n - block_size                   # the whole block fits inside the sequence
+        if last < 0:
+            continue
+        ok = lm[b, : last + 1] & lm[b, 1: last + 2]
+        cand = ok.nonzero().flatten()
+        if len(cand) > num_anchors:
+            cand = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
+        anchors[b, : len(cand)] = cand
+        valid[b, : len(cand)] = True
+    return anchors, valid
+
+
+def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, gamma):
+    """Block inputs, positions, labels and loss weights for the sampled anchors.
+
+    block i = [input_ids[a_i], MASK x (bs-1)] at positions a_i .. a_i+bs-1;
+    label[i,k] = input_ids[a_i + k] (same position, NO shift); k = 0 carries no loss;
+    w[i,k] = exp(-(k-1)/gamma) * loss_mask[a_i+k] * (a_i+k < S) * (k > 0) * valid_i.
+    """
+    B, S = input_ids.shape
+    dev = input_ids.device
+    anchors, valid = anchors.to(dev), valid.to(dev)
+    k = torch.arange(block_size, device=dev)
+    pos = anchors[:, :, None] + k                                  # (B, A, bs)
+    in_range = pos < S
+    pos_c = pos.clamp(max=S - 1)
+    labels = torch.gather(input_ids, 1, pos_c.flatten(1)).view_as(pos)
+    lm = torch.gather(loss_mask.to(torch.float32), 1, pos_c.flatten(1)).view_as(pos)
+    decay = torch.exp(-(k.float() - 1) / gamma) * (k > 0)
+    weights = decay * lm * in_range * valid[:, :, None]
+    block_ids = torch.full_like(labels, mask_token_id)
+    block_ids[:, :, 0] = labels[:, :, 0]
+    return block_ids.flatten(1), pos.flatten(1), labels, weights
+
+
+class _ChunkedLMHeadLoss(torch.autograd.Function):
+    """sum(w * CE(h @ W^T, y)) with w pre-normalised, computed chunk by chunk.
+
+    The LM head is frozen, so the only gradient needed is d loss / d h. It is computed in the forward
+    chunk by chunk ((softmax - onehot) * w) @ W and kept (N x H, small), so no chunk of N x vocab
+    logits is ever stored for backward and fp32 logits exist for one chunk at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, w, chunk):
+        N = h.shape[0]
+        grad_h = torch.empty_like(h) if h.requires_grad else None
+        loss = torch.zeros((), device=h.device, dtype=torch.float32)
+        correct = torch.empty(N, device=h.device, dtype=torch.bool)
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            logits = (h[s:e] @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            y = labels[s:e]
+            tgt = logits.gather(1, y[:, None]).squeeze(1)
+            loss += ((lse - tgt) * w[s:e]).sum()
+            correct[s:e] = logits.argmax(-1) == y
+            if grad_h is not None:
+                g = torch.softmax(logits, dim=-1)
+                g[torch.arange(e - s, device=h.device), y] -= 1.0
+                g *= w[s:e, None]
+                grad_h[s:e] = (g.to(weight.dtype) @ weight).to(h.dtype)
+        ctx.save_for_backward(grad_h)
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None
+
+
+def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=2048):
+    """Weighted CE over block positions 1..bs-1 plus per-position accuracy.
+
+    hidden (B, A*bs, H), labels/weights (B, A, bs). Returns loss (normalised by the weight sum),
+    acc (bs-1,) = accuracy at positions k = 1..bs-1 over supervised positions, and counts (bs-1,).
+    """
+    B, A, bs = labels.shape
+    h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
+    y = labels[:, :, 1:].reshape(-1)
+    w = weights[:, :, 1:].reshape(-1).float()
+    wsum = w.sum().clamp(min=1e-6)
+    loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum, chunk_rows)
+    sup = (w > 0).view(B * A, bs - 1)
+    hits = (correct.view(B * A, bs - 1) & sup).sum(0).float()
+    counts = sup.sum(0).float()
+    return loss, hits / counts.clamp(min=1), counts
+
+
+def simulated_tau(acc):
+    """1 + sum_k prod_{j<=k} acc_j: the acceptance length if position errors were independent."""
+    return 1.0 + float(torch.cumprod(torch.as_tensor(acc, dtype=torch.float64), 0).sum())
+
+
+def sdpa_attend(mask):
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma,
+                         attn="flex", chunk_rows=2048):
+    """One training forward: blocks -> mask -> drafter (compiled flex or explicit SDPA) -> loss."""
+    c = drafter.config
+    B, S = input_ids.shape
+    A = anchors.shape[1]
+    block_ids, block_pos, labels, weights = make_blocks(
+        input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
+    ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
+    anchors = anchors.to(input_ids.device)
+    if attn == "flex":
+        bm = create_dflash_block_mask(anchors, S, c.block_size)
+        hidden = GATE.run("drafter_fwd", input_ids.device, (B, S, A), compiled_body,
+                          drafter, target_feats, block_ids, ctx_pos, block_pos, bm)
+    elif attn == "sdpa":
+        hidden = drafter.body(target_feats, block_ids, ctx_pos, block_pos,
+                              sdpa_attend(dense_dflash_mask(anchors, S, c.block_size)))
+    else:
+        raise ValueError(f"attn must be 'flex' or 'sdpa', got {attn!r}")
+    return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows)
+
+
+def backward(loss, device, shape, attn="flex"):
+    """loss.backward() through the gate: the compiled backward compiles lazily on its first call."""
+    if attn == "flex":
+        GATE.run("drafter_bwd", device, shape, loss.backward)
+    else:
+        loss.backward()
+
+
+# -----------------------------------------------------------------------------
+# 5. Speculative decoding
+
+
+def target_features(hidden_states, layer_ids):
+    """Concatenate the outputs of `layer_ids` (transformers indexing: output of layer i = hs[i+1])."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+class DrafterCache:
+    """Per-layer context keys/values of the drafter (block entries are never stored)."""
+
+    def __init__(self, n_layers):
+        self.k = [None] * n_layers
+        self.v = [None] * n_layers
+
+    def append(self, i, k, v):
+        self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k], dim=2)
+        self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v], dim=2)
+
+
+@torch.no_grad()
+def draft_block(drafter, cache, new_feats, new_pos, anchor_token, anchor_pos):
+    """Extend the drafter cache with new context features, then draft bs-1 tokens' logits."""
+    c = drafter.config
+    dev = new_feats.device
+    ctx = drafter.context(new_feats)
+    cos_c, sin_c = rope_cos_sin(new_pos, c.head_dim, c.rope_theta, ctx.dtype)
+    block_ids = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=dev)
+    block_ids[0, 0] = anchor_token
+    block_pos = anchor_pos + torch.arange(c.block_size, device=dev)[None]
+    h = F.embedding(block_ids, drafter.embed_weight).to(ctx.dtype)
+    cos_q, sin_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, ctx.dtype)
+    attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # all visible
+    for i, layer in enumerate(drafter.layers):
+        k, v = layer.self_attn.kv(ctx, cos_c, sin_c)
+        cache.append(i, k, v)
+        h = layer(h, cache.k[i], cache.v[i], cos_q, sin_q, attend)
+    h = drafter.norm(h)
+    return (h[0, 1:] @ drafter.lm_head_weight.t().to(h.dtype)).float()     # (bs-1, V)
+
+
+def _pick(logits, temperature, generator):
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=None, temperature=0.0,
+                    generator=None):
+    """Speculative decoding with a DFlash drafter. Returns (ids (1, P+n), acceptance lengths per round).
+
+    Greedy (temperature 0) output is token-identical to the target's own greedy decoding. With
+    temperature > 0, drafts are sampled from the drafter and accepted by speculative sampling, which
+    keeps the target's sampling distribution exactly.
+    """
+    from transformers import DynamicCache
+    c = drafter.config
+    dev = input_ids.device
+    stops = set(stop_token_ids or [])
+    cache = DynamicCache(config=target.config)
+    P = input_ids.shape[1]
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    feats = target_features(out.hidden_states, c.target_layer_ids)
+    feat_pos = torch.arange(P, device=dev)[None]
+    token = _pick(out.logits[0, -1], temperature, generator)
+    generated, accept_lengths = [int(token)], []
+    dcache = DrafterCache(len(drafter.layers))
+    pos = P                                           # position of `token`, the next anchor
+    while len(generated) < max_new_tokens and generated[-1] not in stops:
+        d_logits = draft_block(drafter, dcache, feats.to(drafter.fc.weight.dtype), feat_pos, token, pos)
+        draft = _pick(d_logits, temperature, generator)                       # (bs-1,)
+        verify = torch.cat([token.view(1), draft])[None]
+        out = target(input_ids=verify, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        t_logits = out.logits[0].float()                                      # (bs, V)
+        if temperature <= 0:
+            t_tok = t_logits.argmax(-1)
+            n = int((draft == t_tok[:-1]).int().cumprod(0).sum())
+            bonus = t_tok[n]
+        else:
+            n, bonus = _speculative_accept(d_logits, t_logits, draft, temperature, generator)
+        committed = draft[:n].tolist() + [int(bonus)]
+        cache.crop(pos + n + 1)                       # keep target KV only for accepted tokens
+        feats = target_features(out.hidden_states, c.target_layer_ids)[:, : n + 1]
+        feat_pos = (pos + torch.arange(n + 1, device=dev))[None]
+        pos += n + 1
+        token = torch.as_tensor(int(bonus), device=dev)
+        accept_lengths.append(n + 1)
+        for t in committed:
+            generated.append(t)
+            if t in stops or len(generated) >= max_new_tokens:
+                break
+    new = torch.tensor(generated[:max_new_tokens], device=dev, dtype=input_ids.dtype)[None]
+    return torch.cat([input_ids, new], dim=1), accept_lengths
+
+
+def _speculative_accept(d_logits, t_logits, draft, temperature, generator):
+    """Standard speculative sampling over a block: accept d_j w.p. min(1, p/q), else resample."""
+    q = torch.softmax(d_logits / temperature, dim=-1)
+    p = torch.softmax(t_logits / temperature, dim=-1)
+    for j in range(draft.shape[0]):
+        tok = draft[j]
+        r = torch.rand((), generator=generator, device=p.device if generator is None else generator.device)
+        if r.item() * q[j, tok] <= p[j, tok]:
+            continue
+        resid = (p[j] - q[j]).clamp(min=0)
+        resid = resid / resid.sum() if resid.sum() > 0 else p[j]
+        return j, torch.multinomial(resid, 1, generator=generator).squeeze()
+    return draft.shape[0], torch.multinomial(p[-1], 1, generator=generator).squeeze()
+
+
+@torch.no_grad()
+def target_greedy(target, input_ids, max_new_tokens, stop_token_ids=None):
+    """Plain greedy decoding with a KV cache: the reference for losslessness."""
+    from transformers import DynamicCache
+    stops = set(stop_token_ids or [])
+    cache = DynamicCache(config=target.config)
+    ids, nxt, out_tokens = input_ids, input_ids, []
+    for _ in range(max_new_tokens):
+        logits = target(input_ids=nxt, past_key_values=cache, use_cache=True).logits[0, -1]
+        t = int(logits.argmax())
+        out_tokens.append(t)
+        if t in stops:
+            break
+        nxt = torch.tensor([[t]], device=input_ids.device)
+    return torch.cat([ids, torch.tensor([out_tokens], device=ids.device, dtype=ids.dtype)], dim=1)
+
+
+# -----------------------------------------------------------------------------
+# 6. Save / load in the serving format
+
+
+def drafter_hf_config(cfg: DFlashConfig, dtype=torch.bfloat16):
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": cfg.num_draft_layers,
+        "num_target_layers": cfg.num_target_layers,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).replace("torch.", ""),
+        "block_size": cfg.block_size,
+        "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
+                          "mask_token_id": cfg.mask_token_id},
+    }
+
+
+def save_drafter(drafter, path, dtype=torch.bfloat16):
+    """Write config.json + model.safetensors (trainable weights only) to `path`."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(drafter_hf_config(drafter.config, dtype), f, indent=2)
+
+
+def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
+    """Load a saved drafter; `target` provides the frozen embedding and LM head."""
+    from safetensors.torch import load_file
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"no drafter config.json in {path}")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    if "dflash_config" not in hf:
+        raise ValueError(f"{cfg_path} has no dflash_config: not a DFlash drafter")
+    d = hf["dflash_config"]
+    cfg = DFlashConfig(
+        hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        num_attention_heads=hf["num_attention_heads"], num_key_value_heads=hf["num_key_value_heads"],
+        head_dim=hf["head_dim"], vocab_size=hf["vocab_size"],
+        num_target_layers=hf.get("num_target_layers", max(d["target_layer_ids"]) + 1),
+        rope_theta=hf["rope_theta"], rms_norm_eps=hf["rms_norm_eps"],
+        max_position_embeddings=hf.get("max_position_embeddings", 40960),
+        num_draft_layers=hf["num_hidden_layers"], block_size=d["block_size"],
+        mask_token_id=d["mask_token_id"], target_layer_ids=d["target_layer_ids"])
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=True)
+    if target is not None:
+        drafter.attach_target(target)
+    return drafter.to(device=device, dtype=dtype)
