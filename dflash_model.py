@@ -582,17 +582,19 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None
 
 
-def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=2048):
+def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=2048, weight_sum=None):
     """Weighted CE over block positions 1..bs-1 plus per-position accuracy.
 
     hidden (B, A*bs, H), labels/weights (B, A, bs). Returns loss (normalised by the weight sum),
     acc (bs-1,) = accuracy at positions k = 1..bs-1 over supervised positions, and counts (bs-1,).
+    `weight_sum`: normaliser shared by several micro-batches/replicas (default: this batch's own), so
+    that a step over R replicas x G micro-batches equals one step over their concatenation.
     """
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
     w = weights[:, :, 1:].reshape(-1).float()
-    wsum = w.sum().clamp(min=1e-6)
+    wsum = (w.sum() if weight_sum is None else torch.as_tensor(weight_sum, device=w.device)).clamp(min=1e-6)
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum, chunk_rows)
     sup = (w > 0).view(B * A, bs - 1)
     hits = (correct.view(B * A, bs - 1) & sup).sum(0).float()
@@ -610,7 +612,7 @@ def sdpa_attend(mask):
 
 
 def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma,
-                         attn="flex", chunk_rows=2048):
+                         attn="flex", chunk_rows=2048, weight_sum=None):
     """One training forward: blocks -> mask -> drafter (compiled flex or explicit SDPA) -> loss."""
     c = drafter.config
     B, S = input_ids.shape
@@ -628,7 +630,7 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
                               sdpa_attend(dense_dflash_mask(anchors, S, c.block_size)))
     else:
         raise ValueError(f"attn must be 'flex' or 'sdpa', got {attn!r}")
-    return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows)
+    return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows, weight_sum)
 
 
 def backward(loss, device, shape, attn="flex"):

@@ -1,0 +1,884 @@
+"""Train a DFlash drafter: threaded target -> drafter pipeline on one node (torchrun for several).
+
+    python train_dflash.py --target Qwen/Qwen3-8B --data sharegpt.json \
+        --target-devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4 --drafter-devices cuda:5,cuda:6,cuda:7
+    python train_dflash.py                      # embedded default: SmolLM2-135M-Instruct + ShareGPT
+
+Threads (../shared/design.md):
+  loader  --batches-->  [bounded queue]  -->  one target thread per target device
+      (no grad, bf16, stops after the deepest captured layer, no LM head)
+  --features-->  [reorder buffer, bounded]  -->  one drafter thread per drafter device (own replica)
+      anchors -> block mask -> compiled forward -> loss -> backward; replicas meet at every optimiser
+      step: gradients summed (NCCL between distinct GPUs, plain sum on one device / CPU; all-reduce
+      across nodes under torchrun), clipped, the same AdamW step on every replica.
+  main: config, data, warm-up (serial compile of every shape), start, watch, stop.
+Any exception in any thread stops the run within seconds, prints its traceback, exits non-zero;
+checkpoints are written atomically, so the last one stays intact.
+"""
+import dataclasses
+import json
+import math
+import os
+import queue
+import shutil
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import dflash_model as dm
+import warmup
+
+
+# -----------------------------------------------------------------------------
+# Config: one dataclass; every field is a command-line option; unknown options are errors.
+
+@dataclass
+class TrainConfig:
+    # model / data
+    target: str = ""                    # HF folder or hub name; "" = embedded default (SmolLM2-135M-Instruct)
+    data: list = field(default_factory=list)   # ShareGPT JSON/JSONL or chat JSONL files (or a hub data set)
+    cache_dir: str = ".cache"           # embedded default conversion + tokenised data cache
+    max_samples: int = 0                # 0 = all
+    num_draft_layers: int = 5
+    block_size: int = 16
+    num_anchors: int = 512              # per sequence of max_length; shorter buckets get proportionally fewer
+    gamma: float = 0.0                  # 0 = by block size: 7 (16), 5 (10), 4 (8)
+    mask_token_id: int = -1             # -1 = <|MASK|>, a spare embedding row, or an unused special token
+    target_layer_ids: str = ""          # "" = spec formula; else "1,9,17,25,33"
+    max_length: int = 3072
+    buckets: str = ""                   # "" = multiples of 256 up to max_length, e.g. "512,1024,3072"
+    tokens_per_batch: int = 0           # target tokens per micro-batch; 0 = max_length (B = this // bucket)
+    min_supervised: int = 32
+    # optimisation (the spec's recipe)
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    epochs: float = 6.0
+    grad_accum: int = 1
+    max_steps: int = 0                  # 0 = epochs decide
+    max_minutes: float = 0.0            # 0 = no time budget; else stop (with a checkpoint) after this
+    seed: int = 0
+    # devices / compile
+    target_devices: str = "auto"        # e.g. cuda:0,cuda:1 ; "auto": 5/8 of the GPUs, or cpu
+    drafter_devices: str = "auto"
+    attn: str = "auto"                  # flex (compiled) | sdpa (dense mask, explicit) | auto: flex on cuda, sdpa on cpu
+    on_unwarmed: str = "error"          # error | compile (exclusive, logged)
+    compile_cache: str = ""             # "" = <out_dir>/compile_cache
+    chunk_rows: int = 2048              # LM head + CE rows per chunk
+    queue_depth: int = 4
+    no_gate: bool = False               # DEBUG ONLY: bypass the compile gate (reproduces the race)
+    # output
+    out_dir: str = "out"
+    ckpt_interval: int = 500
+    keep_last: int = 3
+    log_interval: int = 10
+    resume: bool = False
+    # fault injection for tests: "target:3" / "drafter:5" raise at that batch/step, "kill:4" SIGKILLs
+    # the process after step 4 (after its checkpoint, if any)
+    debug_fail: str = ""
+
+
+def parse_config(argv):
+    """--name value / --flag / --name v1 v2 (lists). Unknown or mistyped options are errors."""
+    cfg, fields = TrainConfig(), {f.name: f for f in dataclasses.fields(TrainConfig)}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise SystemExit(f"error: unexpected argument {arg!r} (options are --name value)")
+        name = arg[2:].replace("-", "_")
+        if name not in fields:
+            close = [f"--{n.replace('_', '-')}" for n in fields if n.split("_")[0] == name.split("_")[0]]
+            raise SystemExit(f"error: unknown option {arg}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        default = getattr(cfg, name)
+        vals = []
+        while i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            vals.append(argv[i + 1])
+            i += 1
+        i += 1
+        try:
+            if isinstance(default, bool):
+                value = True if not vals else {"true": True, "1": True, "false": False, "0": False}[vals[0].lower()]
+            elif isinstance(default, list):
+                value = vals
+            elif len(vals) != 1:
+                raise ValueError(f"expects one value, got {len(vals)}")
+            else:
+                value = type(default)(vals[0])
+        except (ValueError, KeyError) as e:
+            raise SystemExit(f"error: bad value for {arg}: {vals} ({e})")
+        setattr(cfg, name, value)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg):
+    errs = []
+    if cfg.attn not in ("auto", "flex", "sdpa"):
+        errs.append(f"--attn must be auto|flex|sdpa, got {cfg.attn}")
+    if cfg.on_unwarmed not in ("error", "compile"):
+        errs.append(f"--on-unwarmed must be error|compile, got {cfg.on_unwarmed}")
+    if cfg.block_size < 2 or cfg.num_anchors < 1 or cfg.max_length < 2 * cfg.block_size:
+        errs.append("need block_size >= 2, num_anchors >= 1, max_length >= 2*block_size")
+    if cfg.grad_accum < 1 or cfg.keep_last < 1 or cfg.log_interval < 1 or cfg.ckpt_interval < 1:
+        errs.append("grad_accum, keep_last, log_interval, ckpt_interval must be >= 1")
+    if not 0 <= cfg.warmup_frac < 1:
+        errs.append("warmup_frac must be in [0, 1)")
+    for f in cfg.data:
+        if not os.path.exists(f) and os.sep in f:
+            errs.append(f"data file not found: {f}")
+    if cfg.debug_fail and cfg.debug_fail.split(":")[0] not in ("target", "drafter", "kill"):
+        errs.append(f"--debug-fail must be target:N, drafter:N or kill:N, got {cfg.debug_fail}")
+    if errs:
+        raise SystemExit("error: " + "; ".join(errs))
+
+
+def default_gamma(block_size):
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7 / 16))
+
+
+# -----------------------------------------------------------------------------
+# Devices, shapes, target
+
+
+def resolve_devices(cfg):
+    def parse(s):
+        return [torch.device(d.strip()) for d in s.split(",") if d.strip()]
+    n = torch.cuda.device_count()
+    if cfg.target_devices == "auto" or cfg.drafter_devices == "auto":
+        if n == 0:
+            auto_t, auto_d = [torch.device("cpu")], [torch.device("cpu")]
+        elif n == 1:
+            auto_t, auto_d = [torch.device("cuda:0")], [torch.device("cuda:0")]
+        else:   # the original 5 target + 3 drafter split, scaled to the node
+            nd = max(1, round(n * 3 / 8))
+            auto_t = [torch.device(f"cuda:{i}") for i in range(n - nd)]
+            auto_d = [torch.device(f"cuda:{i}") for i in range(n - nd, n)]
+    tdev = auto_t if cfg.target_devices == "auto" else parse(cfg.target_devices)
+    ddev = auto_d if cfg.drafter_devices == "auto" else parse(cfg.drafter_devices)
+    for d in tdev + ddev:
+        if d.type == "cuda" and (d.index or 0) >= n:
+            raise SystemExit(f"error: device {d} requested but only {n} CUDA device(s) visible")
+    if not tdev or not ddev:
+        raise SystemExit("error: need at least one target and one drafter device")
+    return tdev, ddev
+
+
+def resolve_attn(cfg, drafter_dev):
+    if cfg.attn != "auto":
+        if cfg.attn == "flex" and drafter_dev.type == "cpu":
+            raise SystemExit("error: --attn flex cannot train on CPU (FlexAttention has no CPU backward); "
+                             "use --attn sdpa")
+        return cfg.attn
+    return "flex" if drafter_dev.type == "cuda" else "sdpa"
+
+
+def bucket_list(cfg):
+    import data_dflash
+    if cfg.buckets:
+        b = sorted(int(x) for x in cfg.buckets.split(","))
+        if b[-1] != cfg.max_length:
+            b.append(cfg.max_length)
+        return b
+    return data_dflash.default_buckets(cfg.max_length)
+
+
+def anchors_for(cfg, S, block_size):
+    """Anchors per sequence for bucket S: the recipe's density (num_anchors per max_length), rounded
+    up so that anchors*block is a multiple of 128 (flex tiles)."""
+    m = 128 // math.gcd(block_size, 128)
+    a = math.ceil(cfg.num_anchors * S / cfg.max_length)
+    return max(m, math.ceil(a / m) * m)
+
+
+def batch_size_for(cfg, S):
+    return max(1, (cfg.tokens_per_batch or cfg.max_length) // S)
+
+
+def shape_plan(cfg, block_size):
+    """Every (B, S, A) the drafter can see: one per bucket. This is what warm-up compiles."""
+    return [(batch_size_for(cfg, S), S, anchors_for(cfg, S, block_size)) for S in bucket_list(cfg)]
+
+
+def load_target_config(cfg):
+    from transformers import AutoConfig, AutoTokenizer
+    path = target_path(cfg)
+    return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def target_path(cfg):
+    if cfg.target:
+        return cfg.target
+    import data_dflash
+    path, _ = data_dflash.prepare_embedded_default(cfg.cache_dir)
+    return path
+
+
+def make_drafter_config(cfg, tcfg, mask_token_id):
+    ids = [int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids else None
+    return dm.DFlashConfig.from_target_config(tcfg, cfg.num_draft_layers, cfg.block_size,
+                                              mask_token_id, target_layer_ids=ids)
+
+
+def load_target(path, device, dtype, layer_ids, log=print):
+    """The target, frozen, cut after the deepest captured layer (+1, whose input we need)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+    base = model.model
+    n_keep = min(len(base.layers), max(layer_ids) + 2)
+    probe = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
+    with torch.no_grad():
+        full = dm.target_features(base(probe, output_hidden_states=True).hidden_states, layer_ids)
+        base.layers = base.layers[:n_keep]
+        cut = dm.target_features(base(probe, output_hidden_states=True).hidden_states, layer_ids)
+    # Guard against a transformers change in how hidden_states are indexed/normed.
+    if not torch.allclose(full.float(), cut.float(), atol=1e-3, rtol=1e-3):
+        raise RuntimeError("target features of the truncated model differ from the full model's: "
+                           "transformers' hidden_states indexing changed; cannot train safely")
+    log(f"[target] {path} on {device}: kept {n_keep}/{model.config.num_hidden_layers} layers, no LM head")
+    return model
+
+
+# -----------------------------------------------------------------------------
+# Thread plumbing
+
+
+class Stop(Exception):
+    """Raised inside a thread when another thread failed: unwind quietly."""
+
+
+class Run:
+    """Shared state of one run: stop flag, failures, queues."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.stop = threading.Event()
+        self.failures = []
+        self.lock = threading.Lock()
+        self.on_stop = []          # callables that wake threads blocked elsewhere (barriers)
+
+    def fail(self, name, exc):
+        with self.lock:
+            self.failures.append((name, "".join(traceback.format_exception(exc))))
+        self.stop.set()
+        for wake in self.on_stop:
+            wake()
+
+    def check(self):
+        if self.stop.is_set():
+            raise Stop()
+
+    def put(self, q, item):
+        while True:
+            self.check()
+            try:
+                return q.put(item, timeout=0.2)
+            except queue.Full:
+                pass
+
+    def get(self, q):
+        while True:
+            self.check()
+            try:
+                return q.get(timeout=0.2)
+            except queue.Empty:
+                pass
+
+
+class ReorderBuffer:
+    """Features arrive from several target threads out of order; drafters consume batch j exactly.
+
+    Bounded: only indices in [lo, lo + capacity) are accepted, lo = lowest index not yet taken, so a
+    fast target thread cannot run away, and nothing deadlocks (earlier indices always fit).
+    """
+
+    def __init__(self, run, start, capacity):
+        self.run, self.lo, self.cap = run, start, capacity
+        self.items, self.taken = {}, set()
+        self.cond = threading.Condition()
+
+    def put(self, j, item):
+        with self.cond:
+            while j >= self.lo + self.cap:
+                self.run.check()
+                self.cond.wait(0.2)
+            self.items[j] = item
+            self.cond.notify_all()
+
+    def take(self, j):
+        with self.cond:
+            while j not in self.items:
+                self.run.check()
+                self.cond.wait(0.2)
+            item = self.items.pop(j)
+            self.taken.add(j)
+            while self.lo in self.taken:
+                self.taken.discard(self.lo)
+                self.lo += 1
+            self.cond.notify_all()
+            return item
+
+    def __len__(self):
+        return len(self.items)
+
+
+def start_thread(run, name, fn, *args):
+    def body():
+        try:
+            dm.GATE.configure_thread()     # dynamo config is per thread on torch >= 2.12
+            fn(*args)
+        except Stop:
+            pass
+        except BaseException as e:       # noqa: B902 - every failure must stop the run loudly
+            run.fail(name, e)
+    t = threading.Thread(target=body, name=name, daemon=True)
+    t.start()
+    return t
+
+
+def debug_point(cfg, role, n):
+    if cfg.debug_fail:
+        kind, at = cfg.debug_fail.split(":")
+        if kind == role and int(at) == n:
+            raise RuntimeError(f"injected failure in {role} at {n} (--debug-fail {cfg.debug_fail})")
+
+
+# -----------------------------------------------------------------------------
+# Data stream: a flat, deterministic sequence of batches across epochs (so resume is exact)
+
+
+class BatchStream:
+    def __init__(self, cfg, data, rank, world):
+        import data_dflash
+        self.cfg, self.data = cfg, data
+        n = len(data["input_ids"])
+        self.indices = list(range(rank, n, world))          # this node's shard
+        self.lengths = [len(data["input_ids"][i]) for i in self.indices]
+        self.buckets = bucket_list(cfg)
+        self.per_epoch = {}
+        self._epoch_batches(0)
+        self.nb = len(self.per_epoch[0])
+        self.padding_waste = data_dflash.padding_waste(self.lengths, self.per_epoch[0])
+
+    def _epoch_batches(self, epoch):
+        import data_dflash
+        if epoch not in self.per_epoch:
+            self.per_epoch = {epoch: data_dflash.make_batches(
+                self.lengths, self.buckets, self.cfg.tokens_per_batch or self.cfg.max_length,
+                self.cfg.seed, epoch)}
+        return self.per_epoch[epoch]
+
+    def batch(self, j):
+        """Batch j of the flat stream: (bucket length, global sample ids)."""
+        S, local = self._epoch_batches(j // self.nb)[j % self.nb]
+        return S, [self.indices[i] for i in local]
+
+
+def sample_anchors_for(cfg, sample_ids, lm, lengths, A, block_size):
+    """Anchors drawn per SAMPLE (seed, sample id, epoch-free step index), so the same sample gets the
+    same anchors however batches are split across replicas."""
+    anchors, valid = [], []
+    for r, sid in enumerate(sample_ids):
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + int(sid[0]) * 7919 + int(sid[1]))
+        a, v = dm.sample_anchors(lm[r: r + 1], lengths[r: r + 1], A, block_size, generator=g)
+        anchors.append(a)
+        valid.append(v)
+    return torch.cat(anchors), torch.cat(valid)
+
+
+# -----------------------------------------------------------------------------
+# The trainer
+
+
+class Trainer:
+    def __init__(self, cfg, log):
+        self.cfg, self.log = cfg, log
+        self.run = Run(cfg)
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+
+    # --- setup ------------------------------------------------------------------------------
+    def setup(self):
+        cfg, log = self.cfg, self.log
+        import data_dflash
+        if self.world > 1:
+            import torch.distributed as dist
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend)
+            log(f"[dist] rank {self.rank}/{self.world} backend {backend}")
+        self.tdevs, self.ddevs = resolve_devices(cfg)
+        self.attn = resolve_attn(cfg, self.ddevs[0])
+        self.tpath = target_path(cfg)
+        data_files = cfg.data
+        if not data_files:
+            if cfg.target:
+                raise SystemExit("error: --data is required with --target")
+            _, default_data = data_dflash.prepare_embedded_default(cfg.cache_dir)
+            data_files = [default_data]
+        tcfg, self.tok = load_target_config(cfg)
+        mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else dm.choose_mask_token_id(
+            self.tok, getattr(tcfg, "text_config", tcfg).vocab_size)
+        self.dcfg = make_drafter_config(cfg, tcfg, mask_id)
+        self.gamma = cfg.gamma or default_gamma(cfg.block_size)
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        log(f"[model] drafter {self.dcfg}")
+        log(f"[model] mask token {mask_id} ({self.tok.convert_ids_to_tokens(mask_id)!r}), gamma {self.gamma}, "
+            f"attention {self.attn}" + (" (CPU: FlexAttention has no backward, dense-mask SDPA chosen explicitly)"
+                                        if self.attn == "sdpa" and self.ddevs[0].type == "cpu" else ""))
+        self.data = data_dflash.build_dataset(self.tok, data_files, cfg.max_length, cfg.block_size,
+                                              cfg.cache_dir, min_supervised=cfg.min_supervised, log=log)
+        if cfg.max_samples:
+            self.data = {k: (v[: cfg.max_samples] if isinstance(v, list) else v) for k, v in self.data.items()}
+        if not self.data["input_ids"]:
+            raise SystemExit("error: no usable training samples (see the skip counts above)")
+        self.stream = BatchStream(cfg, self.data, self.rank, self.world)
+        self.per_step = len(self.ddevs) * cfg.grad_accum             # batches per optimiser step (this node)
+        steps_per_epoch = max(1, self.stream.nb // self.per_step)
+        self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
+        self.shapes = shape_plan(cfg, cfg.block_size)
+        if self.attn == "flex" and any(S % 128 for _, S, _ in self.shapes):
+            raise SystemExit(f"error: flex attention needs bucket lengths that are multiples of 128, got "
+                             f"{[S for _, S, _ in self.shapes]} (set --buckets / --max-length)")
+        log(f"[data] {len(self.stream.indices)} samples on this node, {self.stream.nb} batches/epoch, "
+            f"buckets {self.stream.buckets}, shapes (B,S,A) {self.shapes}, "
+            f"padding waste {100 * self.stream.padding_waste:.1f}%, {steps_per_epoch} steps/epoch, "
+            f"{self.total_steps} steps planned")
+
+    def build_models(self):
+        cfg, log = self.cfg, self.log
+        tdtype = torch.bfloat16 if self.tdevs[0].type == "cuda" else torch.float32
+        self.targets = [load_target(self.tpath, d, tdtype, self.dcfg.target_layer_ids, log) for d in self.tdevs]
+        t0 = self.targets[0]
+        emb = t0.get_input_embeddings().weight.detach()
+        head = t0.get_output_embeddings().weight.detach()
+        self.drafters, self.opts, self.scheds, self.flat_grads = [], [], [], []
+        for d in self.ddevs:
+            torch.manual_seed(cfg.seed)               # identical initial replicas
+            dr = dm.DFlashDrafter(self.dcfg)
+            dr.embed_weight, dr.lm_head_weight = emb, head
+            dr = dr.to(d)
+            dr.embed_weight = emb.to(d, tdtype)
+            dr.lm_head_weight = head.to(d, tdtype)
+            # One flat gradient buffer per replica: one collective per step, not one per tensor.
+            params = list(dr.parameters())
+            flat = torch.zeros(sum(p.numel() for p in params), device=d, dtype=torch.float32)
+            off = 0
+            for p in params:
+                p.grad = flat[off: off + p.numel()].view_as(p)
+                off += p.numel()
+            opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+            warm = max(1, int(cfg.warmup_frac * self.total_steps))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
+                1 + math.cos(math.pi * min(1.0, max(0, s + 1 - warm) / max(1, self.total_steps - warm)))))
+            self.drafters.append(dr); self.opts.append(opt); self.scheds.append(sched); self.flat_grads.append(flat)
+        log(f"[model] {len(self.drafters)} drafter replica(s) x {dm.DFlashDrafter.num_trainable(self.drafters[0]) / 1e6:.1f}M "
+            f"trainable params on {[str(d) for d in self.ddevs]}; target on {[str(d) for d in self.tdevs]}")
+
+    def resume(self):
+        """Newest complete checkpoint -> weights, optimiser, schedule, step, data position."""
+        self.step, self.cursor = 0, 0
+        if not self.cfg.resume:
+            return
+        ckpts = list_checkpoints(self.cfg.out_dir)
+        if not ckpts:
+            self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
+            return
+        path = ckpts[-1]
+        state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+        from safetensors.torch import load_file
+        sd = load_file(os.path.join(path, "drafter", "model.safetensors"))
+        master = state.get("master_weights")
+        for dr, opt, sched in zip(self.drafters, self.opts, self.scheds):
+            dr.load_state_dict(master if master is not None else sd, strict=True)
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        nb_old, cur = state["batches_per_epoch"], state["cursor"]
+        if nb_old != self.stream.nb:
+            self.log(f"[resume] NOTICE: the data set changed ({nb_old} -> {self.stream.nb} batches/epoch); "
+                     "continuing at the same epoch and position within it")
+            cur = (cur // nb_old) * self.stream.nb + min(cur % nb_old, self.stream.nb - 1)
+        self.cursor = cur
+        self.log(f"[resume] {path}: step {self.step}, batch cursor {self.cursor}")
+
+    # --- threads -----------------------------------------------------------------------------
+    def loader(self, load_q):
+        import data_dflash
+        j = self.cursor
+        while True:
+            self.run.check()
+            S, sids = self.stream.batch(j)
+            ids, am, lm = data_dflash.collate(sids, self.data, S, self.pad_id)
+            lengths = am.sum(1)
+            epoch = j // self.stream.nb
+            self.run.put(load_q, (j, S, [(i, epoch) for i in sids], ids, lm, lengths))
+            j += 1
+
+    def target_worker(self, ti, load_q, buf):
+        dev, model = self.tdevs[ti], self.targets[ti]
+        n = 0
+        while True:
+            j, S, sids, ids, lm, lengths = self.run.get(load_q)
+            n += 1
+            debug_point(self.cfg, "target", n)
+            t0 = time.time()
+            with torch.no_grad():
+                x = ids.to(dev, non_blocking=True)
+                am = (torch.arange(S)[None] < lengths[:, None]).to(dev)
+                hs = model.model(input_ids=x, attention_mask=am, output_hidden_states=True, use_cache=False).hidden_states
+                feats = dm.target_features(hs, self.dcfg.target_layer_ids)
+            del hs
+            self.t_busy[ti] += time.time() - t0
+            buf.put(j, (S, sids, ids, lm, lengths, feats))
+
+    def drafter_worker(self, r, buf, sync):
+        cfg, dev, dr = self.cfg, self.ddevs[r], self.drafters[r]
+        R, G = len(self.ddevs), cfg.grad_accum
+        step = self.step
+        while step < self.total_steps:
+            debug_point(cfg, "drafter", step + 1)
+            base = self.cursor + (step - self.step) * self.per_step
+            items = [buf.take(base + g * R + r) for g in range(G)]
+            t0 = time.time()
+            prepared, wsum = [], 0.0
+            for S, sids, ids, lm, lengths, feats in items:
+                A = anchors_for(cfg, S, cfg.block_size)
+                anchors, valid = sample_anchors_for(cfg, sids, lm, lengths, A, cfg.block_size)
+                _, _, _, w = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, self.dcfg.mask_token_id, self.gamma)
+                wsum += float(w[:, :, 1:].sum())
+                prepared.append((S, ids, lm, feats, anchors, valid))
+            wsum = sync.all_sum_scalar(r, wsum)                  # global normaliser over replicas x micro-batches
+            loss_sum, hits, counts = 0.0, 0, 0
+            for S, ids, lm, feats, anchors, valid in prepared:
+                x, m = ids.to(dev, non_blocking=True), lm.to(dev, non_blocking=True)
+                f = feats.to(dev, non_blocking=True)
+                shape = (x.shape[0], S, anchors.shape[1])
+                with warmup.autocast(dev):
+                    loss, acc, cnt = dm.drafter_forward_loss(dr, f, x, m, anchors, valid, self.gamma, attn=self.attn,
+                                                             chunk_rows=cfg.chunk_rows, weight_sum=wsum)
+                dm.backward(loss, dev, shape, self.attn)
+                loss_sum += loss.detach()
+                hits = hits + acc * cnt
+                counts = counts + cnt
+            self.d_busy[r] += time.time() - t0
+            t1 = time.time()
+            stats = torch.cat([loss_sum.float().view(1), hits.float(), counts.float()]).to(dev)
+            gnorm, stats = sync.step(r, self, stats)
+            self.d_sync[r] += time.time() - t1
+            step += 1
+            if r == 0:
+                self.after_step(step, stats, gnorm, sum(int(it[4].sum()) for it in items))
+            sync.barrier(r)            # checkpoint / stop decision seen by all replicas
+            if self.finish_at is not None and step >= self.finish_at:
+                break
+
+    # --- the step, after every replica's backward ---------------------------------------------
+    def reduce_and_step(self, stats_list):
+        """Runs in the leader thread while the others wait: sum grads, clip, step every replica."""
+        flats = self.flat_grads
+        t0 = time.time()
+        if len(flats) > 1:
+            if all(f.device.type == "cuda" for f in flats) and len({f.device for f in flats}) == len(flats):
+                torch.cuda.nccl.all_reduce(flats)                         # in-process NCCL across GPUs
+            else:
+                total = flats[0].clone()
+                for f in flats[1:]:
+                    total += f.to(total.device)
+                for f in flats:
+                    f.copy_(total)
+        stats = sum(s.to(stats_list[0].device) for s in stats_list)
+        if self.world > 1:
+            import torch.distributed as dist
+            dist.all_reduce(flats[0])
+            dist.all_reduce(stats)
+            for f in flats[1:]:
+                f.copy_(flats[0])
+        self.t_sync_last = time.time() - t0
+        gnorms = []
+        for dr, opt, sched, flat in zip(self.drafters, self.opts, self.scheds, flats):
+            gnorms.append(torch.nn.utils.clip_grad_norm_(dr.parameters(), self.cfg.clip))
+            opt.step()
+            sched.step()
+            flat.zero_()
+        return float(gnorms[0]), stats
+
+    def after_step(self, step, stats, gnorm, n_tokens):
+        cfg = self.cfg
+        bs = cfg.block_size
+        now = time.time()
+        self.tokens_done += n_tokens * len(self.ddevs) * self.world   # replica 0's tokens x replicas
+        loss = float(stats[0])
+        hits, counts = stats[1: bs], stats[bs: 2 * bs - 1]
+        acc = (hits / counts.clamp(min=1)).tolist()
+        tau = dm.simulated_tau(acc)
+        rec = {"step": step, "loss": loss, "acc": [round(a, 4) for a in acc], "sim_tau": round(tau, 4),
+               "lr": self.scheds[0].get_last_lr()[0], "grad_norm": gnorm, "time": now}
+        if self.first_loss is None:
+            self.first_loss = loss
+        self.last = rec
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+        if step % cfg.log_interval == 0 or step == self.total_steps:
+            dt = now - self.t_log
+            tok_s = (self.tokens_done - self.tokens_log) / max(dt, 1e-9)
+            self.t_log, self.tokens_log = now, self.tokens_done
+            self.tok_hist.append(tok_s)
+            mfu = self.mfu(tok_s)
+            mem = (f"{torch.cuda.max_memory_allocated(self.ddevs[0]) / 2**30:.1f}GiB"
+                   if self.ddevs[0].type == "cuda" else "-")
+            eta = (self.total_steps - step) * (now - self.t_start) / max(1, step - self.step)
+            line = (f"step {step}/{self.total_steps} | loss {loss:.4f} | acc@1 {acc[0]:.3f} acc@{bs - 1} {acc[-1]:.3f} "
+                    f"| sim_tau {tau:.2f} | lr {rec['lr']:.2e} | gnorm {gnorm:.2f} | {tok_s:,.0f} tok/s "
+                    f"| MFU drafter {mfu:.1%} | queues load {self.load_q.qsize()} feat {len(self.buf)} "
+                    f"| sync {1000 * self.t_sync_last:.0f}ms | mem {mem} | ETA {eta / 60:.1f}min")
+            self.log(line)
+            rec.update(tok_s=tok_s, mfu=mfu, load_q=self.load_q.qsize(), feat_q=len(self.buf))
+            recent = self.tok_hist[-20:-1]
+            if len(recent) >= 5 and tok_s < 0.5 * statistics.median(recent):
+                last = list_checkpoints(cfg.out_dir)
+                self.log(f"WARNING: throughput {tok_s:,.0f} tok/s is far below this run's recent median "
+                         f"{statistics.median(recent):,.0f}. If the environment changed, run: python diagnose.py"
+                         + (f" --against {last[-1]}" if last else ""))
+        if self.rank == 0 and (step % cfg.ckpt_interval == 0 or step == self.total_steps or
+                               (self.finish_at is not None and step >= self.finish_at)):
+            self.save_checkpoint(step)
+        if cfg.debug_fail.startswith("kill:") and int(cfg.debug_fail.split(":")[1]) == step:
+            self.log(f"[debug] SIGKILL after step {step}")
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.max_minutes and self.finish_at is None and now - self.t_start > 60 * cfg.max_minutes:
+            self.finish_at = step
+            self.log(f"[run] time budget of {cfg.max_minutes} min reached at step {step}")
+            if self.rank == 0 and step % cfg.ckpt_interval:
+                self.save_checkpoint(step)
+
+    def mfu(self, tok_s):
+        """Drafter-side model FLOPs utilisation: analytic FLOPs per target token over the measured peak."""
+        c, cfg = self.dcfg, self.cfg
+        S = cfg.max_length
+        A = anchors_for(cfg, S, cfg.block_size)
+        Q = A * c.block_size
+        H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+        qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * I * 3
+        attn = 4 * Q * c.num_attention_heads * c.head_dim * (S / 2 + c.block_size)
+        fwd = 2 * S * len(c.target_layer_ids) * H * H + c.num_draft_layers * (layer + attn)
+        head = 4 * Q * (c.block_size - 1) / c.block_size * H * V
+        per_token = (3 * fwd + head) / S
+        return tok_s * per_token / (self.peak_flops * len(self.ddevs) * self.world)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, step):
+        import diagnose
+        cfg = self.cfg
+        final = os.path.join(cfg.out_dir, f"step_{step:06d}")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        dr = self.drafters[0]
+        dm.save_drafter(dr, os.path.join(tmp, "drafter"))
+        torch.save({"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
+                    "batches_per_epoch": self.stream.nb, "optimizer": self.opts[0].state_dict(),
+                    "scheduler": self.scheds[0].state_dict(), "config": dataclasses.asdict(cfg),
+                    "master_weights": {k: v.detach().cpu() for k, v in dr.state_dict().items()},
+                    "replica_checksums": self.replica_checksums()},
+                   os.path.join(tmp, "state.pt"))
+        with open(os.path.join(tmp, "env.json"), "w") as f:
+            json.dump(diagnose.collect_env(self.compile_cache), f, indent=1, default=str)
+        with open(tmp + "/DONE", "w") as f:
+            f.write(time.strftime("%Y-%m-%dT%H:%M:%S"))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)                          # atomic: a crash leaves the previous intact
+        for old in list_checkpoints(cfg.out_dir)[: -cfg.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        self.log(f"[ckpt] {final}")
+
+    def replica_checksums(self):
+        sums = [float(sum(p.detach().double().sum() for p in dr.parameters())) for dr in self.drafters]
+        if len(set(sums)) > 1:
+            raise RuntimeError(f"drafter replicas diverged: parameter checksums {sums}")
+        return sums
+
+    # --- main --------------------------------------------------------------------------------
+    def train(self):
+        cfg, log = self.cfg, self.log
+        self.compile_cache = warmup.use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"), log)
+        self.setup()
+        self.build_models()
+        self.resume()
+        if self.step >= self.total_steps:
+            log(f"[run] already at step {self.step} of {self.total_steps}: nothing to do")
+            return 0
+        dm.GATE.log = log
+        if cfg.no_gate:
+            log("WARNING: --no-gate: the compile gate is BYPASSED (debug only; the FX race can strike)")
+            dm.GATE.enabled = False
+        t0 = time.time()
+        rows = warmup.warm_up(self.drafters, self.shapes, self.gamma, self.attn, cfg.chunk_rows, cfg.on_unwarmed, log)
+        log(warmup.format_table(rows).replace("\n", "\n[warmup] "))
+        log(f"[warmup] done in {time.time() - t0:.1f}s")
+        self.peak_flops = measure_peak_flops(self.ddevs[0])
+        log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s")
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        self.metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
+        self.t_busy = [0.0] * len(self.tdevs)
+        self.d_busy = [0.0] * len(self.ddevs)
+        self.d_sync = [0.0] * len(self.ddevs)
+        self.first_loss, self.last, self.finish_at, self.t_sync_last = None, None, None, 0.0
+        self.tokens_done = self.tokens_log = 0
+        self.tok_hist = []
+        self.t_start = self.t_log = time.time()
+        self.load_q = queue.Queue(maxsize=cfg.queue_depth * len(self.tdevs))
+        self.buf = ReorderBuffer(self.run, self.cursor, cfg.queue_depth * len(self.ddevs) * cfg.grad_accum + len(self.tdevs))
+        sync = StepSync(self.run, len(self.ddevs), self.world)
+        self.run.on_stop.append(sync.bar.abort)
+        threads = [start_thread(self.run, "loader", self.loader, self.load_q)]
+        threads += [start_thread(self.run, f"target-{i}:{d}", self.target_worker, i, self.load_q, self.buf)
+                    for i, d in enumerate(self.tdevs)]
+        drafters = [start_thread(self.run, f"drafter-{r}:{d}", self.drafter_worker, r, self.buf, sync)
+                    for r, d in enumerate(self.ddevs)]
+        log(f"[run] {len(threads) - 1} target + {len(drafters)} drafter threads started")
+        while any(t.is_alive() for t in drafters) and not self.run.stop.is_set():
+            for t in drafters:
+                t.join(timeout=0.5)
+        self.run.stop.set()                                   # stop loader and target threads
+        if self.run.failures:
+            for name, tb in self.run.failures:
+                log(f"\n[FATAL] thread {name} failed:\n{tb}")
+            last = list_checkpoints(cfg.out_dir)
+            log(f"[FATAL] run stopped. Last intact checkpoint: {last[-1] if last else 'none'}")
+            return 1
+        self.summary()
+        return 0
+
+    def summary(self):
+        cfg = self.cfg
+        elapsed = time.time() - self.t_start
+        last = list_checkpoints(cfg.out_dir)
+        eval_cmd = (f"python eval_dflash.py --target {self.tpath} --drafter {last[-1]}/drafter "
+                    f"--prompts {cfg.data[0] if cfg.data else os.path.join(cfg.cache_dir, 'sharegpt_v3.jsonl')} "
+                    f"--num-prompts 100") if last else "(no checkpoint)"
+        busy_t = [f"{b / elapsed:.0%}" for b in self.t_busy]
+        busy_d = [f"{b / elapsed:.0%}" for b in self.d_busy]
+        self.log("\n".join([
+            "=" * 72, "summary",
+            f"  steps          {self.last['step'] if self.last else self.step} (this run: from {self.step})",
+            f"  tokens/s       {self.tokens_done / max(elapsed, 1e-9):,.0f} (target tokens, {elapsed / 60:.1f} min)",
+            f"  loss           {self.first_loss:.4f} -> {self.last['loss']:.4f}" if self.last else "  loss -",
+            f"  simulated tau  {self.last['sim_tau']:.2f}" if self.last else "",
+            f"  busy           target {busy_t} drafter {busy_d}",
+            f"  checkpoint     {last[-1] if last else 'none'}",
+            f"  measure real acceptance:\n    {eval_cmd}", "=" * 72]))
+
+
+class StepSync:
+    """Where drafter replicas meet: a scalar sum (weight normaliser) and the optimiser step."""
+
+    def __init__(self, run, n, world):
+        self.run, self.n, self.world = run, n, world
+        self.bar = threading.Barrier(n)
+        self.slots = [None] * n
+        self.result = None
+
+    def barrier(self, r):
+        self._wait()
+
+    def _wait(self):
+        # A failure anywhere aborts the barrier (Run.fail), which wakes every waiter.
+        self.run.check()
+        try:
+            self.bar.wait()
+        except threading.BrokenBarrierError:
+            raise Stop()
+        self.run.check()
+
+    def all_sum_scalar(self, r, x):
+        self.slots[r] = x
+        self._wait()
+        if r == 0:
+            total = float(sum(self.slots))
+            if self.world > 1:
+                import torch.distributed as dist
+                t = torch.tensor([total], dtype=torch.float64)
+                if dist.get_backend() == "nccl":
+                    t = t.cuda()
+                dist.all_reduce(t)
+                total = float(t)
+            self.result = total
+        self._wait()
+        return self.result
+
+    def step(self, r, trainer, stats):
+        self.slots[r] = stats
+        self._wait()
+        if r == 0:
+            self.result = trainer.reduce_and_step(list(self.slots))
+        self._wait()
+        return self.result
+
+
+def measure_peak_flops(dev):
+    """Matmul rate measured now, on this device (the MFU denominator)."""
+    n, dtype = (8192, torch.bfloat16) if dev.type == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    reps, t0 = 10, time.time()
+    for _ in range(reps):
+        a @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return 2 * n ** 3 * reps / (time.time() - t0)
+
+
+def list_checkpoints(out_dir):
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(os.path.join(out_dir, d) for d in os.listdir(out_dir)
+                  if d.startswith("step_") and not d.endswith(".tmp")
+                  and os.path.exists(os.path.join(out_dir, d, "DONE")))
+
+
+class Logger:
+    """print + append to <out_dir>/train.log; every run log starts with the environment fingerprint."""
+
+    def __init__(self, path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.f = open(path, "a")
+        self.lock = threading.Lock()
+
+    def __call__(self, msg):
+        with self.lock:
+            print(msg, flush=True)
+            self.f.write(msg + "\n")
+            self.f.flush()
+
+
+def main(argv=None):
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    log = Logger(os.path.join(cfg.out_dir, "train.log"))
+    import diagnose
+    log("=" * 72)
+    log(diagnose.format_report(diagnose.collect_env(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))))
+    log("[config] " + json.dumps(dataclasses.asdict(cfg)))
+    rc = Trainer(cfg, log).train()
+    sys.stdout.flush()
+    if rc:
+        os._exit(rc)          # do not wait for threads stuck in device work: stop within seconds
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Compile every (drafter device x shape bucket) serially, before any training thread starts.
+
+    python warmup.py --drafter-devices cuda:5,cuda:6,cuda:7 --target Qwen/Qwen3-8B [shape options]
+
+Why serially: while one thread compiles, torch.fx's process-global tracing flag is up, and a compiled
+call in any other thread fails or (worse) silently runs the dense fallback (../shared/compile-race.md).
+Warm-up runs block-mask creation, drafter forward AND backward (the backward compiles lazily) for each
+shape on each device, one at a time, through the gate; then marks the gate warm (shared calls,
+fail_on_recompile). The inductor/triton cache is persistent (default: <out_dir>/compile_cache), so a
+second start hits it; the table says which shapes were cache hits and which were cold compiles.
+The same options as train_dflash.py are accepted (only the model/shape ones matter here).
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+
+import dflash_model as dm
+
+CACHE_INFO = "dflash_cache_info.json"
+
+
+def use_compile_cache(cache_dir, log=print):
+    """Point inductor and triton at a persistent cache; record which build fills it."""
+    cache_dir = os.path.abspath(cache_dir)
+    os.makedirs(cache_dir, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    info_path = os.path.join(cache_dir, CACHE_INFO)
+    build = {"torch": torch.__version__, "torch_git": torch.version.git_version,
+             "cuda": torch.version.cuda, "triton": _triton_version(),
+             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    if os.path.exists(info_path):
+        with open(info_path) as f:
+            old = json.load(f)
+        if {k: old.get(k) for k in build} != build:
+            log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
+                "its entries will not match (expect cold compiles)")
+    with open(info_path, "w") as f:
+        json.dump({**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
+    return cache_dir
+
+
+def _triton_version():
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return "absent"
+
+
+def _cache_counters():
+    from torch._dynamo.utils import counters
+    return (sum(counters["aot_autograd"].get(k, 0) for k in ("autograd_cache_hit",)),
+            sum(counters["inductor"].get(k, 0) for k in ("fxgraph_cache_hit",)),
+            sum(counters["inductor"].get(k, 0) for k in ("fxgraph_cache_miss",)))
+
+
+def warm_shape(drafter, shape, gamma, attn, chunk_rows):
+    """One forward + backward of the exact training computation at `shape` = (B, S, A)."""
+    B, S, A = shape
+    c, dev = drafter.config, drafter.fc.weight.device
+    feats = torch.randn(B, S, len(c.target_layer_ids) * c.hidden_size, device=dev,
+                        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    ids = torch.randint(0, c.vocab_size, (B, S), device=dev)
+    loss_mask = torch.ones(B, S, device=dev)
+    anchors = torch.arange(A).mul(max(1, (S - c.block_size) // A)).expand(B, A).contiguous()
+    valid = torch.ones(B, A, dtype=torch.bool)
+    with autocast(dev):
+        loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, loss_mask, anchors, valid, gamma,
+                                             attn=attn, chunk_rows=chunk_rows)
+    dm.backward(loss, dev, shape, attn)
+    drafter.zero_grad(set_to_none=False)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def autocast(dev):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
+
+
+def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error", log=print):
+    """Warm every (replica, shape) serially, size the recompile limit, then mark the gate warm.
+
+    Returns the table rows [(device, shape, seconds, 'cache hit' | 'cold compile' | 'eager')].
+    """
+    gate = dm.GATE
+    # Each replica (= device) and shape is its own dynamo cache entry of each compiled function.
+    gate.set_recompile_limit(len(drafters) * len(shapes) + 2)
+    gate.on_unwarmed = on_unwarmed
+    rows = []
+    for drafter in drafters:
+        dev = drafter.fc.weight.device
+        for shape in shapes:
+            before = _cache_counters()
+            t0 = time.time()
+            warm_shape(drafter, shape, gamma, attn, chunk_rows)
+            dt = time.time() - t0
+            aot_hit, fx_hit, fx_miss = (a - b for a, b in zip(_cache_counters(), before))
+            kind = "eager (sdpa)" if attn != "flex" else (
+                "cache hit" if fx_miss == 0 and (aot_hit or fx_hit) else "cold compile")
+            rows.append((str(dev), shape, dt, kind))
+            log(f"[warmup] {str(dev):8s} B={shape[0]:<3d} S={shape[1]:<5d} anchors={shape[2]:<4d} "
+                f"{dt:7.1f}s  {kind}")
+    gate.mark_warm()
+    return rows
+
+
+def format_table(rows):
+    lines = [f"{'device':10s} {'shape (B,S,A)':18s} {'seconds':>8s}  compile", "-" * 52]
+    for dev, shape, dt, kind in rows:
+        lines.append(f"{dev:10s} {str(tuple(shape)):18s} {dt:8.1f}  {kind}")
+    lines.append(f"total {sum(r[2] for r in rows):.1f}s over {len(rows)} (device, shape) pairs")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    import train_dflash as tr
+    cfg = tr.parse_config(argv if argv is not None else sys.argv[1:])
+    use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
+    tcfg, _ = tr.load_target_config(cfg)
+    drafter_devs = tr.resolve_devices(cfg)[1]
+    attn = tr.resolve_attn(cfg, drafter_devs[0])
+    dcfg = tr.make_drafter_config(cfg, tcfg, mask_token_id=max(cfg.mask_token_id, 0))
+    shapes = tr.shape_plan(cfg, dcfg.block_size)
+    drafters = []
+    for d in drafter_devs:
+        torch.manual_seed(cfg.seed)
+        drafters.append(dm.DFlashDrafter(dcfg).to(d))
+    print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, attention={attn}")
+    rows = warm_up(drafters, shapes, cfg.gamma or tr.default_gamma(dcfg.block_size), attn, cfg.chunk_rows)
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
