@@ -45,7 +45,7 @@ class TrainConfig:
     target: str = ""                    # HF folder or hub name; "" = embedded default (SmolLM2-135M-Instruct)
     data: list = field(default_factory=list)   # ShareGPT JSON/JSONL or chat JSONL files (or a hub data set)
     cache_dir: str = ".cache"           # embedded default conversion + tokenised data cache
-    max_samples: int = 0                # 0 = all
+    max_samples: int = 0                # 0 = all; else only the first N conversations are tokenised
     num_draft_layers: int = 5
     block_size: int = 16
     num_anchors: int = 512              # per sequence of max_length; shorter buckets get proportionally fewer
@@ -209,17 +209,36 @@ def shape_plan(cfg, block_size):
 
 
 def load_target_config(cfg):
+    """(config, tokenizer). "random:<config.json>" = random weights from a config (benchmarks), no tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
     path = target_path(cfg)
+    if path.startswith("random:"):
+        with open(path[len("random:"):]) as f:
+            d = json.load(f)
+        return AutoConfig.for_model(d.pop("model_type"), **d), None
     return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 
-def target_path(cfg):
-    if cfg.target:
-        return cfg.target
+HELDOUT = 200   # embedded default: the last 200 ShareGPT records are never trained on (eval prompts)
+
+
+def embedded_default(cache_dir):
+    """(target folder, train JSONL, held-out JSONL) of the embedded default, prepared once."""
     import data_dflash
-    path, _ = data_dflash.prepare_embedded_default(cfg.cache_dir)
-    return path
+    target, data = data_dflash.prepare_embedded_default(cache_dir)
+    train, held = data.replace(".jsonl", ".train.jsonl"), data.replace(".jsonl", ".heldout.jsonl")
+    if not (os.path.exists(train) and os.path.exists(held)):
+        with open(data) as f:
+            lines = f.readlines()
+        for path, part in ((held, lines[-HELDOUT:]), (train, lines[:-HELDOUT])):
+            with open(path + ".tmp", "w") as f:
+                f.writelines(part)
+            os.replace(path + ".tmp", path)
+    return target, train, held
+
+
+def target_path(cfg):
+    return cfg.target or embedded_default(cfg.cache_dir)[0]
 
 
 def make_drafter_config(cfg, tcfg, mask_token_id):
@@ -228,9 +247,25 @@ def make_drafter_config(cfg, tcfg, mask_token_id):
                                               mask_token_id, target_layer_ids=ids)
 
 
+def synthetic_data(n, length, vocab, seed):
+    """Random full-length samples (benchmarks): loss on everything after the first 10%."""
+    rng = np.random.default_rng(seed)
+    mask = np.ones(length, dtype=np.uint8)
+    mask[: length // 10] = 0
+    return {"input_ids": [rng.integers(0, vocab, length, dtype=np.int32) for _ in range(n)],
+            "loss_mask": [mask.copy() for _ in range(n)], "stats": {"synthetic": n}}
+
+
 def load_target(path, device, dtype, layer_ids, log=print):
     """The target, frozen, cut after the deepest captured layer (+1, whose input we need)."""
     from transformers import AutoModelForCausalLM
+    if path.startswith("random:"):    # random weights built directly on the device (benchmarks)
+        tcfg, _ = load_target_config(TrainConfig(target=path))
+        tcfg.num_hidden_layers = min(tcfg.num_hidden_layers, max(layer_ids) + 2)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
+        log(f"[target] random weights from {path[7:]} on {device}: {tcfg.num_hidden_layers} layers")
+        return model.eval().requires_grad_(False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
     base = model.model
     n_keep = min(len(base.layers), max(layer_ids) + 2)
@@ -421,22 +456,30 @@ class Trainer:
         if not data_files:
             if cfg.target:
                 raise SystemExit("error: --data is required with --target")
-            _, default_data = data_dflash.prepare_embedded_default(cfg.cache_dir)
-            data_files = [default_data]
+            _, train_file, self.heldout = embedded_default(cfg.cache_dir)
+            data_files = [train_file]
         tcfg, self.tok = load_target_config(cfg)
-        mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else dm.choose_mask_token_id(
-            self.tok, getattr(tcfg, "text_config", tcfg).vocab_size)
+        vocab = getattr(tcfg, "text_config", tcfg).vocab_size
+        if self.tok is None:     # random target from a config: synthetic data, ids picked by hand
+            mask_id, self.pad_id, mask_name = (cfg.mask_token_id if cfg.mask_token_id >= 0 else vocab - 1), 0, "-"
+        else:
+            mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else dm.choose_mask_token_id(self.tok, vocab)
+            self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+            mask_name = self.tok.convert_ids_to_tokens(mask_id)
         self.dcfg = make_drafter_config(cfg, tcfg, mask_id)
         self.gamma = cfg.gamma or default_gamma(cfg.block_size)
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         log(f"[model] drafter {self.dcfg}")
-        log(f"[model] mask token {mask_id} ({self.tok.convert_ids_to_tokens(mask_id)!r}), gamma {self.gamma}, "
+        log(f"[model] mask token {mask_id} ({mask_name!r}), gamma {self.gamma}, "
             f"attention {self.attn}" + (" (CPU: FlexAttention has no backward, dense-mask SDPA chosen explicitly)"
                                         if self.attn == "sdpa" and self.ddevs[0].type == "cpu" else ""))
-        self.data = data_dflash.build_dataset(self.tok, data_files, cfg.max_length, cfg.block_size,
-                                              cfg.cache_dir, min_supervised=cfg.min_supervised, log=log)
-        if cfg.max_samples:
-            self.data = {k: (v[: cfg.max_samples] if isinstance(v, list) else v) for k, v in self.data.items()}
+        if data_files[0].startswith("synthetic:"):
+            self.data = synthetic_data(int(data_files[0].split(":")[1]), cfg.max_length, vocab, cfg.seed)
+        else:
+            if self.tok is None:
+                raise SystemExit("error: a random:<config> target has no tokenizer; use --data synthetic:N")
+            self.data = data_dflash.build_dataset(self.tok, data_files, cfg.max_length, cfg.block_size,
+                                                  cfg.cache_dir, min_supervised=cfg.min_supervised, log=log,
+                                                  max_conversations=cfg.max_samples)
         if not self.data["input_ids"]:
             raise SystemExit("error: no usable training samples (see the skip counts above)")
         self.stream = BatchStream(cfg, self.data, self.rank, self.world)
@@ -719,13 +762,16 @@ class Trainer:
             log(f"[run] already at step {self.step} of {self.total_steps}: nothing to do")
             return 0
         dm.GATE.log = log
-        if cfg.no_gate:
-            log("WARNING: --no-gate: the compile gate is BYPASSED (debug only; the FX race can strike)")
-            dm.GATE.enabled = False
         t0 = time.time()
-        rows = warmup.warm_up(self.drafters, self.shapes, self.gamma, self.attn, cfg.chunk_rows, cfg.on_unwarmed, log)
-        log(warmup.format_table(rows).replace("\n", "\n[warmup] "))
-        log(f"[warmup] done in {time.time() - t0:.1f}s")
+        if cfg.no_gate:
+            # What the original run did: no gate, no serial warm-up, every thread compiles on its own.
+            log("WARNING: --no-gate: compile gate BYPASSED and warm-up skipped (debug only: the FX race can strike)")
+            dm.GATE.enabled = False
+        else:
+            rows = warmup.warm_up(self.drafters, self.shapes, self.gamma, self.attn, cfg.chunk_rows,
+                                  cfg.on_unwarmed, log)
+            log(warmup.format_table(rows).replace("\n", "\n[warmup] "))
+            log(f"[warmup] done in {time.time() - t0:.1f}s")
         self.peak_flops = measure_peak_flops(self.ddevs[0])
         log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s")
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -765,7 +811,7 @@ class Trainer:
         elapsed = time.time() - self.t_start
         last = list_checkpoints(cfg.out_dir)
         eval_cmd = (f"python eval_dflash.py --target {self.tpath} --drafter {last[-1]}/drafter "
-                    f"--prompts {cfg.data[0] if cfg.data else os.path.join(cfg.cache_dir, 'sharegpt_v3.jsonl')} "
+                    f"--prompts {cfg.data[0] if cfg.data else self.heldout} "
                     f"--num-prompts 100") if last else "(no checkpoint)"
         busy_t = [f"{b / elapsed:.0%}" for b in self.t_busy]
         busy_d = [f"{b / elapsed:.0%}" for b in self.d_busy]

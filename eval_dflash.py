@@ -1,0 +1,132 @@
+"""Measure a trained drafter: acceptance length, speed-up, and losslessness on real prompts.
+
+    python eval_dflash.py --target PATH_OR_HUB_NAME --drafter out/step_000690/drafter \
+        --prompts sharegpt.jsonl --num-prompts 100 [--max-new-tokens 256 --dtype float32]
+
+For each prompt (the conversation up to its first assistant turn, in the target's chat template):
+target-only greedy decoding and DFlash speculative decoding, both timed. Prints mean acceptance
+length tau, the histogram of acceptance lengths, tokens/s of both and the speed-up. Greedy
+speculative output must equal the target's greedy output token for token: any mismatch is reported
+(with the target's logit margin there) and makes the exit status 1.
+"""
+import argparse
+import collections
+import json
+import sys
+import time
+
+import torch
+
+import dflash_model as dm
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--prompts", required=True, nargs="+", help="ShareGPT JSON/JSONL or chat JSONL")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--skip", type=int, default=0, help="skip this many usable prompts first")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="float32 keeps batched verification and one-token decoding numerically aligned")
+    p.add_argument("--json", default="", help="also write the results to this JSON file")
+    return p.parse_args(argv)
+
+
+def prompts_from(files, tokenizer, n, skip, max_tokens):
+    import data_dflash
+    convs, skipped = data_dflash.load_conversations(files)
+    out = []
+    for msgs in convs:
+        first_asst = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
+        if first_asst is None or first_asst == 0:
+            continue
+        ids = tokenizer.apply_chat_template(msgs[:first_asst], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if 0 < len(ids) <= max_tokens:
+            out.append(ids)
+        if len(out) >= skip + n:
+            break
+    if len(out) < skip + n:
+        print(f"[eval] NOTICE: only {len(out) - skip} usable prompts (asked for {n})")
+    return out[skip: skip + n], skipped
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None):
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    dtype = getattr(torch, a.dtype)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tok = AutoTokenizer.from_pretrained(a.target)
+    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=dtype).to(a.device).eval()
+    drafter = dm.load_drafter(a.drafter, target, device=a.device, dtype=dtype).eval()
+    stops = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0]
+    prompts, _ = prompts_from(a.prompts, tok, a.num_prompts, a.skip, a.max_prompt_tokens)
+    if not prompts:
+        raise SystemExit("error: no usable prompts")
+    print(f"[eval] {len(prompts)} prompts, target {a.target}, drafter {a.drafter}, {a.dtype} on {a.device}, "
+          f"block {drafter.config.block_size}, stop ids {stops}")
+    # one untimed round of each, so neither side pays first-call costs in the timings
+    warm = torch.tensor([prompts[0]], device=a.device)
+    dm.target_greedy(target, warm, 8, stops)
+    dm.dflash_generate(drafter, target, warm, 8, stops)
+
+    taus, hist = [], collections.Counter()
+    t_ref = t_spec = 0.0
+    n_ref = n_spec = 0
+    mismatches = []
+    for k, ids in enumerate(prompts):
+        x = torch.tensor([ids], device=a.device)
+        sync(a.device); t0 = time.time()
+        ref = dm.target_greedy(target, x, a.max_new_tokens, stops)
+        sync(a.device); t1 = time.time()
+        out, acc = dm.dflash_generate(drafter, target, x, a.max_new_tokens, stops)
+        sync(a.device); t2 = time.time()
+        t_ref += t1 - t0; t_spec += t2 - t1
+        n_ref += ref.shape[1] - x.shape[1]; n_spec += out.shape[1] - x.shape[1]
+        taus += acc
+        hist.update(acc)
+        if not torch.equal(ref, out):
+            mismatches.append(describe_mismatch(target, x, ref, out, k))
+    mean_tau = sum(taus) / max(1, len(taus))
+    bs = drafter.config.block_size
+    print(f"\nmean acceptance length tau = {mean_tau:.3f} over {len(taus)} rounds (block {bs})")
+    print("histogram of acceptance lengths:")
+    for L in range(1, bs + 1):
+        c = hist.get(L, 0)
+        print(f"  {L:2d} {c:7d} {'#' * int(60 * c / max(1, max(hist.values())))}")
+    ref_tps, spec_tps = n_ref / t_ref, n_spec / t_spec
+    print(f"target-only greedy: {ref_tps:8.1f} tok/s\nDFlash speculative: {spec_tps:8.1f} tok/s"
+          f"\nspeed-up: {spec_tps / ref_tps:.2f}x")
+    print(f"lossless: {len(prompts) - len(mismatches)}/{len(prompts)} prompts identical to target greedy")
+    result = {"prompts": len(prompts), "mean_tau": mean_tau, "histogram": dict(sorted(hist.items())),
+              "target_tok_s": ref_tps, "dflash_tok_s": spec_tps, "speedup": spec_tps / ref_tps,
+              "mismatches": mismatches, "dtype": a.dtype, "device": str(a.device)}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    for m in mismatches:
+        print(f"ERROR: prompt {m['prompt']}: speculative output differs from target greedy at new token "
+              f"{m['at']} (target logit margin there {m['margin']:.2e})")
+    return 1 if mismatches else 0
+
+
+@torch.no_grad()
+def describe_mismatch(target, x, ref, out, k):
+    n = min(ref.shape[1], out.shape[1])
+    at = int((ref[0, :n] != out[0, :n]).nonzero()[0]) if (ref[0, :n] != out[0, :n]).any() else n
+    logits = target(ref[:, :at]).logits[0, -1].float()
+    top = logits.topk(2).values
+    return {"prompt": k, "at": at - x.shape[1], "margin": float(top[0] - top[1])}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
