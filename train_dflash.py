@@ -705,17 +705,8 @@ class Trainer:
 
     def mfu(self, tok_s):
         """Drafter-side model FLOPs utilisation: analytic FLOPs per target token over the measured peak."""
-        c, cfg = self.dcfg, self.cfg
-        S = cfg.max_length
-        A = anchors_for(cfg, S, cfg.block_size)
-        Q = A * c.block_size
-        H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
-        qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * I * 3
-        attn = 4 * Q * c.num_attention_heads * c.head_dim * (S / 2 + c.block_size)
-        fwd = 2 * S * len(c.target_layer_ids) * H * H + c.num_draft_layers * (layer + attn)
-        head = 4 * Q * (c.block_size - 1) / c.block_size * H * V
-        per_token = (3 * fwd + head) / S
+        S = self.cfg.max_length
+        per_token = drafter_step_flops(self.dcfg, S, anchors_for(self.cfg, S, self.cfg.block_size)) / S
         return tok_s * per_token / (self.peak_flops * len(self.ddevs) * self.world)
 
     # --- checkpoints ---------------------------------------------------------------------------
@@ -870,6 +861,22 @@ class StepSync:
             self.result = trainer.reduce_and_step(list(self.slots))
         self._wait()
         return self.result
+
+
+def drafter_step_flops(c, S, A):
+    """Analytic FLOPs of one drafter forward+backward for one sequence of S tokens with A anchors.
+
+    Trainable matmuls cost 3x their forward (forward, input grads, weight grads); the frozen LM head
+    costs 2 matmuls (logits, grad wrt hidden: no weight grad); attention counts visible keys only
+    (on average S/2 context + the block)."""
+    Q = A * c.block_size
+    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * I * 3
+    attn = 4 * Q * qd * (S / 2 + c.block_size)
+    fwd = 2 * S * len(c.target_layer_ids) * H * H + c.num_draft_layers * (layer + attn)
+    head = 4 * Q * (c.block_size - 1) / c.block_size * H * V
+    return 3 * fwd + head
 
 
 def measure_peak_flops(dev):

@@ -1,0 +1,220 @@
+"""Benchmark on one device: target forward, drafter step (ours vs the naive setup), warm-up, pipeline.
+
+    python bench.py                    # Qwen3-8B-shaped random target, 5-layer drafter, S 3072, 512 anchors
+    python bench.py --tiny             # the same code at toy size (CPU: seconds)
+
+Ours:  block mask built by compiled create_block_mask, whole drafter trunk compiled (flex inside).
+Naive: what public DFlash trainers run: only flex_attention compiled, the rest of the drafter eager,
+       the block mask built every step by uncompiled create_block_mask.
+Both are timed in the same process, on the same weights and inputs. The threaded pipeline
+(train_dflash.py, target and drafter threads sharing the device) runs as a subprocess on the same
+compile cache, which also measures a warm-cache start. Results: a table, and --json FILE.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+TINY = dict(model_type="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+            rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--seq", type=int, default=0, help="sequence length (default 3072; tiny 256)")
+    p.add_argument("--anchors", type=int, default=0, help="anchors per sequence (default 512; tiny 16)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median reported)")
+    p.add_argument("--all-shapes", action="store_true", help="cold warm-up of every default bucket")
+    p.add_argument("--pipeline-steps", type=int, default=40)
+    p.add_argument("--no-pipeline", action="store_true")
+    p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
+    p.add_argument("--json", default="")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    tmp = tempfile.mkdtemp(prefix="dflash_bench_")
+    import warmup
+    cache = warmup.use_compile_cache(a.cache or os.path.join(tmp, "compile_cache"))   # before any compile
+    import torch
+    import dflash_model as dm
+    import train_dflash as tr
+
+    dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    spec = TINY if a.tiny or dev.type == "cpu" else QWEN3_8B
+    S = a.seq or (3072 if spec is QWEN3_8B else 256)
+    A = a.anchors or (512 if spec is QWEN3_8B else 16)
+    cfg_path = os.path.join(tmp, "target_config.json")
+    with open(cfg_path, "w") as f:
+        json.dump(spec, f)
+    tcfg = tr.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A)
+    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "torch": torch.__version__, "torch_git": torch.version.git_version, "S": S, "anchors": A,
+           "target_hidden": spec["hidden_size"]}
+    log = lambda m: print(m, flush=True)
+    peak = tr.measure_peak_flops(dev)
+    res["peak_tflops"] = peak / 1e12
+    log(f"[bench] {res['device']} torch {torch.__version__}: matmul peak {peak / 1e12:.0f} TFLOP/s")
+
+    # --- target forward alone
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target_cfg, _ = tr.load_target_config(tcfg)
+    dcfg = tr.make_drafter_config(tcfg, target_cfg, mask_token_id=spec["vocab_size"] - 1)
+    target = tr.load_target(tcfg.target, dev, dtype, dcfg.target_layer_ids, log)
+    ids = torch.randint(0, spec["vocab_size"], (1, S), device=dev)
+    def target_fwd():
+        with torch.no_grad():
+            hs = target.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            return dm.target_features(hs, dcfg.target_layer_ids)
+    t_target = median_time(target_fwd, a.steps, dev)
+    n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
+    res.update(target_ms=1e3 * t_target, target_tok_s=S / t_target, target_mfu=2 * n_params * S / t_target / peak)
+    log(f"[bench] target forward ({len(target.model.layers)} layers): {1e3 * t_target:.1f} ms = "
+        f"{S / t_target:,.0f} tok/s, MFU {res['target_mfu']:.1%}")
+    feats = target_fwd()
+
+    # --- drafter, ours: cold warm-up then timed steps
+    torch.manual_seed(0)
+    drafter = dm.DFlashDrafter(dcfg).to(dev)
+    drafter.embed_weight = target.get_input_embeddings().weight.detach()
+    drafter.lm_head_weight = target.get_output_embeddings().weight.detach()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-5, fused=dev.type == "cuda")
+    shapes = tr.shape_plan(tcfg, dcfg.block_size) if a.all_shapes else [(1, S, A)]
+    attn = "flex" if dev.type == "cuda" else "sdpa"
+    t0 = time.time()
+    rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log)
+    res["warmup_cold_s"] = time.time() - t0
+    res["warmup_rows"] = [[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows]
+    log(warmup.format_table(rows))
+    lm = torch.ones(1, S, device=dev)
+    lm[:, : S // 10] = 0
+    anchors, valid = dm.sample_anchors(lm, torch.tensor([S]), A, dcfg.block_size, torch.Generator().manual_seed(0))
+
+    def step(naive=False):
+        with warmup.autocast(dev):
+            if naive:
+                loss = naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev)
+            else:
+                loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, attn=attn)
+        if naive:   # its compiled flex backward compiles lazily: also through the gate
+            dm.GATE.run("naive_bwd", dev, (1, S, A), loss.backward)
+        else:
+            dm.backward(loss, dev, (1, S, A), attn)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    t_ours = median_time(step, a.steps, dev)
+    flops = tr.drafter_step_flops(dcfg, S, A)
+    res.update(drafter_ms=1e3 * t_ours, drafter_samples_s=1 / t_ours, drafter_tok_s=S / t_ours,
+               drafter_mfu=flops / t_ours / peak, drafter_tflop_per_step=flops / 1e12,
+               drafter_peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None)
+    log(f"[bench] drafter step (ours): {1e3 * t_ours:.1f} ms = {S / t_ours:,.0f} target tok/s, "
+        f"MFU {res['drafter_mfu']:.1%}, peak mem {res['drafter_peak_mem_gib']}")
+
+    # --- drafter, naive (compiled flex only; eager mask and trunk): its flex compile is an unwarmed
+    # key for the (already warm) gate, so the gate compiles it exclusively and logs that.
+    if attn == "flex":
+        dm.GATE.on_unwarmed = "compile"
+        t0 = time.time()
+        step(naive=True)
+        res["naive_first_step_s"] = time.time() - t0
+        t_naive = median_time(lambda: step(naive=True), a.steps, dev)
+        res.update(naive_ms=1e3 * t_naive, naive_mfu=flops / t_naive / peak, speedup_vs_naive=t_naive / t_ours)
+        log(f"[bench] drafter step (naive): {1e3 * t_naive:.1f} ms, MFU {res['naive_mfu']:.1%}; "
+            f"ours is {t_naive / t_ours:.2f}x faster")
+    res["sum_of_parts_tok_s"] = S / (t_target + t_ours)
+    del target, drafter, opt, feats
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # --- the threaded pipeline (real train_dflash loop) on the same, now warm, compile cache
+    if not a.no_pipeline:
+        res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))
+        res["pipeline_vs_sum_of_parts"] = res["pipeline_tok_s"] / res["sum_of_parts_tok_s"]
+        log(f"[bench] pipeline {res['pipeline_tok_s']:,.0f} tok/s vs sum of parts "
+            f"{res['sum_of_parts_tok_s']:,.0f} tok/s: {res['pipeline_vs_sum_of_parts']:.1%}")
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
+    """The public trainers' setup: eager trunk, compiled flex only, eager create_block_mask per step."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    global _naive_flex
+    if "_naive_flex" not in globals():
+        _naive_flex = torch.compile(flex_attention, dynamic=False)
+    c = drafter.config
+    B, S = ids.shape
+    A = anchors.shape[1]
+    block_ids, block_pos, labels, weights = dm.make_blocks(ids, lm, anchors, valid, c.block_size, c.mask_token_id, 7.0)
+    bm = create_block_mask(dm.make_mask_mod(anchors.to(dev), S, c.block_size), B, None, A * c.block_size,
+                           S + A * c.block_size, device=dev)
+    attend = lambda q, k, v: dm.GATE.run("naive_flex", dev, tuple(q.shape) + tuple(k.shape), _naive_flex,
+                                         q, k, v, block_mask=bm, enable_gqa=True)
+    hidden = drafter.body(feats, block_ids, torch.arange(S, device=dev).expand(B, S), block_pos, attend)
+    return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights)[0]
+
+
+def median_time(fn, n, dev):
+    import torch
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(n):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
+    out = os.path.join(tmp, "pipeline_out")
+    cmd = [sys.executable, "-u", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dflash.py"),
+           "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S), "--buckets", str(S),
+           "--num-anchors", str(A), "--target-devices", str(dev), "--drafter-devices", str(dev),
+           "--max-steps", str(a.pipeline_steps), "--log-interval", "5", "--ckpt-interval", "100000",
+           "--compile-cache", cache, "--out-dir", out]
+    log("[bench] pipeline: " + " ".join(cmd))
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - t0
+    text = p.stdout + p.stderr
+    with open(os.path.join(tmp, "pipeline.log"), "w") as f:
+        f.write(text)
+    if p.returncode:
+        print(text[-5000:])
+        raise SystemExit(f"pipeline run failed (exit {p.returncode})")
+    rates = [float(x.replace(",", "")) for x in re.findall(r"\| ([\d,]+) tok/s \|", text)]
+    warm = re.search(r"\[warmup\] done in ([\d.]+)s", text)
+    busy = re.search(r"busy\s+target \[(.*?)\] drafter \[(.*?)\]", text)
+    res = {"pipeline_tok_s": statistics.median(rates[1:]) if len(rates) > 1 else float("nan"),
+           "pipeline_tok_s_spread": [min(rates[1:]), max(rates[1:])] if len(rates) > 2 else None,
+           "warmup_warm_cache_s": float(warm.group(1)) if warm else None,
+           "pipeline_busy": busy.group(0) if busy else None, "pipeline_wall_s": wall}
+    for line in text.splitlines():
+        if line.startswith("step ") or "[warmup]" in line or "busy" in line:
+            log("  | " + line)
+    return res
+
+
+if __name__ == "__main__":
+    main()
