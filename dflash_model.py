@@ -52,7 +52,7 @@ class CompileGate:
         self._writers_waiting = 0
         self._local = threading.local()
         self.warm = False
-        self.warmed = set()          # keys (name, device, shape) compiled and safe to share
+        self.warmed = set()          # keys (see key()) compiled and safe to share
         self.on_unwarmed = "error"   # or "compile"
         self.recompile_limit = 8     # sized by warm-up to devices x shapes (+ margin)
         self.enabled = True          # False only for the debug/race-test "no gate" mode
@@ -133,7 +133,7 @@ class CompileGate:
             return fn(*args, **kwargs)
         if getattr(self._local, "depth", 0) > 0:      # nested gated call: we already hold it
             return fn(*args, **kwargs)
-        key = (name, str(device), tuple(shape))
+        key = self.key(name, device, shape)
         self._local.depth = 1
         try:
             if not self.warm:
@@ -144,7 +144,15 @@ class CompileGate:
                 return out
             if key in self.warmed:
                 with self._shared():
-                    return fn(*args, **kwargs)
+                    try:
+                        return fn(*args, **kwargs)
+                    except RuntimeError as e:
+                        if "fail_on_recompile" not in str(e):
+                            raise
+                        raise UnwarmedShapeError(
+                            f"compiled call '{name}' {tuple(shape)} on {device} was warmed, but dynamo wants "
+                            "to recompile it now (a guard changed: dtype, grad mode, module or a Python "
+                            f"constant). Refusing: under the warm gate nothing may compile. ({e})") from e
             if self.on_unwarmed != "compile":
                 raise UnwarmedShapeError(
                     f"compiled call '{name}' with shape {tuple(shape)} on {device} was not warmed up. "
@@ -167,6 +175,16 @@ class CompileGate:
         finally:
             self._local.depth = 0
 
+    @staticmethod
+    def key(name, device, shape):
+        # grad mode and autocast are part of dynamo's guards, so they are part of the key too
+        return (name, str(device), tuple(shape), torch.is_grad_enabled(),
+                torch.is_autocast_enabled("cuda") if str(device).startswith("cuda") else False)
+
+    def is_warmed(self, name, device, shape):
+        """Was (name, device, shape) compiled, in the current grad/autocast mode?"""
+        return self.key(name, device, shape) in self.warmed
+
     def mark_warm(self):
         """Warm-up done: from now on compiled calls share the gate and may not recompile."""
         with self._exclusive():
@@ -183,6 +201,9 @@ class CompileGate:
             self.warmed.clear()
             self.on_unwarmed = "error"
             self.enabled = True
+            self.log = print
+            self.recompile_limit = 8
+            self.config_generation += 1
             self.stats = {"calls": 0, "exclusive": 0, "late_compiles": 0, "max_waiting": 0}
 
 
@@ -487,7 +508,7 @@ def create_dflash_block_mask(anchors, S, bs):
         # flex works on 128 x 128 tiles; ragged tiles cost masked loads on GPU and hit an inductor
         # codegen bug on CPU (torch 2.13). The trainer's buckets and anchor counts respect this.
         raise ValueError(f"flex path needs S ({S}) and anchors*block ({A}*{bs}) to be multiples of 128")
-    return GATE.run("block_mask", anchors.device, (B, S, A), compiled_block_mask, anchors, S, bs)
+    return GATE.run("block_mask", anchors.device, (B, S, A, bs), compiled_block_mask, anchors, S, bs)
 
 
 def gated_flex_attention(q, k, v, block_mask):
@@ -623,7 +644,7 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
     anchors = anchors.to(input_ids.device)
     if attn == "flex":
         bm = create_dflash_block_mask(anchors, S, c.block_size)
-        hidden = GATE.run("drafter_fwd", input_ids.device, (B, S, A), compiled_body,
+        hidden = GATE.run("drafter_fwd", input_ids.device, (B, S, A, c.block_size), compiled_body,
                           drafter, target_feats, block_ids, ctx_pos, block_pos, bm)
     elif attn == "sdpa":
         hidden = drafter.body(target_feats, block_ids, ctx_pos, block_pos,
@@ -725,7 +746,8 @@ def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=N
         else:
             n, bonus = _speculative_accept(d_logits, t_logits, draft, temperature, generator)
         committed = draft[:n].tolist() + [int(bonus)]
-        cache.crop(pos + n + 1)                       # keep target KV only for accepted tokens
+        if n + 1 < c.block_size:                      # keep target KV only for accepted tokens
+            cache.crop(-(c.block_size - n - 1))
         feats = target_features(out.hidden_states, c.target_layer_ids)[:, : n + 1]
         feat_pos = (pos + torch.arange(n + 1, device=dev))[None]
         pos += n + 1

@@ -1,0 +1,747 @@
+"""CPU smoke tests for dflash_model.py (run: python -m pytest -q test_smoke.py).
+
+What is covered, in file order:
+  layer ids, config from HF target configs, the training mask (flex vs dense vs a naive loop),
+  compiled flex == SDPA, blocks/labels/weights/loss/gradient, anchor sampling, lossless greedy
+  speculative decoding (vs target_greedy and HF generate), an overfit run that proves mask, labels
+  and inference agree, save/load in the serving format, and the compile gate.
+
+Compiles are expensive on this CPU (7-40 s each), so every flex test shares ONE shape set through
+the module-scoped `flex_case` fixture, and all flex calls run under torch.no_grad (grad mode is a
+dynamo guard: mixing modes would compile twice). FlexAttention has no backward on CPU, so training
+here uses attn="sdpa". The gate tests use tiny torch.compile(backend=<counting eager backend>)
+functions, which exercise dynamo's per-call checks, stances and recompile limits without inductor.
+"""
+import json
+import math
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.nn.attention.flex_attention import create_mask
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config, Qwen3ForCausalLM
+
+import dflash_model as dm
+from dflash_model import GATE
+
+FX_ERROR = "Detected that you are using FX to symbolically trace"
+DEFAULT_RECOMPILE_LIMIT = GATE.recompile_limit
+
+
+# -----------------------------------------------------------------------------
+# helpers
+
+
+def wait_until(pred, timeout, what):
+    """Poll `pred` until it holds or `timeout` seconds pass (a deadline, not a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
+        time.sleep(0.005)
+
+
+class Worker(threading.Thread):
+    """A thread that keeps its result or exception for the main thread to check."""
+
+    def __init__(self, fn, name):
+        super().__init__(name=name, daemon=True)
+        self.fn, self.result, self.error = fn, None, None
+
+    def run(self):
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            self.error = e
+
+    def outcome(self, timeout):
+        self.join(timeout)
+        assert not self.is_alive(), f"thread {self.name} still running after {timeout}s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class CountingBackend:
+    """A torch.compile backend that counts real compiles and runs the captured graph eagerly."""
+
+    def __init__(self):
+        self.compiles = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return gm.forward
+
+
+def naive_mask(anchors, S, bs):
+    """The spec's formula, one element at a time: (B, Q, KV) bool."""
+    B, A = anchors.shape
+    Q, KV = A * bs, S + A * bs
+    al = anchors.tolist()
+    rows = []
+    for b in range(B):
+        for q in range(Q):
+            i = q // bs
+            a = al[b][i]
+            rows.append([(kv < S and kv < a) or (kv >= S and (kv - S) // bs == i) for kv in range(KV)])
+    return torch.tensor(rows, dtype=torch.bool).view(B, Q, KV)
+
+
+def tiles_from_indices(num_blocks, indices, n_kv_tiles):
+    """(B, H, Qt) counts + (B, H, Qt, n) indices -> dense (B, H, Qt, KVt) bool tile map."""
+    B, H, Qt = num_blocks.shape
+    out = torch.zeros(B, H, Qt, n_kv_tiles, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for qt in range(Qt):
+                for j in range(int(num_blocks[b, h, qt])):
+                    out[b, h, qt, int(indices[b, h, qt, j])] = True
+    return out
+
+
+def rel_err(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
+
+
+def tiny_target(arch, seed=0):
+    """A tiny random causal LM. initializer_range 0.3 makes greedy continuations diverse
+    (at 0.02 a random model falls into repeating one token after a few steps)."""
+    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, num_hidden_layers=6, vocab_size=512, max_position_embeddings=512,
+                  initializer_range=0.3, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        raise ValueError(arch)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def drafter_for(target, block_size, num_draft_layers=2, seed=1):
+    torch.manual_seed(seed)
+    cfg = dm.DFlashConfig.from_target_config(target.config, num_draft_layers=num_draft_layers,
+                                             block_size=block_size,
+                                             mask_token_id=target.config.vocab_size - 1)
+    return dm.DFlashDrafter(cfg).attach_target(target)
+
+
+# -----------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two CPU cores shared with other jobs: one intra-op thread is several times faster than two
+    here (measured: ~35 ms per overfit step with 1 thread, ~500 ms with 2 under contention). Set
+    before this module's first compile, restored after its last test (other test files)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(autouse=True)
+def clean_gate():
+    """Every test starts and ends with a cold gate, default limits and the FX flag down."""
+    GATE.reset()
+    yield
+    torch.fx._symbolic_trace._is_fx_tracing_flag = False
+    GATE.reset()
+    GATE.log = print
+    if GATE.recompile_limit != DEFAULT_RECOMPILE_LIMIT:    # reset() leaves the limit alone
+        GATE.set_recompile_limit(DEFAULT_RECOMPILE_LIMIT)
+
+
+@pytest.fixture(scope="module")
+def flex_case():
+    """The one flex shape of this file: B=3, S=256, 16 anchors x block 16 (Q=256, KV=512), compiled
+    block mask built once. Batch 0: 16 valid anchors, 8 below and 8 above 128, incl. the last valid
+    position S-bs; batch 1:
+    length 200, 10 valid incl. its last valid position 184, 6 padding blocks; batch 2: 3 valid
+    (one of them at 0), 13 padding blocks."""
+    B, S, A, bs, H = 3, 256, 16, 16, 64
+    g = torch.Generator().manual_seed(1234)
+    anchors = torch.zeros(B, A, dtype=torch.long)
+    valid = torch.zeros(B, A, dtype=torch.bool)
+    # batch 0: 8 anchors below 128 and 8 at or above 128 (so query tile 1 sees all of context
+    # tile 0: a FULL tile), the last one at the last valid position S - bs
+    anchors[0] = torch.cat([torch.randperm(128, generator=g)[:8].sort().values,
+                            128 + torch.randperm(S - bs - 128, generator=g)[:7].sort().values,
+                            torch.tensor([S - bs])])
+    valid[0] = True
+    anchors[1, :10] = torch.cat([torch.randperm(184, generator=g)[:9].sort().values, torch.tensor([184])])
+    valid[1, :10] = True
+    anchors[2, :3] = torch.tensor([0, 17, 60])
+    valid[2, :3] = True
+    loss_mask = torch.zeros(B, S, dtype=torch.bool)
+    loss_mask[0] = True
+    loss_mask[1, :200] = True
+    loss_mask[2, :80] = True
+    input_ids = torch.randint(0, 255, (B, S), generator=g)
+
+    torch.manual_seed(7)
+    cfg = dm.DFlashConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, vocab_size=256, num_target_layers=6, num_draft_layers=2,
+                          block_size=bs, mask_token_id=255)
+    drafter = dm.DFlashDrafter(cfg, embed_weight=torch.randn(256, H), lm_head_weight=0.3 * torch.randn(256, H))
+    drafter.eval()
+    feats = torch.randn(B, S, len(cfg.target_layer_ids) * H)
+    with torch.no_grad():
+        bm = dm.create_dflash_block_mask(anchors, S, bs)
+    return SimpleNamespace(B=B, S=S, A=A, bs=bs, anchors=anchors, valid=valid, loss_mask=loss_mask,
+                           input_ids=input_ids, drafter=drafter, feats=feats, bm=bm, gamma=7.0)
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {"qwen3": tiny_target("qwen3", seed=0), "llama": tiny_target("llama", seed=3)}
+
+
+@pytest.fixture(scope="module")
+def trained(targets):
+    """A drafter overfit (attn="sdpa", AdamW, CPU) on ONE sequence that is the target's own greedy
+    continuation of an 8-token prompt, so that at inference the target continues exactly the
+    training sequence."""
+    target = targets["qwen3"]
+    P, S, bs = 8, 96, 8
+    prompt = torch.randint(0, 500, (1, P), generator=torch.Generator().manual_seed(5))
+    seq = dm.target_greedy(target, prompt, S - P)
+    assert seq.shape == (1, S)
+    drafter = drafter_for(target, bs)
+    with torch.no_grad():
+        hs = target(seq, output_hidden_states=True).hidden_states
+    feats = dm.target_features(hs, drafter.config.target_layer_ids)
+    loss_mask = torch.ones(1, S, dtype=torch.bool)
+    lengths = torch.tensor([S])
+    all_anchors, all_valid = dm.sample_anchors(loss_mask, lengths, S, bs)       # every position
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
+    gamma, tau, t0 = 4.0, 1.0, time.time()
+    for step in range(400):
+        anchors, valid = dm.sample_anchors(loss_mask, lengths, 32, bs, gen)
+        loss, _, _ = dm.drafter_forward_loss(drafter, feats, seq, loss_mask, anchors, valid, gamma, attn="sdpa")
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        if step % 10 == 9:
+            with torch.no_grad():
+                _, acc, _ = dm.drafter_forward_loss(drafter, feats, seq, loss_mask, all_anchors, all_valid,
+                                                    gamma, attn="sdpa")
+            tau = dm.simulated_tau(acc)
+            if tau >= 7.9:
+                break
+    drafter.eval()
+    return SimpleNamespace(target=target, drafter=drafter, seq=seq, P=P, bs=bs, train_tau=tau,
+                           steps=step + 1, seconds=time.time() - t0)
+
+
+# -----------------------------------------------------------------------------
+# 1-2. layer ids and config
+
+
+def test_build_target_layer_ids():
+    assert dm.build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    for L in (1, 6, 7, 36):
+        assert dm.build_target_layer_ids(L, 1) == [L // 2]
+    # the spec's formula round(1 + i*(L-4)/(n-1)) for another shape
+    assert dm.build_target_layer_ids(28, 5) == [round(1 + i * 24 / 4) for i in range(5)] == [1, 7, 13, 19, 25]
+
+
+@pytest.mark.parametrize("cls", [Qwen3Config, LlamaConfig, Qwen2Config])
+def test_config_from_target_config(cls):
+    kw = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              num_hidden_layers=10, vocab_size=300, rms_norm_eps=1e-5,
+              rope_parameters={"rope_type": "default", "rope_theta": 12345.0})
+    if cls is not Qwen2Config:
+        kw["head_dim"] = 32          # deliberately != hidden/heads: must be read, not derived
+    tcfg = cls(**kw)
+    assert getattr(tcfg, "rope_theta", None) is None or tcfg.rope_theta == 12345.0
+    c = dm.DFlashConfig.from_target_config(tcfg, num_draft_layers=3, block_size=10, mask_token_id=299)
+    assert c.hidden_size == 64
+    assert c.intermediate_size == 96
+    assert c.num_attention_heads == 4
+    assert c.num_key_value_heads == 2
+    assert c.head_dim == (32 if cls is not Qwen2Config else 16)
+    assert c.rope_theta == 12345.0
+    assert c.rms_norm_eps == 1e-5
+    assert c.vocab_size == 300
+    assert c.num_target_layers == 10
+    assert c.num_draft_layers == 3 and c.block_size == 10 and c.mask_token_id == 299
+    assert c.target_layer_ids == dm.build_target_layer_ids(10, 3)
+    # the drafter built from it has the target's attention geometry
+    d = dm.DFlashDrafter(c)
+    attn = d.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (4 * c.head_dim, 64)
+    assert attn.k_proj.weight.shape == (2 * c.head_dim, 64)
+    assert d.fc.weight.shape == (64, 3 * 64)
+
+
+# -----------------------------------------------------------------------------
+# 3-4. the training mask and compiled flex attention
+
+
+def test_mask_mod_dense_and_naive_agree(flex_case):
+    c = flex_case
+    ref = naive_mask(c.anchors, c.S, c.bs)                                   # (B, Q, KV)
+    B, Q, KV = ref.shape
+    # the reference itself encodes the formula (spot checks of the spec's rules)
+    a = int(c.anchors[0, -1])
+    assert a == c.S - c.bs                                                   # last valid position
+    assert ref[0, Q - 1, a - 1] and not ref[0, Q - 1, a]                     # strictly before the anchor
+    assert not ref[2, 3 * c.bs, :c.S].any()                                  # padding block: no context
+    assert ref[2, 3 * c.bs, c.S + 3 * c.bs: c.S + 4 * c.bs].all()            # ...only itself
+    assert not ref[2, 0, :c.S].any()                                         # valid anchor 0: no context
+
+    dense = dm.dense_dflash_mask(c.anchors, c.S, c.bs)
+    assert dense.shape == (B, 1, Q, KV) and dense.dtype == torch.bool
+    assert torch.equal(dense[:, 0], ref)
+
+    mm = dm.make_mask_mod(c.anchors, c.S, c.bs)
+    bi = torch.arange(B)[:, None, None, None]
+    hi = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    qi = torch.arange(Q)[None, None, :, None]
+    ki = torch.arange(KV)[None, None, None, :]
+    elem = mm(bi, hi, qi, ki)
+    assert torch.equal(elem.expand(B, 1, Q, KV)[:, 0], ref)
+
+    # flex's own (vmap) evaluation of the mask_mod
+    fm = create_mask(mm, B, 1, Q, KV, device="cpu")
+    assert torch.equal(fm[:, 0], ref)
+
+
+def test_compiled_block_mask_matches_reference(flex_case):
+    c = flex_case
+    bm = c.bm
+    ref = naive_mask(c.anchors, c.S, c.bs)
+    B, Q, KV = ref.shape
+    T = 128
+    assert tuple(bm.shape) == (B, 1, Q, KV)
+    assert tuple(bm.BLOCK_SIZE) == (T, T)
+    tiles = ref.view(B, Q // T, T, KV // T, T)
+    any_t = tiles.any(dim=(2, 4))[:, None]                                  # (B, 1, Qt, KVt)
+    all_t = tiles.all(dim=(2, 4))[:, None]
+    assert torch.equal(bm.to_dense().bool(), any_t)
+    # full tiles skip the mask_mod in the kernel: they must be exactly the all-visible tiles
+    full = tiles_from_indices(bm.full_kv_num_blocks, bm.full_kv_indices, KV // T)
+    partial = tiles_from_indices(bm.kv_num_blocks, bm.kv_indices, KV // T)
+    assert torch.equal(full, all_t)
+    assert torch.equal(partial, any_t & ~all_t)
+    # the test shape really has skipped tiles, partial tiles and full tiles
+    assert (~any_t).any() and (any_t & ~all_t).any() and all_t.any()
+    # the block mask carries the same mask_mod (element level)
+    assert torch.equal(create_mask(bm.mask_mod, B, 1, Q, KV, device="cpu")[:, 0], ref)
+
+
+def test_compiled_flex_output_equals_sdpa_with_naive_mask(flex_case):
+    """Element-level check of the compiled block mask through the compiled flex kernel."""
+    c = flex_case
+    g = torch.Generator().manual_seed(11)
+    Q, KV = c.A * c.bs, c.S + c.A * c.bs
+    q = torch.randn(c.B, 4, Q, 16, generator=g)
+    k = torch.randn(c.B, 2, KV, 16, generator=g)
+    v = torch.randn(c.B, 2, KV, 16, generator=g)
+    mask = naive_mask(c.anchors, c.S, c.bs)[:, None]
+    with torch.no_grad():
+        out = dm.gated_flex_attention(q, k, v, c.bm)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert rel_err(out, ref) < 1e-4
+    with torch.no_grad():   # the key includes grad mode (part of dynamo's guards)
+        assert GATE.is_warmed("flex", "cpu", tuple(q.shape) + tuple(k.shape))
+
+
+def test_flex_drafter_forward_equals_sdpa(flex_case):
+    c = flex_case
+    d = c.drafter
+    with torch.no_grad():
+        loss_f, acc_f, cnt_f = dm.drafter_forward_loss(d, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid,
+                                                       c.gamma, attn="flex")
+        loss_s, acc_s, cnt_s = dm.drafter_forward_loss(d, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid,
+                                                       c.gamma, attn="sdpa")
+        # the hidden states themselves, through the same compiled entry drafter_forward_loss used
+        block_ids, block_pos, _, _ = dm.make_blocks(c.input_ids, c.loss_mask, c.anchors, c.valid, c.bs,
+                                                    d.config.mask_token_id, c.gamma)
+        ctx_pos = torch.arange(c.S).expand(c.B, c.S)
+        h_flex = GATE.run("drafter_fwd", "cpu", (c.B, c.S, c.A), dm.compiled_body,
+                          d, c.feats, block_ids, ctx_pos, block_pos, c.bm)
+        h_sdpa = d.body(c.feats, block_ids, ctx_pos, block_pos,
+                        dm.sdpa_attend(naive_mask(c.anchors, c.S, c.bs)[:, None]))
+    assert math.isfinite(float(loss_s)) and float(loss_s) > 0
+    assert abs(float(loss_f) - float(loss_s)) / abs(float(loss_s)) < 1e-4
+    assert rel_err(h_flex, h_sdpa) < 1e-4
+    assert torch.equal(cnt_f, cnt_s)
+    assert torch.allclose(acc_f, acc_s)
+
+
+# -----------------------------------------------------------------------------
+# 5. blocks, labels, weights, loss
+
+
+def test_make_blocks_hand_worked():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17, 18, 19]])             # S = 10
+    loss_mask = torch.tensor([[1, 1, 1, 1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)  # position 4 unsupervised
+    anchors = torch.tensor([[0, 3, 7, 0]])
+    valid = torch.tensor([[True, True, True, False]])
+    M, bs, gamma = 99, 4, 2.0
+    block_ids, pos, labels, w = dm.make_blocks(ids, loss_mask, anchors, valid, bs, M, gamma)
+    assert block_ids.tolist() == [[10, M, M, M, 13, M, M, M, 17, M, M, M, 10, M, M, M]]
+    assert pos.tolist() == [[0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1, 2, 3]]
+    # same-position labels, no shift (the out-of-range slot 7+3=10 is not checked: its weight is 0)
+    assert labels[0, 0].tolist() == [10, 11, 12, 13]
+    assert labels[0, 1].tolist() == [13, 14, 15, 16]
+    assert labels[0, 2, :3].tolist() == [17, 18, 19]
+    e = math.exp
+    expected = torch.tensor([[
+        [0.0, 1.0, e(-0.5), e(-1.0)],       # k=0 no loss; exp(-(k-1)/gamma)
+        [0.0, 0.0, e(-0.5), e(-1.0)],       # label position 4 has loss_mask 0
+        [0.0, 1.0, e(-0.5), 0.0],           # position 10 is out of range
+        [0.0, 0.0, 0.0, 0.0],               # invalid (padding) anchor
+    ]])
+    assert labels.shape == w.shape == (1, 4, bs)
+    assert torch.allclose(w, expected, atol=1e-7, rtol=0)
+
+
+def test_dflash_loss_matches_plain_weighted_ce_and_gradient():
+    g = torch.Generator().manual_seed(3)
+    B, A, bs, H, V = 2, 3, 5, 16, 50
+    hidden = torch.randn(B, A * bs, H, generator=g)
+    W = torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (B, A, bs), generator=g)
+    weights = torch.rand(B, A, bs, generator=g) * (torch.rand(B, A, bs, generator=g) > 0.3)
+    weights[:, :, 0] = 5.0            # k = 0 must never be scored, whatever the weight says
+    N = B * A * (bs - 1)
+
+    h1 = hidden.clone().requires_grad_(True)
+    loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=7)
+    assert N > 2 * 7                                                       # several chunks ran
+    (3.0 * loss).backward()                                                # non-unit upstream gradient
+
+    h2 = hidden.clone().requires_grad_(True)
+    logits = (h2.view(B, A, bs, H) @ W.t())[:, :, 1:].reshape(-1, V)
+    y = labels[:, :, 1:].reshape(-1)
+    w = weights[:, :, 1:].reshape(-1)
+    ce = F.cross_entropy(logits, y, reduction="none")
+    ref = (w * ce).sum() / w.sum()
+    (3.0 * ref).backward()
+
+    assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(h1.grad, h2.grad, rtol=1e-4, atol=1e-7)
+    assert h1.grad[:, 0::bs].abs().max() == 0                             # k = 0 rows get no gradient
+    sup = (w > 0).view(B * A, bs - 1)
+    hit = (logits.argmax(-1) == y).view(B * A, bs - 1) & sup
+    assert torch.equal(counts, sup.sum(0).float())
+    assert torch.allclose(acc, hit.sum(0).float() / sup.sum(0).clamp(min=1).float())
+
+
+# -----------------------------------------------------------------------------
+# 6. anchor sampling
+
+
+def test_sample_anchors_rules_padding_and_determinism():
+    B, S, bs, A = 4, 64, 8, 16
+    lm = torch.rand(B, S, generator=torch.Generator().manual_seed(0)) < 0.7
+    lengths = torch.tensor([64, 40, 9, 5])
+    anchors, valid = dm.sample_anchors(lm, lengths, A, bs, torch.Generator().manual_seed(42))
+    assert anchors.shape == valid.shape == (B, A) and anchors.dtype == torch.long
+    n_cand = []
+    for b in range(B):
+        n = int(lengths[b])
+        cand = [p for p in range(0, n - bs + 1) if lm[b, p] and lm[b, p + 1]]
+        n_cand.append(len(cand))
+        nv = int(valid[b].sum())
+        assert valid[b, :nv].all() and not valid[b, nv:].any()            # valid first, then padding
+        assert (anchors[b, nv:] == 0).all()                                # padding anchors are 0
+        picked = anchors[b, :nv].tolist()
+        assert picked == sorted(set(picked))                               # distinct, sorted
+        for p in picked:
+            assert p <= n - bs and lm[b, p] and lm[b, p + 1]
+        if len(cand) <= A:
+            assert picked == cand                                          # all of them, then padding
+        else:
+            assert nv == A
+    assert n_cand[0] > A and 0 < n_cand[2] < A and n_cand[3] == 0          # the cases really occur
+    # deterministic with a seeded generator, different with another seed
+    again = dm.sample_anchors(lm, lengths, A, bs, torch.Generator().manual_seed(42))
+    assert torch.equal(again[0], anchors) and torch.equal(again[1], valid)
+    other = dm.sample_anchors(lm, lengths, A, bs, torch.Generator().manual_seed(43))
+    assert not torch.equal(other[0][0], anchors[0])
+
+
+# -----------------------------------------------------------------------------
+# 7-8. speculative decoding: lossless greedy, and an overfit drafter
+
+
+def _hf_greedy(target, prompt, n, eos=None):
+    out = target.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                          max_new_tokens=n, eos_token_id=eos, pad_token_id=0)
+    return out
+
+
+@pytest.mark.parametrize("arch,bs", [("qwen3", 16), ("llama", 10)])
+def test_greedy_dflash_generate_is_lossless(targets, arch, bs):
+    target = targets[arch]
+    drafter = drafter_for(target, bs).eval()
+    prompt = torch.randint(0, 500, (1, 7), generator=torch.Generator().manual_seed(9))
+    n = 30
+    ref = dm.target_greedy(target, prompt, n)
+    assert ref.shape == (1, 7 + n)
+    assert len(set(ref[0, 7:].tolist())) > 10                              # a non-degenerate continuation
+    assert torch.equal(_hf_greedy(target, prompt, n), ref)
+    out, al = dm.dflash_generate(drafter, target, prompt, n)
+    assert torch.equal(out, ref)
+    assert al and all(1 <= a <= bs for a in al)
+    assert 1 + sum(al) >= n and 1 + sum(al[:-1]) < n                       # rounds account for the tokens
+
+    # stop token: the first token generated at index >= 12 that did not occur before it
+    gen = ref[0, 7:].tolist()
+    j = next(i for i in range(12, n) if gen[i] not in gen[:i])
+    stop = gen[j]
+    ref_s = dm.target_greedy(target, prompt, n, stop_token_ids=[stop])
+    assert ref_s.shape == (1, 7 + j + 1) and int(ref_s[0, -1]) == stop
+    assert torch.equal(_hf_greedy(target, prompt, n, eos=stop), ref_s)
+    out_s, al_s = dm.dflash_generate(drafter, target, prompt, n, stop_token_ids=[stop])
+    assert torch.equal(out_s, ref_s)
+    assert all(1 <= a <= bs for a in al_s)
+
+
+def test_overfit_drafter_reaches_high_acceptance(trained):
+    t = trained
+    S = t.seq.shape[1]
+    prefix = t.seq[:, : t.P]
+    out, al = dm.dflash_generate(t.drafter, t.target, prefix, S - t.P)
+    assert torch.equal(out, t.seq)                                         # lossless on the training span
+    mean_tau = sum(al) / len(al)
+    assert all(1 <= a <= t.bs for a in al)
+    assert mean_tau >= 6.0, (f"mean acceptance {mean_tau:.2f} < 6 (train simulated tau {t.train_tau:.2f} "
+                             f"after {t.steps} steps in {t.seconds:.1f}s), acceptance lengths {al}")
+
+
+def test_trained_drafter_lossless_with_partial_acceptance_and_stop(trained):
+    """Near the end of the training span the drafter is partly right (a block anchored 4 tokens
+    before the end: those 4 are known, the rest not), so a partial block is accepted; and a stop
+    token inside an accepted block truncates exactly like plain greedy decoding."""
+    t = trained
+    S = t.seq.shape[1]
+    P = t.P + 3                    # rounds anchor at P + 8r: the one at S - 5 straddles the end
+    prefix = t.seq[:, :P]
+    n = S - P + 40
+    ref = dm.target_greedy(t.target, prefix, n)
+    out, al = dm.dflash_generate(t.drafter, t.target, prefix, n)
+    assert torch.equal(out, ref)
+    assert any(1 < a < t.bs for a in al), f"no partial acceptance exercised: {al}"
+    assert max(al) == t.bs
+
+    # a stop token in the middle of a fully accepted block: generated index j with j % bs not in
+    # {0, 1} (index 0 is the prefill token; round r commits indices bs*(r-1)+1 .. bs*r)
+    gen = out[0, P:].tolist()
+    j = next(i for i in range(12, S - P) if i % t.bs not in (0, 1) and gen[i] not in gen[:i])
+    stop = gen[j]
+    ref_s = dm.target_greedy(t.target, prefix, n, stop_token_ids=[stop])
+    out_s, al_s = dm.dflash_generate(t.drafter, t.target, prefix, n, stop_token_ids=[stop])
+    assert torch.equal(out_s, ref_s)
+    assert out_s.shape[1] == P + j + 1 and int(out_s[0, -1]) == stop
+    assert 1 + sum(al_s) > j + 1                                           # the last block was cut at the stop
+
+
+# -----------------------------------------------------------------------------
+# 9. save / load
+
+
+def _expected_weight_names(n_layers):
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+        names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+    return names
+
+
+def test_save_load_roundtrip_and_format(targets, tmp_path):
+    target = targets["qwen3"]
+    d = drafter_for(target, 16, num_draft_layers=3, seed=4).eval()
+    with torch.no_grad():                       # non-trivial norm weights, so a dropped tensor shows
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    path32 = tmp_path / "fp32"
+    dm.save_drafter(d, str(path32), dtype=torch.float32)
+    cfg = json.loads((path32 / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["model_type"] == "qwen3"
+    assert cfg["num_hidden_layers"] == 3
+    assert cfg["dflash_config"] == {"target_layer_ids": d.config.target_layer_ids, "block_size": 16,
+                                    "mask_token_id": target.config.vocab_size - 1}
+    for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+              "vocab_size", "rms_norm_eps", "rope_theta"):
+        assert cfg[k] == getattr(d.config, k), k
+    sd = load_file(str(path32 / "model.safetensors"))
+    assert set(sd) == _expected_weight_names(3)
+    assert not any("embed" in k or "lm_head" in k for k in sd)
+
+    loaded = dm.load_drafter(str(path32), target=target).eval()
+    assert loaded.config == d.config
+    for k, v in d.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    feats = dm.target_features(target(torch.arange(20)[None], output_hidden_states=True).hidden_states,
+                               d.config.target_layer_ids)
+    outs = []
+    for m in (d, loaded):
+        outs.append(dm.draft_block(m, dm.DrafterCache(3), feats, torch.arange(20)[None], torch.tensor(5), 20))
+    assert torch.equal(outs[0], outs[1])
+
+    # default save dtype (bf16): same names, bf16 tensors, loads to the bf16-rounded weights
+    path16 = tmp_path / "bf16"
+    dm.save_drafter(d, str(path16))
+    sd16 = load_file(str(path16 / "model.safetensors"))
+    assert set(sd16) == _expected_weight_names(3) and all(v.dtype == torch.bfloat16 for v in sd16.values())
+    assert json.loads((path16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded16 = dm.load_drafter(str(path16), target=target)
+    for k, v in d.state_dict().items():
+        assert torch.equal(loaded16.state_dict()[k], v.to(torch.bfloat16).float()), k
+
+
+# -----------------------------------------------------------------------------
+# 10. the compile gate
+
+
+def test_gate_fx_flag_bypass_fails_and_gated_call_waits(flex_case):
+    c = flex_case
+    fx = torch.fx._symbolic_trace
+    assert fx._is_fx_tracing_flag is False
+    raised, release = threading.Event(), threading.Event()
+
+    def hold_flag_up():      # stands in for a compile in progress (make_fx raises this flag)
+        fx._is_fx_tracing_flag = True
+        raised.set()
+        try:
+            if not release.wait(60):
+                raise AssertionError("never released")
+        finally:
+            fx._is_fx_tracing_flag = False
+
+    holder = Worker(lambda: GATE.run("compiling", "cpu", (0,), hold_flag_up), "holder")
+    waiter = None
+    holder.start()
+    try:
+        assert raised.wait(30), "holder thread never raised the flag"
+        assert fx.is_fx_symbolic_tracing()          # exactly what dynamo's per-call check reads
+
+        # bypassing the gate: the compiled (and already cached) function fails in this thread
+        with torch.no_grad(), pytest.raises(RuntimeError, match=FX_ERROR):
+            dm.compiled_block_mask(c.anchors, c.S, c.bs)
+
+        # through the gate: waits for the holder, then succeeds
+        def gated():
+            with torch.no_grad():
+                return dm.create_dflash_block_mask(c.anchors, c.S, c.bs)
+
+        waiter = Worker(gated, "waiter")
+        waiter.start()
+        wait_until(lambda: GATE.waiting == 1, 30, "the gated call to wait on the gate")
+        assert waiter.is_alive() and waiter.result is None and waiter.error is None
+        assert fx._is_fx_tracing_flag is True
+    finally:
+        release.set()
+    holder.outcome(30)
+    bm = waiter.outcome(120)
+    assert fx._is_fx_tracing_flag is False
+    assert GATE.waiting == 0 and GATE.stats["max_waiting"] >= 1
+    assert torch.equal(bm.to_dense(), c.bm.to_dense())
+
+
+def test_gate_unwarmed_shape_errors_or_compiles_with_notice():
+    cnt = CountingBackend()
+    fn = torch.compile(lambda x: x * 2 + 1, backend=cnt, dynamic=False)
+    logs = []
+    GATE.log = logs.append
+    x2 = torch.arange(2.0)
+    assert torch.equal(GATE.run("toy", "cpu", (2,), fn, x2), x2 * 2 + 1)
+    assert cnt.compiles == 1
+    GATE.mark_warm()
+    assert torch.equal(GATE.run("toy", "cpu", (2,), fn, x2), x2 * 2 + 1)    # warmed key: fine
+    x5 = torch.arange(5.0)
+    with pytest.raises(dm.UnwarmedShapeError) as ei:
+        GATE.run("toy", "cpu", (5,), fn, x5)
+    msg = str(ei.value)
+    assert "toy" in msg and "(5,)" in msg and "cpu" in msg
+    assert cnt.compiles == 1                                                 # nothing ran
+
+    GATE.on_unwarmed = "compile"
+    assert torch.equal(GATE.run("toy", "cpu", (5,), fn, x5), x5 * 2 + 1)
+    assert cnt.compiles == 2                                                 # really compiled, not eager
+    assert any("NOTICE" in m and "(5,)" in m and "cpu" in m for m in logs), logs
+    assert GATE.stats["late_compiles"] == 1 and GATE.is_warmed("toy", "cpu", (5,))
+    assert torch.equal(GATE.run("toy", "cpu", (5,), fn, x5), x5 * 2 + 1)    # now a warmed key
+    assert cnt.compiles == 2
+
+
+def test_gate_warm_stance_fails_bypassing_recompile():
+    cnt = CountingBackend()
+    fn = torch.compile(lambda x: x - 1, backend=cnt, dynamic=False)
+    x = torch.ones(3)
+    GATE.run("toy2", "cpu", (3,), fn, x)
+    GATE.mark_warm()
+    with pytest.raises(RuntimeError, match="fail_on_recompile"):
+        fn(torch.ones(7))                        # a compile behind the gate's back is refused
+    assert cnt.compiles == 1
+
+
+def test_gate_recompile_limit_hit_is_an_error():
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    GATE.set_recompile_limit(1)
+    assert torch._dynamo.config.recompile_limit == 1
+    cnt = CountingBackend()
+    fn = torch.compile(lambda x: x * 3, backend=cnt, dynamic=False)        # fullgraph=False on purpose
+    assert torch.equal(GATE.run("lim", "cpu", (2,), fn, torch.ones(2)), 3 * torch.ones(2))
+    with pytest.raises(FailOnRecompileLimitHit):
+        GATE.run("lim", "cpu", (3,), fn, torch.ones(3))
+    assert cnt.compiles == 1
+    # control: without the gate's setting the same situation silently runs eager (what it prevents)
+    cnt2 = CountingBackend()
+    fn2 = torch.compile(lambda x: x * 4, backend=cnt2, dynamic=False)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=False):
+        fn2(torch.ones(2))
+        assert torch.equal(fn2(torch.ones(3)), 4 * torch.ones(3))
+    assert cnt2.compiles == 1
+
+
+def test_gate_config_takes_in_worker_thread():
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    GATE.set_recompile_limit(2)                  # set (and checked) in the main thread only
+    cnt = CountingBackend()
+    fn = torch.compile(lambda x: x + 5, backend=cnt, dynamic=False)
+
+    def worker():
+        import torch._dynamo.config as dc
+        keys = ("recompile_limit", "fail_on_recompile_limit_hit", "error_on_nested_fx_trace")
+        before = tuple(getattr(dc, k) for k in keys)
+        GATE.configure_thread()
+        after = tuple(getattr(dc, k) for k in keys)
+        GATE.run("w", "cpu", (1,), fn, torch.ones(1))
+        GATE.run("w", "cpu", (2,), fn, torch.ones(2))
+        try:
+            GATE.run("w", "cpu", (3,), fn, torch.ones(3))
+            third = "ran"
+        except FailOnRecompileLimitHit:
+            third = "raised"
+        return before, after, third
+
+    w = Worker(worker, "cfg-worker")
+    w.start()
+    before, after, third = w.outcome(60)
+    assert before[0] == DEFAULT_RECOMPILE_LIMIT and before[1] is False, \
+        f"main-thread dynamo config leaked into a new thread ({before}): per-thread config assumption broken"
+    assert after == (2, True, True)
+    assert third == "raised" and cnt.compiles == 2
