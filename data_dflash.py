@@ -322,7 +322,7 @@ def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
         if _is_local(name):
             path = os.path.expanduser(name)
             with tempfile.TemporaryDirectory() as tmp:
-                good = os.path.join(tmp, "good.jsonl")
+                good, n_good = os.path.join(tmp, "good.jsonl"), 0
                 with open(good, "w", encoding="utf-8") as f:
                     for record in _scan_local(path, skipped):
                         if not isinstance(record, dict):
@@ -332,11 +332,14 @@ def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
                         # would make datasets' schema inference fail for the whole file
                         keep = {k: record[k] for k in ("conversations", "messages") if k in record}
                         f.write(json.dumps(keep) + "\n")
-                try:  # cache_dir inside tmp: arrow files of a throwaway JSONL need not pile up
-                    ds = datasets.load_dataset("json", data_files=good, split="train", cache_dir=tmp)
-                    records = ds.to_list()
-                except Exception as e:
-                    raise ValueError(f"datasets could not read {name}: {e}") from e
+                        n_good += 1
+                records = []
+                if n_good:  # datasets cannot infer a schema from an empty file
+                    try:  # cache_dir inside tmp: arrow files of a throwaway JSONL need not pile up
+                        ds = datasets.load_dataset("json", data_files=good, split="train", cache_dir=tmp)
+                        records = ds.to_list()
+                    except Exception as e:
+                        raise ValueError(f"datasets could not read {name}: {e}") from e
         else:  # a hub data set, where the hub is reachable
             ds = datasets.load_dataset(name)
             if isinstance(ds, datasets.DatasetDict):

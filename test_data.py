@@ -1,0 +1,303 @@
+"""CPU tests for data_dflash.py. Tokenizers are built here or from the pip-shipped GGUF: no network."""
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import data_dflash as D
+
+# a Qwen2.5-like ChatML template: default system prompt, no {% generation %} markers
+QWEN_TEMPLATE = (
+    "{%- if messages[0].role == 'system' -%}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if not (loop.first and m.role == 'system') -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+# Qwen3-like: only the *last* assistant turn gets an empty think block, so earlier renders
+# change once a later turn is added
+THINK_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' -}}"
+    "{%- if m.role == 'assistant' and loop.last -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{{- m.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+CONV = [
+    {"role": "user", "content": "What is 2+2? Answer briefly."},
+    {"role": "assistant", "content": "It is 4, the sum of two and two."},
+    {"role": "user", "content": "And in words, with an emoji?"},
+    {"role": "assistant", "content": "Four 🎉 — quatre, 日本語 too."},
+]
+CONV_SYS = [{"role": "system", "content": "You answer in one line."}] + CONV
+
+
+def _tiny_tokenizer(template):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [m["content"] for m in CONV_SYS] + ["the user and the assistant say hello world"] * 20
+    tk.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  clean_up_tokenization_spaces=False)
+    tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def qwen_tok():
+    return _tiny_tokenizer(QWEN_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def smollm(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    t0 = time.time()
+    target_dir, data_jsonl = D.prepare_embedded_default(str(cache))
+    from transformers import AutoTokenizer
+    return {"cache": str(cache), "target_dir": target_dir, "data_jsonl": data_jsonl,
+            "seconds": time.time() - t0, "tok": AutoTokenizer.from_pretrained(target_dir)}
+
+
+def _masked_runs(tok, ids, mask):
+    """Decoded text of each contiguous run of loss-masked tokens."""
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r, skip_special_tokens=False) for r in runs]
+
+
+def _write_jsonl(path, lines):
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)) + "\n")
+    return str(path)
+
+
+def _sharegpt(conv):
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    return {"id": "x", "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in conv]}
+
+
+# -----------------------------------------------------------------------------
+# the embedded default (SmolLM2 GGUF + ShareGPT)
+
+def test_prepare_embedded_default(smollm, capsys):
+    from transformers import AutoModelForCausalLM
+    tok = smollm["tok"]
+    assert tok.eos_token == "<|im_end|>"  # the GGUF converter says <|im_start|>; we fix it
+    assert tok.pad_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert "<|im_start|>" in tok.chat_template
+    model = AutoModelForCausalLM.from_pretrained(smollm["target_dir"])
+    assert model.config.num_hidden_layers == 30 and not hasattr(model.config, "quantization_config")
+    with open(smollm["data_jsonl"], encoding="utf-8") as f:
+        n = sum(1 for _ in f)
+    assert 17000 < n < 18500  # every complete record of the cut-off ShareGPT V3 file
+    # second call reuses both
+    t0 = time.time()
+    assert D.prepare_embedded_default(smollm["cache"]) == (smollm["target_dir"], smollm["data_jsonl"])
+    assert time.time() - t0 < 5
+    assert capsys.readouterr().out.count("reusing") == 2
+
+
+@pytest.mark.parametrize("conv", [CONV, CONV_SYS])
+def test_mask_smollm2_template(smollm, conv):
+    tok = smollm["tok"]
+    ids, mask = D.tokenize_conversation(tok, conv, 512)
+    assert ids == tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
+    want = [m["content"] + "<|im_end|>" for m in conv if m["role"] == "assistant"]
+    assert _masked_runs(tok, ids, mask) == want
+
+
+# -----------------------------------------------------------------------------
+# chat-template masks
+
+@pytest.mark.parametrize("conv", [CONV, CONV_SYS])
+def test_mask_qwen_style_template(qwen_tok, conv):
+    ids, mask = D.tokenize_conversation(qwen_tok, conv, 512)
+    text = qwen_tok.apply_chat_template(conv, tokenize=False)
+    assert text.startswith("<|im_start|>system\n")  # the default system prompt when none is given
+    assert qwen_tok.decode(ids, skip_special_tokens=False) == text
+    want = [m["content"] + "<|im_end|>" for m in conv if m["role"] == "assistant"]
+    assert _masked_runs(qwen_tok, ids, mask) == want
+
+
+def test_mask_truncated(qwen_tok):
+    ids_full, mask_full = D.tokenize_conversation(qwen_tok, CONV, 10_000)
+    first_reply = mask_full.index(1) + 5
+    ids, mask = D.tokenize_conversation(qwen_tok, CONV, first_reply)
+    assert len(ids) == len(mask) == first_reply
+    assert ids == ids_full[:first_reply] and mask == mask_full[:first_reply]
+
+
+def test_non_prefix_template_is_a_clear_error():
+    tok = _tiny_tokenizer(THINK_TEMPLATE)
+    D.tokenize_conversation(tok, CONV[:2], 512)  # one reply: consistent
+    with pytest.raises(D.ChatTemplateError, match="not prefix-consistent.*think"):
+        D.tokenize_conversation(tok, CONV, 512)
+
+
+# -----------------------------------------------------------------------------
+# reading conversations
+
+def test_truncated_json_array_recovers_complete_records(tmp_path):
+    records = [_sharegpt(CONV), _sharegpt(CONV_SYS), {"id": "3", "conversations": [], "x": [1, {"y": "]"}]}]
+    head = "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in records) + ",\n"
+    partial = json.dumps(_sharegpt(CONV), ensure_ascii=False)
+    # cut the 4th record inside the 4 bytes of "🎉": the scan must not choke on half a character
+    partial = partial[:partial.index("🎉") + 1].encode("utf-8")[:-2]
+    path = tmp_path / "cut.json"
+    path.write_bytes(head.encode("utf-8") + partial)
+    info = {}
+    assert list(D.iter_json_array(str(path), info, chunk_chars=64)) == records  # small chunks: records span reads
+    assert info["tail_bytes"] == len(partial)
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(records), encoding="utf-8")
+    info = {}
+    assert list(D.iter_json_array(str(whole), info)) == records and info["tail_bytes"] == 0
+    convs, skipped = D.load_conversations([str(path)])
+    assert len(convs) == 2 and skipped == {"empty conversation": 1, "malformed record": 1}
+
+
+def test_load_conversations_counts_skips(tmp_path):
+    path = _write_jsonl(tmp_path / "mixed.jsonl", [
+        _sharegpt(CONV),
+        '{"conversations": [{"from": "human", "value": "cut off',         # invalid JSON
+        "not json at all",                                                # invalid JSON
+        {"conversations": [{"from": "bard", "value": "hi"}]},             # unknown role
+        {"conversations": []},                                            # empty conversation
+        {"conversations": [{"from": "human", "value": "anyone?"}]},       # no assistant turn
+        {"conversations": [{"from": "human", "value": None}]},            # malformed record
+        {"text": "no conversation here"},                                 # malformed record
+        {"conversations": [{"from": "gpt", "value": "orphan reply"},      # leading reply trimmed
+                           {"from": "human", "value": "q"}, {"from": "chatgpt", "value": "a"},
+                           {"from": "human", "value": "unanswered"}]},    # trailing user trimmed
+        "",
+    ])
+    chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONV_SYS}])
+    convs, skipped = D.load_conversations([path, chat])
+    assert skipped == {"malformed record": 4, "unknown role": 1, "empty conversation": 1, "no assistant turn": 1}
+    assert convs[0] == CONV
+    assert convs[1] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert convs[2] == CONV_SYS
+
+
+def test_missing_file_is_an_early_error(tmp_path):
+    good = _write_jsonl(tmp_path / "good.jsonl", [_sharegpt(CONV)])
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        D.load_conversations([good, str(tmp_path / "nope.jsonl")])
+
+
+# -----------------------------------------------------------------------------
+# build_dataset: skips, cache
+
+def test_build_dataset_counts_and_cache(qwen_tok, tmp_path):
+    short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    long = CONV + [{"role": "user", "content": "more?"}, {"role": "assistant", "content": "the quick brown fox " * 8}]
+    path = _write_jsonl(tmp_path / "d.jsonl", [_sharegpt(long), _sharegpt(short), "{bad", _sharegpt(CONV)])
+    logs = []
+    kw = dict(max_length=128, block_size=8, cache_dir=str(tmp_path / "cache"), min_supervised=20, log=logs.append)
+    data = D.build_dataset(qwen_tok, [path], **kw)
+    stats = data["stats"]
+    assert stats["samples"] == len(data["input_ids"]) == len(data["loss_mask"]) == 2
+    assert stats["skipped"] == {"malformed record": 1, "too few supervised tokens": 1}
+    assert stats["conversations"] == 4 and stats["truncated"] >= 1
+    assert all(len(x) <= 128 and x.dtype == np.int32 for x in data["input_ids"])
+    assert all(m.dtype == np.uint8 and m.sum() >= 20 for m in data["loss_mask"])
+    assert not any("reusing" in line for line in logs)
+    assert sum(line.startswith("data: 4 conversations -> 2 samples") for line in logs) == 1
+
+    logs.clear()
+    again = D.build_dataset(qwen_tok, [path], **kw)
+    assert any("reusing tokenised cache" in line for line in logs)
+    assert again["stats"] == stats
+    assert all(np.array_equal(a, b) for a, b in zip(again["input_ids"], data["input_ids"]))
+    assert all(np.array_equal(a, b) for a, b in zip(again["loss_mask"], data["loss_mask"]))
+
+    logs.clear()  # a different setting is a different cache entry
+    D.build_dataset(qwen_tok, [path], **{**kw, "max_length": 96})
+    assert not any("reusing" in line for line in logs)
+
+
+def test_build_dataset_counts_template_errors(tmp_path):
+    # a template that insists on alternating roles (as Llama-2/Mistral ones do)
+    strict = QWEN_TEMPLATE.replace(
+        "{%- for m in messages -%}",
+        "{%- for m in messages -%}{%- if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role -%}"
+        "{{- raise_exception('roles must alternate') -}}{%- endif -%}")
+    tok = _tiny_tokenizer(strict)
+    twice = [CONV[0], CONV[0]] + CONV[1:]
+    path = _write_jsonl(tmp_path / "d.jsonl", [_sharegpt(CONV), _sharegpt(twice), "[1, 2]"])
+    data = D.build_dataset(tok, [path], 128, 4, str(tmp_path / "cache"), log=lambda s: None)
+    assert data["stats"]["skipped"] == {"chat template error": 1, "malformed record": 1}
+    assert data["stats"]["samples"] == 1
+
+
+def test_all_lines_bad_is_not_fatal(tmp_path):
+    path = _write_jsonl(tmp_path / "bad.jsonl", ["{", "nope"])
+    assert D.load_conversations([path]) == ([], {"malformed record": 2})
+
+
+# -----------------------------------------------------------------------------
+# buckets, batches, collate
+
+def test_buckets():
+    assert D.default_buckets(3072) == [256, 512, 1024, 2048, 3072]
+    assert D.default_buckets(4096) == [256, 512, 1024, 2048, 4096]
+    for n in (1, 8, 64, 100, 256, 511, 512, 1000):
+        b = D.default_buckets(n)
+        assert b[-1] == n and all(x < y for x, y in zip(b, b[1:])) and b[0] >= 1
+    assert D.bucket_length(1, [16, 32, 64]) == 16
+    assert D.bucket_length(17, [16, 32, 64]) == 32 and D.bucket_length(64, [16, 32, 64]) == 64
+    with pytest.raises(ValueError):
+        D.bucket_length(65, [16, 32, 64])
+
+
+def test_make_batches_deterministic_and_complete():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 65, size=300)
+    buckets = D.default_buckets(64)
+    a = D.make_batches(lengths, buckets, 256, seed=1, epoch=0)
+    assert a == D.make_batches(lengths, buckets, 256, seed=1, epoch=0)
+    assert a != D.make_batches(lengths, buckets, 256, seed=1, epoch=1)
+    assert a != D.make_batches(lengths, buckets, 256, seed=2, epoch=0)
+    assert sorted(i for _, idx in a for i in idx) == list(range(300))
+    for b, idx in a:
+        assert 1 <= len(idx) <= max(1, 256 // b)
+        assert all(D.bucket_length(int(lengths[i]), buckets) == b for i in idx)
+    waste = D.padding_waste(lengths, a)
+    assert 0 < waste < 0.5
+    assert D.padding_waste([16, 16], [(16, [0, 1])]) == 0.0
+
+
+def test_collate():
+    data = {"input_ids": [np.array([5, 6, 7], np.int32), np.array([8], np.int32)],
+            "loss_mask": [np.array([0, 1, 1], np.uint8), np.array([1], np.uint8)]}
+    ids, attn, loss = D.collate([1, 0], data, 4, pad_id=0)
+    assert ids.dtype == attn.dtype == loss.dtype == torch.long and ids.shape == (2, 4)
+    assert ids.tolist() == [[8, 0, 0, 0], [5, 6, 7, 0]]
+    assert attn.tolist() == [[1, 0, 0, 0], [1, 1, 1, 0]]
+    assert loss.tolist() == [[1, 0, 0, 0], [0, 1, 1, 0]]
+    with pytest.raises(ValueError):
+        D.collate([0], data, 2, pad_id=0)
