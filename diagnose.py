@@ -106,7 +106,12 @@ def _gpus():
 
 
 def _env_vars():
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    # importing torch._dynamo exports inductor's default cache dir into this variable: that is not a
+    # choice anyone made, and whether it is there depends on import order, so leave it out
+    if os.path.abspath(env.get("TORCHINDUCTOR_CACHE_DIR", "-")) == _default_cache_dir():
+        del env["TORCHINDUCTOR_CACHE_DIR"]
+    return env
 
 
 def _default_cache_dir():
@@ -170,7 +175,7 @@ def _git_state(path=HERE):
     try:
         r = git("rev-parse", "HEAD")
         if r.returncode != 0:
-            g["error"] = r.stderr.strip()[:200] or "not a git repository"
+            g["error"] = (r.stderr.strip().splitlines() or ["not a git repository"])[0][:200]
             return g
         g["commit"] = r.stdout.strip()
         # untracked files (logs, out/, other people's new scripts) are not a change of the code that ran
@@ -256,6 +261,8 @@ def _probes():
         try:
             r = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe-threads"],
                                capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"probe exited {r.returncode}: {r.stderr.strip()[-300:]}")
             _PROBES = json.loads(r.stdout.strip().splitlines()[-1])
         except Exception as e:   # remembered too: it would fail the same way next time
             _PROBES = {"flex_fx_flag_thread_local": None, "dynamo_config_thread_local": None,
@@ -292,8 +299,10 @@ def natural_race_expected(torch_version, fx_flag_thread_local=None):
         major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
     except ValueError:
         return "unknown torch version"
-    if fx_flag_thread_local or (major, minor) >= (2, 14):
+    if fx_flag_thread_local or (fx_flag_thread_local is None and (major, minor) >= (2, 14)):
         return "no: the FX-tracing flag is per thread (torch >= 2.14)"
+    if (major, minor) >= (2, 14):
+        return "yes: the FX-tracing flag measured process-global on this build, although torch >= 2.14"
     if (major, minor) >= (2, 12):
         return ("masked: torch 2.12/2.13 keep a process-global 'is compiling' flag up during a compile, "
                 "which hides the FX flag from other threads; 0 errors here says nothing about torch 2.11")
@@ -333,7 +342,7 @@ def _flatten(d, prefix=""):
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict):   # an empty dict leaves no key: {} and "absent" are the same state
             out.update(_flatten(v, key + "."))
         else:
             out[key] = v
@@ -353,6 +362,9 @@ def diff_env(old, new):
         if k == "env_vars.TORCHINDUCTOR_CACHE_DIR" and same_cache:
             continue   # inductor exports its default into os.environ on first compile: same cache, no change
         a, b = fo.get(k, MISSING), fn.get(k, MISSING)
+        if (a is None and b is MISSING and any(x.startswith(k + ".") for x in fn)) or \
+                (b is None and a is MISSING and any(x.startswith(k + ".") for x in fo)):
+            continue   # None on one side, a dict on the other (cache info appeared): its keys say it
         if a != b:
             rows.append((k, a, b))
     # The cache's size only grows in a healthy run; a cache emptied or rebuilt after the checkpoint
@@ -385,7 +397,9 @@ def _cache_build_mismatch(env):
     info, v = (env.get("compile_cache") or {}).get("info") or {}, env.get("versions") or {}
     if not isinstance(info, dict):
         return []
-    built = dict(info.get("versions") or {}, **{k: x for k, x in info.items() if not isinstance(x, dict)})
+    built = {k: x for k, x in info.items() if not isinstance(x, dict)}
+    if isinstance(info.get("versions"), dict):   # warmup.py may store collect_env()["versions"] as is
+        built.update(info["versions"])
     return [f"{k} {built[k]} (now {v[k]})" for k in ("torch", "torch_git", "triton", "cuda")
             if k in built and k in v and str(built[k]) != str(v[k])]
 
@@ -537,7 +551,7 @@ class FxFlagRecorder:
         for gr in sorted(by_stack.values(), key=lambda g: -g["count"]):
             frames = gr["stack"]
             gr.update(tracing_frame=frames[-1] if frames else None,
-                      requested_by=next((f for f in reversed(frames) if not f.startswith("torch/fx/")), None),
+                      requested_by=next((f for f in reversed(frames) if not f.startswith(PLUMBING)), None),
                       user_frame=next((f for f in reversed(frames) if not f.startswith("torch/")
                                        and not f.startswith("<stdlib>")), None),
                       threads=dict(gr["threads"]), busy=dict(gr["busy"]))
@@ -546,6 +560,9 @@ class FxFlagRecorder:
 
 
 _ROOTS = None
+# frames between "who wants a graph" and Tracer.trace: fx itself, and decorators/context managers
+PLUMBING = ("torch/fx/", "torch/_compile.py", "torch/_dynamo/eval_frame.py", "torch/utils/_contextlib.py",
+            "<stdlib>/")
 
 
 def _frame_str(f):
@@ -572,8 +589,15 @@ def _frame_str(f):
 #   warm    gate, every shape compiled serially first, then GATE.mark_warm(): shared calls, no compiles
 
 
+STARVED_AFTER_S = 600   # a thread still without its first call this long after --seconds is starved
+
+
 def _tiny(x):
     return torch.sin(x) * 2 + torch.cos(x)
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
 
 
 def _exercise_inputs(kind, device, n):
@@ -591,12 +615,12 @@ def _exercise_inputs(kind, device, n):
         dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
         q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=dtype) for _ in range(3))
         # eager create_block_mask uses vmap, not make_fx: it never raises the FX flag
-        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, B, None, L, L, device=dev)
+        bm = create_block_mask(_causal, B, None, L, L, device=dev)
         out.append((f"L{L}", tuple(q.shape), (q, k, v, bm)))
     return out
 
 
-def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cpu", record=True):
+def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cpu", pace_ms=0.0):
     """The threaded compiled-call exercise in THIS process; returns a JSON-able result.
 
     Only meaningful in a fresh process with a cold cache: use _run_child()."""
@@ -644,15 +668,8 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
     else:
         raise ValueError(f"mode must be nogate, gate or warm, got {mode!r}")
 
-    t0 = time.time()
-    if mode == "warm":   # what warmup.py does: every shape, one at a time, before the threads start
-        with torch.no_grad():
-            for _, _, args in inputs:
-                one_call(*args)
-        gate.mark_warm()
-    warm_s = time.time() - t0
-
     barrier = threading.Barrier(threads)
+    first_done = []   # threads whose first call (the compile) has finished, well or not
 
     def worker(args):
         me = threading.current_thread().name
@@ -676,14 +693,27 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
                     s["fx_errors" if FX_ERROR in msg else "other_errors"] += 1
                     if len(samples) < 5:
                         samples.append(f"{me}: {msg[:300]}")
-                if time.time() >= deadline:
+                if len(first_done) < threads and me not in first_done:
+                    first_done.append(me)
+                # keep calling until every thread has compiled: the others' compiles are the windows
+                if pace_ms:
+                    time.sleep(pace_ms / 1000)
+                now = time.time()
+                if now >= deadline and (len(first_done) >= threads or now >= deadline + STARVED_AFTER_S):
                     break
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         s["run_s"] = round(time.time() - start, 3)
 
     ths = [threading.Thread(target=worker, args=(args,), name=n) for n, (_, _, args) in zip(names, inputs)]
-    with FxFlagRecorder(busy=lambda: [n for n, b in inside.items() if b]) if record else _nullcontext() as rec:
+    with FxFlagRecorder(busy=lambda: [n for n, b in inside.items() if b]) as rec:
+        t0 = time.time()
+        if mode == "warm":   # what warmup.py does: every shape, one at a time, before the threads start
+            with torch.no_grad():
+                for _, _, args in inputs:
+                    one_call(*args)
+            gate.mark_warm()
+        warm_s = time.time() - t0
         for t in ths:
             t.start()
         for t in ths:
@@ -693,9 +723,10 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
     per_thread = [dict(name=n, shape=list(sh), **stats[n],
                        calls_per_s=round(stats[n]["calls"] / max(stats[n]["run_s"], 1e-9), 1))
                   for n, (_, sh, _) in zip(names, inputs)]
-    groups = rec.groups() if record else []
+    groups = rec.groups()
     return {
         "mode": mode, "exercise": kind, "device": str(dev), "threads": threads, "seconds": seconds,
+        "pace_ms": pace_ms,
         "torch": torch.__version__, "torch_git": getattr(torch.version, "git_version", None),
         "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), **_PROBES,
         "natural_race_expected": natural_race_expected(torch.__version__, _PROBES.get("flex_fx_flag_thread_local")),
@@ -705,18 +736,11 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
         "calls_per_s_per_thread": [p["calls_per_s"] for p in per_thread],
         "calls_per_s_total": round(sum(p["calls_per_s"] for p in per_thread), 1),
         "per_thread": per_thread, "error_samples": samples, "warmup_s": round(warm_s, 3),
-        "gate_stats": dict(gate.stats), "flag_raises": sum(g["count"] for g in groups),
-        "entries_with_flag_already_up": dict(rec.already_up) if record else {},
+        "never_called": [n for n in names if stats[n]["calls"] == 0], "gate_stats": dict(gate.stats),
+        "flag_raises": sum(g["count"] for g in groups),
+        "entries_with_flag_already_up": dict(rec.already_up),
         "flag_up_after_run": flag_up_after, "raises": groups,
     }
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # -----------------------------------------------------------------------------
@@ -744,13 +768,13 @@ def _default_device(device):
     return device or ("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
-def run_modes(modes, kind, threads, seconds, device, quiet=False):
+def run_modes(modes, kind, threads, seconds, device, pace_ms=0.0, quiet=False):
     results = []
     for mode in modes:
         if not quiet:
             print(f"[diagnose] mode {mode}: {threads} threads, {kind} on {device}, {seconds:g} s, cold cache "
                   "(compiles take a while)...", file=sys.stderr, flush=True)
-        spec = dict(kind=kind, mode=mode, threads=threads, seconds=seconds, device=device)
+        spec = dict(kind=kind, mode=mode, threads=threads, seconds=seconds, device=device, pace_ms=pace_ms)
         results.append(_run_child(spec, timeout=int(seconds) + 1800))
     return results
 
@@ -776,12 +800,12 @@ def format_fx_trace(results, depth):
             lines.append(f"      requested by:  {g['requested_by']}")
             lines.append(f"      user frame:    {g['user_frame']}")
             if g["busy"]:
-                lines.append("      meanwhile inside compiled calls: "
+                lines.append("      meanwhile inside a compiled call (running it, or queued for dynamo's compile lock): "
                              + ", ".join(f"{t} ({n})" for t, n in sorted(g["busy"].items())))
             frames = g["stack"]
-            # from the innermost user frame down to the tracer; the thread bootstrap above it is noise
-            start = max((j for j, f in enumerate(frames) if f == g["user_frame"]), default=0)
-            frames = frames[start:]
+            # from just above the innermost user frame down to the tracer; the thread bootstrap is noise
+            start = max((j for j, f in enumerate(frames) if f == g["user_frame"]), default=2)
+            frames = frames[start - 2:]
             if len(frames) > depth:
                 frames = frames[:3] + [f"... {len(frames) - depth} frames ..."] + frames[-(depth - 3):]
             lines.append("      stack (innermost last):")
@@ -790,27 +814,33 @@ def format_fx_trace(results, depth):
 
 
 def format_race_table(results):
-    head = f"{'mode':<8} {'FX errors':>9} {'other':>6} {'exposed':>8} {'calls/s per thread':<28} {'total':>9}  first calls (s)"
+    head = (f"{'mode':<7} {'FX err':>6} {'other':>5} {'exposed':>7}  {'calls per thread':<22} "
+            f"{'calls/s per thread':<24} {'total/s':>8}  first call s")
     lines = [head, "-" * len(head)]
     ref = next((r for r in results if not r.get("failed")), None)
     for r in results:
         if r.get("failed"):
-            lines.append(f"{r['mode']:<8} FAILED: {r['failed']}")
+            lines.append(f"{r['mode']:<7} FAILED: {r['failed']}")
             continue
+        calls = " / ".join(str(p["calls"]) for p in r["per_thread"])
         per = " / ".join(f"{x:g}" for x in r["calls_per_s_per_thread"])
         first = " / ".join(f"{p['first_call_s']}" for p in r["per_thread"])
-        lines.append(f"{r['mode']:<8} {r['fx_errors']:>9} {r['other_errors']:>6} {r['exposed_calls']:>8} "
-                     f"{per:<28} {r['calls_per_s_total']:>9g}  {first}")
-        lines += [f"         error: {s}" for s in r["error_samples"][:3]]
+        lines.append(f"{r['mode']:<7} {r['fx_errors']:>6} {r['other_errors']:>5} {r['exposed_calls']:>7}  "
+                     f"{calls:<22} {per:<24} {r['calls_per_s_total']:>8g}  {first}")
+        lines += [f"        error: {s}" for s in r["error_samples"][:3]]
+        if r.get("never_called"):
+            lines.append(f"        never completed a call (starved?): {', '.join(r['never_called'])}")
     if ref:
         lines += ["",
                   f"torch {ref['torch']} (git {str(ref['torch_git'])[:12]}), {ref['exercise']} on {ref['device']}, "
-                  f"{ref['threads']} threads x {ref['seconds']:g} s, shapes "
-                  + ", ".join(str(p["shape"]) for p in ref["per_thread"]),
+                  f"{ref['threads']} threads, each {ref['seconds']:g} s and until every thread has compiled; "
+                  "shapes " + ", ".join(str(p["shape"]) for p in ref["per_thread"]),
                   f"natural race expected on this build: {ref['natural_race_expected']}",
                   "exposed = compiled calls that started while another thread held the FX flag up: an error on "
-                  "torch 2.11 (or a silent dense fallback with error_on_nested_fx_trace=False); masked on "
-                  "2.12/2.13; impossible with the gate."]
+                  "torch 2.11 (or a silent dense fallback with error_on_nested_fx_trace=False), masked on "
+                  "2.12/2.13; the gate must show 0.",
+                  "calls/s include each thread's cold compile (and, with the gate, the wait for the others'); "
+                  "raise --seconds to see steady state."]
     return "\n".join(lines)
 
 
@@ -832,10 +862,13 @@ def main(argv=None):
                     "nogate,gate; fx trace nogate)")
     ap.add_argument("--exercise", choices=("flex", "tiny"), default="flex",
                     help="compiled function: the drafter's flex attention, or a tiny pointwise one (quick)")
+    ap.add_argument("--pace-ms", type=float, default=0.0, help="sleep between a thread's calls (the rest of "
+                    "a training step). 0 hammers: on a small CPU the callers then starve the compiling thread "
+                    "of the GIL and its compile takes ~10x longer")
     ap.add_argument("--device", default=None, help="default cuda:0 when available, else cpu")
-    ap.add_argument("--stack-depth", type=int, default=40, help="frames per stack printed by --fx-trace")
-    ap.add_argument("--cache-dir", default=None, help="compile cache to describe (default: "
-                    "TORCHINDUCTOR_CACHE_DIR or inductor's default)")
+    ap.add_argument("--stack-depth", type=int, default=30, help="frames per stack printed by --fx-trace")
+    ap.add_argument("--cache-dir", default=None, help="compile cache to describe (default: with --against the "
+                    "checkpoint's, else TORCHINDUCTOR_CACHE_DIR or inductor's default)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ap.add_argument("--probe-threads", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -862,14 +895,12 @@ def main(argv=None):
         bad = [m for m in modes if m not in ("nogate", "gate", "warm")]
         if bad:
             ap.error(f"unknown mode(s) {bad}: use nogate, gate, warm")
-        results = run_modes(modes, a.exercise, a.threads, seconds, device, quiet=a.json)
+        results = run_modes(modes, a.exercise, a.threads, seconds, device, a.pace_ms, quiet=a.json)
         obj = {"command": "race-test" if a.race_test else "fx-trace", "device": device, "modes": results}
         text = format_race_table(results) if a.race_test else format_fx_trace(results, a.stack_depth)
         emit(obj, text)
         return 1 if any(r.get("failed") for r in results) else 0
 
-    _PROBES = _thread_probes()   # the CLI is single-threaded: measure in-process, no child needed
-    env = collect_env(a.cache_dir)
     if a.against:
         try:
             old = load_checkpoint_env(a.against)
@@ -878,6 +909,12 @@ def main(argv=None):
                 print(json.dumps({"error": str(e)}))
             print(f"error: {e}", file=sys.stderr)
             return 2
+    _PROBES = _thread_probes()   # the CLI is single-threaded: measure in-process, no child needed
+    cache_dir = a.cache_dir
+    if a.against and not cache_dir:   # the question is about the cache that run used (train_dflash's own)
+        cache_dir = (old.get("compile_cache") or {}).get("path")
+    env = collect_env(cache_dir)
+    if a.against:
         t_old = _env_time(old)
         diffs = diff_env(old, env)
         newer = [r for r in installed_packages() if t_old is None or r[2] > t_old]

@@ -486,6 +486,11 @@ class Trainer:
         self.per_step = len(self.ddevs) * cfg.grad_accum             # batches per optimiser step (this node)
         steps_per_epoch = max(1, self.stream.nb // self.per_step)
         self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
+        if self.world > 1:   # shards differ in size: all ranks must agree (same lr schedule, no hang at the end)
+            import torch.distributed as dist
+            t = torch.tensor([self.total_steps], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            self.total_steps = int(t)
         self.shapes = shape_plan(cfg, cfg.block_size)
         if self.attn == "flex" and any(S % 128 for _, S, _ in self.shapes):
             raise SystemExit(f"error: flex attention needs bucket lengths that are multiples of 128, got "
@@ -518,12 +523,19 @@ class Trainer:
                 p.grad = flat[off: off + p.numel()].view_as(p)
                 off += p.numel()
             opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-            warm = max(1, int(cfg.warmup_frac * self.total_steps))
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
-                1 + math.cos(math.pi * min(1.0, max(0, s + 1 - warm) / max(1, self.total_steps - warm)))))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(self.progress(s), cfg.warmup_frac))
             self.drafters.append(dr); self.opts.append(opt); self.scheds.append(sched); self.flat_grads.append(flat)
         log(f"[model] {len(self.drafters)} drafter replica(s) x {dm.DFlashDrafter.num_trainable(self.drafters[0]) / 1e6:.1f}M "
             f"trainable params on {[str(d) for d in self.ddevs]}; target on {[str(d) for d in self.tdevs]}")
+
+    def progress(self, s):
+        """Fraction of the run done after s+1 steps. With a time budget (--max-minutes), the elapsed
+        fraction of the budget counts too, so a time-limited run still warms up and decays fully."""
+        p = (s + 1) / self.total_steps
+        t_start = getattr(self, "t_start", None)
+        if self.cfg.max_minutes and t_start is not None:
+            p = max(p, (time.time() - t_start) / (60 * self.cfg.max_minutes))
+        return min(1.0, p)
 
     def resume(self):
         """Newest complete checkpoint -> weights, optimiser, schedule, step, data position."""
@@ -567,6 +579,8 @@ class Trainer:
 
     def target_worker(self, ti, load_q, buf):
         dev, model = self.tdevs[ti], self.targets[ti]
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         n = 0
         while True:
             j, S, sids, ids, lm, lengths = self.run.get(load_q)
@@ -584,6 +598,8 @@ class Trainer:
 
     def drafter_worker(self, r, buf, sync):
         cfg, dev, dr = self.cfg, self.ddevs[r], self.drafters[r]
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         R, G = len(self.ddevs), cfg.grad_accum
         step = self.step
         while step < self.total_steps:
@@ -678,6 +694,8 @@ class Trainer:
             mem = (f"{torch.cuda.max_memory_allocated(self.ddevs[0]) / 2**30:.1f}GiB"
                    if self.ddevs[0].type == "cuda" else "-")
             eta = (self.total_steps - step) * (now - self.t_start) / max(1, step - self.step)
+            if cfg.max_minutes:
+                eta = min(eta, 60 * cfg.max_minutes - (now - self.t_start))
             line = (f"step {step}/{self.total_steps} | loss {loss:.4f} | acc@1 {acc[0]:.3f} acc@{bs - 1} {acc[-1]:.3f} "
                     f"| sim_tau {tau:.2f} | lr {rec['lr']:.2e} | gnorm {gnorm:.2f} | {tok_s:,.0f} tok/s "
                     f"| MFU drafter {mfu:.1%} | queues load {self.load_q.qsize()} feat {len(self.buf)} "
@@ -766,7 +784,7 @@ class Trainer:
         self.peak_flops = measure_peak_flops(self.ddevs[0])
         log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s")
         os.makedirs(cfg.out_dir, exist_ok=True)
-        self.metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
+        self.metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl") if self.rank == 0 else os.devnull, "a")
         self.t_busy = [0.0] * len(self.tdevs)
         self.d_busy = [0.0] * len(self.ddevs)
         self.d_sync = [0.0] * len(self.ddevs)
@@ -794,8 +812,26 @@ class Trainer:
             last = list_checkpoints(cfg.out_dir)
             log(f"[FATAL] run stopped. Last intact checkpoint: {last[-1] if last else 'none'}")
             return 1
+        for t in threads:    # loader/target threads leave within one batch; one still inside torch at
+            t.join(60)       # interpreter exit aborts the process ("terminate called...", rc 134)
+        if self.world > 1:
+            self.check_ranks_identical()
         self.summary()
         return 0
+
+    def check_ranks_identical(self):
+        """Every rank must end with the same weights: gather each rank's float64 checksum, compare."""
+        import torch.distributed as dist
+        t = torch.tensor([self.replica_checksums()[0]], dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        got = [torch.zeros_like(t) for _ in range(self.world)]
+        dist.all_gather(got, t)
+        sums = [float(g) for g in got]
+        if len(set(sums)) > 1:
+            raise RuntimeError(f"drafter replicas diverged across ranks: parameter checksums {sums}")
+        if self.rank == 0:
+            self.log(f"[dist] replicas identical across {self.world} ranks: {sums[0]!r}")
 
     def summary(self):
         cfg = self.cfg
@@ -861,6 +897,13 @@ class StepSync:
             self.result = trainer.reduce_and_step(list(self.slots))
         self._wait()
         return self.result
+
+
+def lr_factor(progress, warmup_frac):
+    """Linear warm-up over the first warmup_frac of the run, then cosine decay to 0."""
+    if progress < warmup_frac:
+        return progress / warmup_frac
+    return 0.5 * (1 + math.cos(math.pi * (progress - warmup_frac) / (1 - warmup_frac)))
 
 
 def drafter_step_flops(c, S, A):

@@ -1,0 +1,485 @@
+"""CPU tests of the threaded trainer (train_dflash.py), end to end, as subprocesses.
+
+    python -m pytest -q test_train.py -x          # a few minutes on 2 CPU cores
+
+Every training run is tiny: a random 4-layer Llama/Qwen3 target (hidden 64) with the SmolLM2
+tokenizer, a 2-layer drafter, a handful of steps. What each test asserts is in its name:
+  1. SIGKILL + --resume reproduces the straight run's per-step losses and final weights
+  2. R drafter replicas (and 2 target threads) == one replica on the concatenated batch
+  3. an exception in a target / drafter thread: non-zero exit within seconds, traceback, [FATAL],
+     the last checkpoint intact and loadable
+  4. unknown / mistyped options and bad values are errors that name the option
+  5. malformed JSONL lines and short samples are counted in the log, not fatal
+  6. torchrun, 2 processes (gloo): weights identical across ranks after several steps
+  7. start_training.sh's embedded-default path end to end (135M SmolLM2 target, 2 steps)
+"""
+import json
+import math
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent
+TRAIN = str(REPO / "train_dflash.py")
+TIMEOUT = 120
+
+# The tiny run every test starts from (options are --kebab-case TrainConfig fields).
+TINY = ["--max-length", "256", "--num-anchors", "32", "--block-size", "8", "--num-draft-layers", "2",
+        "--log-interval", "1"]
+
+
+# -----------------------------------------------------------------------------
+# helpers
+
+
+@dataclass
+class Proc:
+    rc: int
+    lines: list          # (monotonic time the line was read, line)
+    t_start: float
+    t_end: float         # when the process had exited
+
+    @property
+    def out(self):
+        return "".join(line for _, line in self.lines)
+
+    def time_of(self, needle):
+        for t, line in self.lines:
+            if needle in line:
+                return t
+        raise AssertionError(f"no line containing {needle!r} in the output:\n{self.tail()}")
+
+    def tail(self, n=60):
+        return "".join(line for _, line in self.lines[-n:])
+
+
+def child_env(**extra):
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")       # 2 shared cores: no oversubscription
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_cmd(cmd, timeout=TIMEOUT, env=None, cwd=REPO):
+    """Run `cmd`, timestamp every output line as it arrives, and kill its process group on timeout."""
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+
+    def reader():
+        for line in p.stdout:
+            lines.append((time.monotonic(), line))
+
+    th = threading.Thread(target=reader, daemon=True)
+    th.start()
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)      # torchrun passes it on to its workers (own sessions)
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        th.join(5)
+        pytest.fail(f"{cmd[:3]}... did not finish within {timeout}s; output tail:\n"
+                    + "".join(x for _, x in lines[-60:]))
+    t_end = time.monotonic()
+    th.join(10)
+    return Proc(rc, lines, t0, t_end)
+
+
+def train(*args, timeout=TIMEOUT):
+    return run_cmd([sys.executable, TRAIN, *map(str, args)], timeout=timeout)
+
+
+def metrics(out_dir):
+    with open(Path(out_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_state(ckpt):
+    return torch.load(Path(ckpt) / "state.pt", map_location="cpu", weights_only=False)
+
+
+def checkpoints(out_dir):
+    return sorted(p.name for p in Path(out_dir).iterdir()
+                  if p.name.startswith("step_") and (p / "DONE").exists())
+
+
+def assert_ok(proc):
+    assert proc.rc == 0, f"exit code {proc.rc}; output tail:\n{proc.tail()}"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -----------------------------------------------------------------------------
+# fixtures: tokenizer, tiny targets, data
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """(SmolLM2 folder, ShareGPT JSONL) of the embedded default: reused if prepared, else built once."""
+    cache = REPO / ".cache"
+    model, data = cache / "SmolLM2-135M-Instruct", cache / "sharegpt_v3.jsonl"
+    if not (model.is_dir() and data.is_file()):
+        import data_dflash
+        model, data = map(Path, data_dflash.prepare_embedded_default(str(cache)))
+    return model, data
+
+
+def _save_tiny(path, cfg_cls, model_cls, tok, **extra):
+    torch.manual_seed(0)
+    cfg = cfg_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  max_position_embeddings=1024, **extra)
+    model_cls(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tok(embedded):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(embedded[0])
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return _save_tiny(tmp_path_factory.mktemp("llama"), LlamaConfig, LlamaForCausalLM, tok)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, tok):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return _save_tiny(tmp_path_factory.mktemp("qwen3"), Qwen3Config, Qwen3ForCausalLM, tok, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))        # tokenised-data cache shared by the tests
+
+
+@pytest.fixture(scope="module")
+def sharegpt(tmp_path_factory, embedded):
+    """The first 120 ShareGPT records (real chats: long, short, truncated, skipped ones)."""
+    path = tmp_path_factory.mktemp("data") / "sharegpt120.jsonl"
+    with open(embedded[1]) as src, open(path, "w") as dst:
+        for _, line in zip(range(120), src):
+            dst.write(line)
+    return str(path)
+
+
+WORDS = ("alpha beta gamma delta river stone cloud green quick slow bright dark table window "
+         "garden music number letter simple answer question model token train draft block "
+         "target layer anchor mask loss step batch queue thread device paper light water").split()
+
+
+def short_chats(path, n, seed=0):
+    """n chats that all tokenise to well under 256 tokens with >= 32 supervised tokens."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            q = f"Question {i}: " + " ".join(rng.choice(WORDS) for _ in range(10)) + "?"
+            a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(50, 80))) + "."
+            f.write(json.dumps({"conversations": [{"from": "human", "value": q},
+                                                  {"from": "gpt", "value": a}]}) + "\n")
+    return str(path)
+
+
+# -----------------------------------------------------------------------------
+# 1. resume
+
+
+def test_sigkill_then_resume_reproduces_the_straight_run_losses(llama, sharegpt, cache_dir, tmp_path):
+    # 12 conversations -> a few samples -> a few batches per epoch: 6 steps x grad_accum 2 cross
+    # epoch boundaries, so the cursor, the per-epoch batch order and per-(sample, epoch) anchors
+    # all have to come back right after the kill.
+    common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 12,
+              "--grad-accum", 2, "--max-steps", 6, "--ckpt-interval", 3]
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+
+    p = train(*common, "--out-dir", straight)
+    assert_ok(p)
+    m = re.search(r"\[data\] \d+ samples on this node, (\d+) batches/epoch", p.out)
+    assert m and int(m.group(1)) < 12, "the run should cross an epoch boundary"
+
+    killed = train(*common, "--out-dir", cut, "--debug-fail", "kill:3")
+    assert killed.rc == -signal.SIGKILL, f"expected SIGKILL, got {killed.rc}\n{killed.tail()}"
+    assert "[debug] SIGKILL after step 3" in killed.out
+    assert checkpoints(cut) == ["step_000003"]
+    assert [r["step"] for r in metrics(cut)] == [1, 2, 3]
+
+    resumed = train(*common, "--out-dir", cut, "--resume")
+    assert_ok(resumed)
+    assert re.search(r"\[resume\] .*step_000003: step 3, batch cursor 6", resumed.out), resumed.tail()
+
+    a, b = metrics(straight), metrics(cut)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for ra, rb in zip(a, b):
+        for key in ("loss", "grad_norm", "lr"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-12), (ra["step"], key, ra[key], rb[key])
+        assert ra["acc"] == rb["acc"]
+    wa = load_state(straight / "step_000006")["master_weights"]
+    wb = load_state(cut / "step_000006")["master_weights"]
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-6, atol=1e-7, msg=lambda s: f"{k}: {s}")
+
+
+# -----------------------------------------------------------------------------
+# 2. replicas
+
+
+def test_two_replicas_equal_one_replica_on_the_concatenated_batch(qwen3, cache_dir, tmp_path):
+    # Why this construction: replica r of step s takes stream batch base + g*R + r, and the stream's
+    # batch order is a permutation over the NUMBER of batches in the epoch, so "R batches of B" and
+    # "1 batch of R*B" are the same samples only when one epoch is exactly one optimiser step.
+    # So: 4 samples, all in the single bucket 256; R=2 x B=2 (2 batches/epoch) vs R=1 x B=4
+    # (1 batch/epoch). Every step then sees all 4 samples in both runs; anchors are drawn per
+    # (sample, epoch), and the weight normaliser is global, so each step's update must agree.
+    # The 2-replica run also uses 2 target threads (features arrive out of order, reorder buffer).
+    data = short_chats(tmp_path / "chats4.jsonl", 4)
+    common = [*TINY, "--target", qwen3, "--data", data, "--cache-dir", cache_dir, "--buckets", "256",
+              "--max-steps", 3, "--ckpt-interval", 1, "--keep-last", 3]
+    two, one = tmp_path / "two", tmp_path / "one"
+    p2 = train(*common, "--out-dir", two, "--drafter-devices", "cpu,cpu", "--target-devices", "cpu,cpu",
+               "--tokens-per-batch", 512)
+    assert_ok(p2)
+    p1 = train(*common, "--out-dir", one, "--drafter-devices", "cpu", "--tokens-per-batch", 1024)
+    assert_ok(p1)
+    assert "[data] 4 samples on this node, 2 batches/epoch, buckets [256], shapes (B,S,A) [(2, 256, 32)]" in p2.out
+    assert "[data] 4 samples on this node, 1 batches/epoch, buckets [256], shapes (B,S,A) [(4, 256, 32)]" in p1.out
+    assert "2 drafter replica(s)" in p2.out and "2 target + 2 drafter threads started" in p2.out
+
+    m2, m1 = metrics(two), metrics(one)
+    assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
+    for r2, r1 in zip(m2, m1):
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-5), r2["step"]
+        assert r2["grad_norm"] == pytest.approx(r1["grad_norm"], rel=1e-4), r2["step"]
+        assert r2["acc"] == pytest.approx(r1["acc"], abs=1e-3), r2["step"]
+
+    from safetensors.torch import load_file
+    for step in (1, 2, 3):
+        name = f"step_{step:06d}"
+        s2, s1 = load_state(two / name), load_state(one / name)
+        sums = s2["replica_checksums"]
+        assert len(sums) == 2 and sums[0] == sums[1], sums
+        assert s2["step"] == s1["step"] == step
+        # fp32 master weights after the step
+        for k in s1["master_weights"]:
+            torch.testing.assert_close(s2["master_weights"][k], s1["master_weights"][k], rtol=0, atol=1e-5,
+                                       msg=lambda s: f"step {step} {k}: {s}")
+        # Adam's moments are the (clipped) summed gradients themselves: sensitive to any scale error,
+        # which the first sign-like Adam update would hide.
+        o2, o1 = s2["optimizer"]["state"], s1["optimizer"]["state"]
+        assert o2.keys() == o1.keys() and len(o1) > 0
+        for i in o1:
+            for key in ("exp_avg", "exp_avg_sq"):
+                a, b = o2[i][key], o1[i][key]        # relative to the tensor's norm: summation order
+                err = float((a - b).norm() / b.norm().clamp(min=1e-30))     # moves tiny entries
+                assert err < 1e-5, (step, i, key, err)
+        # the saved serving weights (bf16): equal up to one bf16 rounding step
+        b2, b1 = load_file(two / name / "drafter" / "model.safetensors"), load_file(one / name / "drafter" / "model.safetensors")
+        for k in b1:
+            assert b1[k].dtype == torch.bfloat16
+            torch.testing.assert_close(b2[k].float(), b1[k].float(), rtol=2 ** -7, atol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# 3. failures in threads
+
+
+@pytest.mark.parametrize("where", ["target", "drafter"])
+def test_exception_in_a_thread_exits_nonzero_within_seconds_with_traceback_and_intact_checkpoint(
+        where, llama, sharegpt, cache_dir, tmp_path):
+    import dflash_model as dm
+    out = tmp_path / "out"
+    # drafter:4 raises at the start of step 4, so steps 1-3 (checkpoint 2) are done.
+    # target:7 raises at the target thread's 7th batch. With --queue-depth 1 the reorder buffer holds
+    # indices < taken + 2, so the target can only have fetched its 7th batch after putting batch 5,
+    # i.e. after the drafter took batch 3 (= began step 4), so checkpoint 2 exists then as well.
+    fail = {"target": "target:7", "drafter": "drafter:4"}[where]
+    p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 60,
+              "--max-steps", 40, "--ckpt-interval", 2, "--queue-depth", 1, "--out-dir", out, "--debug-fail", fail)
+    assert p.rc not in (0, None) and p.rc > 0, f"exit code {p.rc}\n{p.tail()}"
+    assert "injected failure" in p.out and "Traceback" in p.out, p.tail()
+    assert re.search(rf"\[FATAL\] thread {where}-0:cpu failed", p.out), p.tail()
+    assert "[FATAL] run stopped" in p.out
+    # Stops within seconds: the failure happens after warm-up ends (threads start after it), so
+    # "warm-up done -> exit" bounds "failure -> exit" from above.
+    assert p.t_end - p.time_of("[warmup] done") < 30, p.tail()
+    if where == "drafter":
+        assert p.t_end - p.time_of("step 3/40") < 30
+        assert "step 4/40" not in p.out
+    log = (out / "train.log").read_text()
+    assert "injected failure" in log and "[FATAL]" in log
+
+    last = re.search(r"\[FATAL\] run stopped\. Last intact checkpoint: (\S+)", p.out).group(1)
+    assert last != "none"
+    step = int(Path(last).name.split("_")[1])
+    assert step >= 2 and step % 2 == 0 and (step == 2 if where == "drafter" else True)
+    drafter = dm.load_drafter(str(Path(last) / "drafter"))
+    master = load_state(last)["master_weights"]
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, master[k].to(torch.bfloat16).float()), k
+
+
+# -----------------------------------------------------------------------------
+# 4. options
+
+
+def test_unknown_or_mistyped_option_and_bad_value_are_errors(tmp_path):
+    p = train("--max-step", 3, "--out-dir", tmp_path / "a", timeout=60)
+    assert p.rc != 0
+    assert "unknown option --max-step" in p.out and "--max-steps" in p.out, p.out   # names it, suggests
+    p = train("--max-steps", "three", "--out-dir", tmp_path / "b", timeout=60)
+    assert p.rc != 0
+    assert "bad value for --max-steps" in p.out and "three" in p.out, p.out
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()   # nothing started
+
+    import train_dflash as tr
+    for argv, needle in [(["--lr"], "bad value for --lr"),
+                         (["--epochs", "1", "2"], "bad value for --epochs"),
+                         (["--resume", "maybe"], "bad value for --resume"),
+                         (["--attn", "flexx"], "--attn must be auto|flex|sdpa"),
+                         (["--debug-fail", "loader:3"], "--debug-fail"),
+                         (["--block-size", "1"], "block_size >= 2"),
+                         (["--data", "/no/such/file.jsonl"], "data file not found"),
+                         (["max-steps", "3"], "unexpected argument 'max-steps'"),
+                         (["--num_anchors_x", "3"], "unknown option --num_anchors_x")]:
+        with pytest.raises(SystemExit) as e:
+            tr.parse_config(argv)
+        assert needle in str(e.value), (argv, str(e.value))
+    cfg = tr.parse_config(["--max-steps", "3", "--resume", "--data", "a.jsonl", "b.jsonl", "--lr", "1e-3"])
+    assert (cfg.max_steps, cfg.resume, cfg.data, cfg.lr) == (3, True, ["a.jsonl", "b.jsonl"], 1e-3)
+
+
+# -----------------------------------------------------------------------------
+# 5. bad data
+
+
+def _skips(text):
+    m = re.search(r"\| skipped: (.*)", text)
+    assert m, text
+    return {} if m.group(1).strip() == "none" else {
+        k: int(v) for k, v in (kv.split("=") for kv in m.group(1).strip().split(", "))}
+
+
+def test_malformed_jsonl_lines_and_short_samples_are_counted_not_fatal(llama, embedded, tok, tmp_path):
+    import data_dflash
+    clean, dirty = tmp_path / "clean.jsonl", tmp_path / "dirty.jsonl"
+    with open(embedded[1]) as src:
+        good = [line for _, line in zip(range(30), src)]
+    clean.write_text("".join(good))
+    garbage = ["this is not json\n",
+               "[1, 2, 3]\n",                                              # JSON, not a record
+               '{"conversations": "oops"}\n',
+               '{"conversations": [{"from": "human", "value": 5}]}\n',
+               '{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}\n',
+               '{"conversations": [{"from": "human", "value": "hello?"}]}\n',      # no reply
+               '{"conversations": [{"from": "wizard", "value": "x"}, {"from": "gpt", "value": "y"}]}\n']
+    dirty.write_text("".join(good[:10] + garbage[:4] + good[10:] + garbage[4:])
+                     + '{"conversations": [{"from": "human", "val')                 # cut-off last line
+    # the clean file's own skips (real ShareGPT has some), computed the same way
+    base = data_dflash.build_dataset(tok, [str(clean)], 256, 8, str(tmp_path / "c0"), min_supervised=32,
+                                     log=lambda *_: None)["stats"]["skipped"]
+    expect = dict(base)
+    for k, n in {"malformed record": 5, "too few supervised tokens": 1, "no assistant turn": 1,
+                 "unknown role": 1}.items():
+        expect[k] = expect.get(k, 0) + n
+
+    out = tmp_path / "out"
+    p = train(*TINY, "--target", llama, "--data", dirty, "--cache-dir", tmp_path / "c1", "--max-steps", 2,
+              "--out-dir", out)
+    assert_ok(p)
+    assert _skips(p.out) == expect, p.out
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in metrics(out))
+
+
+# -----------------------------------------------------------------------------
+# 6. torchrun
+
+
+def test_torchrun_two_processes_keep_identical_replicas(llama, cache_dir, tmp_path):
+    # 5 samples, one bucket, B=1: rank 0's shard has 3 batches/epoch, rank 1's has 2, so with
+    # --epochs 3 they would plan 9 and 6 steps: the ranks must agree (min: 6), or their lr schedules
+    # differ and rank 0 waits forever in the all-reduce of step 7.
+    data = short_chats(tmp_path / "chats5.jsonl", 5)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           free_port(), TRAIN, *TINY, "--target", llama, "--data", data, "--cache-dir", cache_dir,
+           "--buckets", 256, "--tokens-per-batch", 256, "--epochs", 3, "--ckpt-interval", 3, "--out-dir", out]
+    p = run_cmd([str(c) for c in cmd], timeout=180)
+    assert_ok(p)
+    assert "[dist] rank 0/2 backend gloo" in p.out and "[dist] rank 1/2 backend gloo" in p.out
+    assert re.search(r"\[data\] 3 samples on this node, 3 batches/epoch.*, 6 steps planned", p.out), p.out
+    assert re.search(r"\[data\] 2 samples on this node, 2 batches/epoch.*, 6 steps planned", p.out), p.out
+    m = re.search(r"\[dist\] replicas identical across 2 ranks: (\S+)", p.out)
+    assert m, p.tail()
+    # the cross-rank checksum is that of the saved final weights
+    sums = load_state(out / "step_000006")["replica_checksums"]
+    assert float(m.group(1)) == sums[0]
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]       # rank 0 only writes metrics
+    assert checkpoints(out) == ["step_000003", "step_000006"]
+
+
+# -----------------------------------------------------------------------------
+# 7. the one command
+
+
+def test_start_training_sh_embedded_default_end_to_end(embedded, tmp_path):
+    """No --target / --data: the embedded default (SmolLM2-135M-Instruct + ShareGPT) through
+    start_training.sh, with a tmp cache holding links to the prepared model and a 260-record ShareGPT
+    (the last 200 are held out), so the test neither re-tokenises ShareGPT nor writes into .cache."""
+    import dflash_model as dm
+    from transformers import AutoModelForCausalLM
+    script = REPO / "start_training.sh"
+    assert "DFLASH_SKIP_INSTALL" in script.read_text()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "SmolLM2-135M-Instruct").symlink_to(embedded[0])
+    with open(embedded[1]) as src, open(cache / "sharegpt_v3.jsonl", "w") as dst:
+        for _, line in zip(range(260), src):
+            dst.write(line)
+    out = tmp_path / "out"
+    env = child_env(DFLASH_SKIP_INSTALL="1", PYTHON=sys.executable)
+    p = run_cmd(["bash", str(script), "--max-steps", "2", "--max-length", "128", "--num-anchors", "8",
+                 "--max-samples", "20", "--log-interval", "1", "--cache-dir", str(cache), "--out-dir", str(out)],
+                timeout=300, env=env)
+    logfile = re.search(r"\[start\] logging to (\S+)", p.out)
+    try:
+        assert_ok(p)
+        assert f"[target] {cache}/SmolLM2-135M-Instruct on cpu" in p.out
+        assert (cache / "sharegpt_v3.train.jsonl").is_file() and (cache / "sharegpt_v3.heldout.jsonl").is_file()
+        assert "sharegpt_v3.heldout.jsonl" in p.out              # the eval command uses held-out prompts
+        assert "summary" in p.out and "[ckpt]" in p.out
+        assert [r["step"] for r in metrics(out)] == [1, 2]
+        assert all(math.isfinite(r["loss"]) for r in metrics(out))
+        assert logfile and "summary" in (REPO / logfile.group(1)).read_text()
+        target = AutoModelForCausalLM.from_pretrained(embedded[0])
+        drafter = dm.load_drafter(str(out / "step_000002" / "drafter"), target=target)
+        assert drafter.config.vocab_size == target.config.vocab_size
+        assert drafter.config.target_layer_ids and drafter.config.num_draft_layers == 5
+    finally:
+        if logfile and (REPO / logfile.group(1)).is_file():
+            (REPO / logfile.group(1)).unlink()        # our run's copy of the log in logs/
