@@ -529,13 +529,10 @@ class Trainer:
             f"trainable params on {[str(d) for d in self.ddevs]}; target on {[str(d) for d in self.tdevs]}")
 
     def progress(self, s):
-        """Fraction of the run done after s+1 steps. With a time budget (--max-minutes), the elapsed
-        fraction of the budget counts too, so a time-limited run still warms up and decays fully."""
-        p = (s + 1) / self.total_steps
-        t_start = getattr(self, "t_start", None)
-        if self.cfg.max_minutes and t_start is not None:
-            p = max(p, (time.time() - t_start) / (60 * self.cfg.max_minutes))
-        return min(1.0, p)
+        """Fraction of the run reached at (the middle of) step s, 0-based: never 0 or 1, so no step
+        runs at lr 0. With a time budget (--max-minutes) the elapsed fraction of the budget counts too
+        (agreed by all ranks in reduce_and_step), so a time-limited run still warms up and decays."""
+        return min(1.0, max((s + 0.5) / self.total_steps, getattr(self, "time_frac", 0.0)))
 
     def resume(self):
         """Newest complete checkpoint -> weights, optimiser, schedule, step, data position."""
@@ -593,6 +590,7 @@ class Trainer:
                 hs = model.model(input_ids=x, attention_mask=am, output_hidden_states=True, use_cache=False).hidden_states
                 feats = dm.target_features(hs, self.dcfg.target_layer_ids)
             del hs
+            sync_device(dev)            # busy = device time, not launch time (shared GPU: includes overlap)
             self.t_busy[ti] += time.time() - t0
             buf.put(j, (S, sids, ids, lm, lengths, feats))
 
@@ -627,6 +625,7 @@ class Trainer:
                 loss_sum += loss.detach()
                 hits = hits + acc * cnt
                 counts = counts + cnt
+            sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
             self.d_busy[r] += time.time() - t0
             t1 = time.time()
             stats = torch.cat([loss_sum.float().view(1), hits.float(), counts.float()]).to(dev)
@@ -661,6 +660,15 @@ class Trainer:
             for f in flats[1:]:
                 f.copy_(flats[0])
         self.t_sync_last = time.time() - t0
+        if self.cfg.max_minutes:
+            # The budget clock must be the same on every rank (same lr, same stopping step).
+            frac = torch.tensor([(time.time() - self.t_start) / (60 * self.cfg.max_minutes)], dtype=torch.float64)
+            if self.world > 1:
+                import torch.distributed as dist
+                frac = frac.to(flats[0].device) if dist.get_backend() == "nccl" else frac
+                dist.all_reduce(frac, op=dist.ReduceOp.MAX)
+            self.time_frac = float(frac)
+        self.lr_used = self.opts[0].param_groups[0]["lr"]
         gnorms = []
         for dr, opt, sched, flat in zip(self.drafters, self.opts, self.scheds, flats):
             gnorms.append(torch.nn.utils.clip_grad_norm_(dr.parameters(), self.cfg.clip))
@@ -679,7 +687,7 @@ class Trainer:
         acc = (hits / counts.clamp(min=1)).tolist()
         tau = dm.simulated_tau(acc)
         rec = {"step": step, "loss": loss, "acc": [round(a, 4) for a in acc], "sim_tau": round(tau, 4),
-               "lr": self.scheds[0].get_last_lr()[0], "grad_norm": gnorm, "time": now}
+               "lr": self.lr_used, "grad_norm": gnorm, "time": now}
         if self.first_loss is None:
             self.first_loss = loss
         self.last = rec
@@ -715,7 +723,7 @@ class Trainer:
             self.log(f"[debug] SIGKILL after step {step}")
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        if cfg.max_minutes and self.finish_at is None and now - self.t_start > 60 * cfg.max_minutes:
+        if cfg.max_minutes and self.finish_at is None and self.time_frac >= 1.0:
             self.finish_at = step
             self.log(f"[run] time budget of {cfg.max_minutes} min reached at step {step}")
             if self.rank == 0 and step % cfg.ckpt_interval:
@@ -788,7 +796,7 @@ class Trainer:
         self.t_busy = [0.0] * len(self.tdevs)
         self.d_busy = [0.0] * len(self.ddevs)
         self.d_sync = [0.0] * len(self.ddevs)
-        self.first_loss, self.last, self.finish_at, self.t_sync_last = None, None, None, 0.0
+        self.first_loss, self.last, self.finish_at, self.t_sync_last, self.time_frac = None, None, None, 0.0, 0.0
         self.tokens_done = self.tokens_log = 0
         self.tok_hist = []
         self.t_start = self.t_log = time.time()
@@ -939,6 +947,11 @@ def measure_peak_flops(dev):
     return 2 * n ** 3 * reps / (time.time() - t0)
 
 
+def sync_device(dev):
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+
+
 def list_checkpoints(out_dir):
     if not os.path.isdir(out_dir):
         return []
@@ -948,23 +961,26 @@ def list_checkpoints(out_dir):
 
 
 class Logger:
-    """print + append to <out_dir>/train.log; every run log starts with the environment fingerprint."""
+    """print + append to <out_dir>/train.log; every run log starts with the environment fingerprint.
+    Under torchrun, rank r > 0 writes train.rank<r>.log and prints only failures and warnings."""
 
-    def __init__(self, path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.f = open(path, "a")
+    def __init__(self, out_dir, rank=0):
+        os.makedirs(out_dir, exist_ok=True)
+        self.f = open(os.path.join(out_dir, "train.log" if rank == 0 else f"train.rank{rank}.log"), "a")
+        self.rank = rank
         self.lock = threading.Lock()
 
     def __call__(self, msg):
         with self.lock:
-            print(msg, flush=True)
+            if self.rank == 0 or msg.lstrip().startswith(("[FATAL]", "WARNING", "error")):
+                print(msg if self.rank == 0 else f"[rank {self.rank}] {msg}", flush=True)
             self.f.write(msg + "\n")
             self.f.flush()
 
 
 def main(argv=None):
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
-    log = Logger(os.path.join(cfg.out_dir, "train.log"))
+    log = Logger(cfg.out_dir, int(os.environ.get("RANK", 0)))
     import diagnose
     log("=" * 72)
     log(diagnose.format_report(diagnose.collect_env(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))))
