@@ -96,6 +96,9 @@ def main(argv=None):
         hist.update(acc)
         if not torch.equal(ref, out):
             mismatches.append(describe_mismatch(target, x, ref, out, k))
+        if (k + 1) % 10 == 0:
+            print(f"[eval] {k + 1}/{len(prompts)} prompts: tau so far {sum(taus) / len(taus):.2f}, "
+                  f"speed-up so far {(n_spec / t_spec) / (n_ref / t_ref):.2f}x", flush=True)
     mean_tau = sum(taus) / max(1, len(taus))
     bs = drafter.config.block_size
     print(f"\nmean acceptance length tau = {mean_tau:.3f} over {len(taus)} rounds (block {bs})")
