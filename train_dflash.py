@@ -628,12 +628,14 @@ class Trainer:
             sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
             self.d_busy[r] += time.time() - t0
             t1 = time.time()
-            stats = torch.cat([loss_sum.float().view(1), hits.float(), counts.float()]).to(dev)
+            n_tok = float(sum(int(it[4].sum()) for it in items))          # real (unpadded) target tokens
+            stats = torch.cat([loss_sum.float().view(1), hits.float(), counts.float(),
+                               torch.tensor([n_tok], device=hits.device)]).to(dev)
             gnorm, stats = sync.step(r, self, stats)
             self.d_sync[r] += time.time() - t1
             step += 1
             if r == 0:
-                self.after_step(step, stats, gnorm, sum(int(it[4].sum()) for it in items))
+                self.after_step(step, stats, gnorm)
             sync.barrier(r)            # checkpoint / stop decision seen by all replicas
             if self.finish_at is not None and step >= self.finish_at:
                 break
@@ -677,11 +679,11 @@ class Trainer:
             flat.zero_()
         return float(gnorms[0]), stats
 
-    def after_step(self, step, stats, gnorm, n_tokens):
+    def after_step(self, step, stats, gnorm):
         cfg = self.cfg
         bs = cfg.block_size
         now = time.time()
-        self.tokens_done += n_tokens * len(self.ddevs) * self.world   # replica 0's tokens x replicas
+        self.tokens_done += float(stats[2 * bs - 1])     # summed over replicas and ranks
         loss = float(stats[0])
         hits, counts = stats[1: bs], stats[bs: 2 * bs - 1]
         acc = (hits / counts.clamp(min=1)).tolist()
