@@ -485,3 +485,18 @@ def test_start_training_sh_embedded_default_end_to_end(embedded, tmp_path):
     finally:
         if logfile and (REPO / logfile.group(1)).is_file():
             (REPO / logfile.group(1)).unlink()        # our run's copy of the log in logs/
+
+
+def test_device_lists_auto_split_and_local_rank(monkeypatch):
+    """auto = the original 5 target + 3 drafter split on 8 GPUs; cuda:local = this torchrun process's GPU."""
+    import torch
+    import train_dflash as tr
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    t, d = tr.resolve_devices(tr.parse_config([]))
+    assert [str(x) for x in t] == [f"cuda:{i}" for i in range(5)]
+    assert [str(x) for x in d] == ["cuda:5", "cuda:6", "cuda:7"]
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    t, d = tr.resolve_devices(tr.parse_config(["--target-devices", "cuda:local", "--drafter-devices", "cuda:local"]))
+    assert [str(x) for x in t] == ["cuda:3"] and [str(x) for x in d] == ["cuda:3"]
+    with pytest.raises(SystemExit, match="only 8 CUDA device"):
+        tr.resolve_devices(tr.parse_config(["--target-devices", "cuda:9"]))

@@ -67,7 +67,7 @@ class TrainConfig:
     max_minutes: float = 0.0            # 0 = no time budget; else stop (with a checkpoint) after this
     seed: int = 0
     # devices / compile
-    target_devices: str = "auto"        # e.g. cuda:0,cuda:1 ; "auto": 5/8 of the GPUs, or cpu
+    target_devices: str = "auto"        # e.g. cuda:0,cuda:1 ; "auto": 5/8 of the GPUs, or cpu; cuda:local = LOCAL_RANK
     drafter_devices: str = "auto"
     attn: str = "auto"                  # flex (compiled) | sdpa (dense mask, explicit) | auto: flex on cuda, sdpa on cpu
     on_unwarmed: str = "error"          # error | compile (exclusive, logged)
@@ -151,6 +151,8 @@ def default_gamma(block_size):
 
 def resolve_devices(cfg):
     def parse(s):
+        # "cuda:local" = this process's GPU under torchrun (one process per GPU: --nproc-per-node 8)
+        s = s.replace("local", os.environ.get("LOCAL_RANK", "0"))
         return [torch.device(d.strip()) for d in s.split(",") if d.strip()]
     n = torch.cuda.device_count()
     if cfg.target_devices == "auto" or cfg.drafter_devices == "auto":
