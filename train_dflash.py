@@ -694,6 +694,7 @@ class Trainer:
                "lr": self.lr_used, "grad_norm": gnorm, "time": now}
         if self.first_loss is None:
             self.first_loss = loss
+        self.losses.append(loss)
         self.last = rec
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
@@ -802,7 +803,7 @@ class Trainer:
         self.d_sync = [0.0] * len(self.ddevs)
         self.first_loss, self.last, self.finish_at, self.t_sync_last, self.time_frac = None, None, None, 0.0, 0.0
         self.tokens_done = self.tokens_log = 0
-        self.tok_hist = []
+        self.tok_hist, self.losses = [], []
         self.t_start = self.t_log = time.time()
         self.load_q = queue.Queue(maxsize=cfg.queue_depth * len(self.tdevs))
         self.buf = ReorderBuffer(self.run, self.cursor, cfg.queue_depth * len(self.ddevs) * cfg.grad_accum + len(self.tdevs))
@@ -853,12 +854,15 @@ class Trainer:
                     f"--prompts {cfg.data[0] if cfg.data else self.heldout} "
                     f"--num-prompts 100") if last else "(no checkpoint)"
         busy_t = [f"{b / elapsed:.0%}" for b in self.t_busy]
+        n_avg = max(1, min(20, len(self.losses) // 5))
         busy_d = [f"{b / elapsed:.0%}" for b in self.d_busy]
         self.log("\n".join([
             "=" * 72, "summary",
             f"  steps          {self.last['step'] if self.last else self.step} (this run: from {self.step})",
             f"  tokens/s       {self.tokens_done / max(elapsed, 1e-9):,.0f} (target tokens, {elapsed / 60:.1f} min)",
-            f"  loss           {self.first_loss:.4f} -> {self.last['loss']:.4f}" if self.last else "  loss -",
+            (f"  loss           {self.first_loss:.4f} -> {self.last['loss']:.4f} (mean of the first / last "
+             f"{n_avg} steps: {statistics.mean(self.losses[:n_avg]):.4f} -> {statistics.mean(self.losses[-n_avg:]):.4f})")
+            if self.last else "  loss -",
             f"  simulated tau  {self.last['sim_tau']:.2f}" if self.last else "",
             f"  busy           target {busy_t} drafter {busy_d}",
             f"  checkpoint     {last[-1] if last else 'none'}",
@@ -936,7 +940,7 @@ def drafter_step_flops(c, S, A):
 
 def measure_peak_flops(dev):
     """Matmul rate measured now, on this device (the MFU denominator)."""
-    n, dtype = (8192, torch.bfloat16) if dev.type == "cuda" else (512, torch.float32)
+    n, dtype = (8192, torch.bfloat16) if dev.type == "cuda" else (1024, torch.float32)
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
     for _ in range(3):
