@@ -2,6 +2,8 @@
 
     python bench.py                    # Qwen3-8B-shaped random target, 5-layer drafter, S 3072, 512 anchors
     python bench.py --tiny             # the same code at toy size (CPU: seconds)
+    python bench.py --race-loop        # the compile race on the REAL loop: 3 drafter threads, one GPU,
+                                       # cold caches, several buckets, with and without the gate
 
 Ours:  block mask built by compiled create_block_mask, whole drafter trunk compiled (flex inside).
 Naive: what public DFlash trainers run: only flex_attention compiled, the rest of the drafter eager,
@@ -38,6 +40,7 @@ def parse_args(argv):
     p.add_argument("--pipeline-steps", type=int, default=40)
     p.add_argument("--no-pipeline", action="store_true")
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
+    p.add_argument("--race-loop", action="store_true", help="only the real-loop race check")
     p.add_argument("--json", default="")
     return p.parse_args(argv)
 
@@ -45,6 +48,8 @@ def parse_args(argv):
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     tmp = tempfile.mkdtemp(prefix="dflash_bench_")
+    if a.race_loop:
+        return race_loop(a, tmp)
     import warmup
     cache = warmup.use_compile_cache(a.cache or os.path.join(tmp, "compile_cache"))   # before any compile
     import torch
@@ -214,6 +219,44 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
         if line.startswith("step ") or "[warmup]" in line or "busy" in line:
             log("  | " + line)
     return res
+
+
+def race_loop(a, tmp):
+    """train_dflash.py with 3 drafter replicas on one device and 3 length buckets, each mode from an
+    empty compile cache. Without the gate the replicas compile different shapes while the others
+    run compiled code (the original failure); with it, warm-up compiles serially first."""
+    import torch
+    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    cfg_path = os.path.join(tmp, "tiny.json")
+    with open(cfg_path, "w") as f:
+        json.dump(TINY, f)
+    rows = {}
+    for mode in ("gate", "no-gate"):
+        out = os.path.join(tmp, "race_" + mode)
+        cmd = [sys.executable, "-u", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dflash.py"),
+               "--target", "random:" + cfg_path, "--data", "synthetic:96:varied", "--max-length", "1024",
+               "--buckets", "256,512,1024", "--num-anchors", "128", "--num-draft-layers", "1",
+               "--target-devices", dev, "--drafter-devices", ",".join([dev] * 3), "--max-steps", "24",
+               "--log-interval", "4", "--ckpt-interval", "100000", "--compile-cache", os.path.join(out, "cc"),
+               "--out-dir", out] + (["--no-gate"] if mode == "no-gate" else [])
+        t0 = time.time()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        text = p.stdout + p.stderr
+        with open(os.path.join(tmp, f"race_{mode}.log"), "w") as f:
+            f.write(text)
+        rates = [float(x.replace(",", "")) for x in re.findall(r"\| ([\d,]+) tok/s \|", text)]
+        rows[mode] = {"exit": p.returncode, "fx_errors": text.count("Detected that you are using FX"),
+                      "uncompiled_errors": text.count("ran uncompiled"), "wall_s": round(time.time() - t0, 1),
+                      "median_tok_s": statistics.median(rates[1:]) if len(rates) > 1 else None,
+                      "log": os.path.join(tmp, f"race_{mode}.log")}
+    print(f"{'mode':8s} {'exit':>4s} {'FX errors':>9s} {'uncompiled':>10s} {'tok/s':>9s} {'wall s':>7s}")
+    for mode, r in rows.items():
+        print(f"{mode:8s} {r['exit']:4d} {r['fx_errors']:9d} {r['uncompiled_errors']:10d} "
+              f"{r['median_tok_s'] or 0:9,.0f} {r['wall_s']:7.1f}   {r['log']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

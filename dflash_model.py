@@ -164,7 +164,7 @@ class CompileGate:
                          "while holding the gate exclusively (other threads wait)")
                 self.stats["late_compiles"] += 1
                 t0 = time.time()
-                prior = torch.compiler.set_stance("default")
+                torch.compiler.set_stance("default")
                 try:
                     out = fn(*args, **kwargs)
                 finally:

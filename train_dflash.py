@@ -249,13 +249,20 @@ def make_drafter_config(cfg, tcfg, mask_token_id):
                                               mask_token_id, target_layer_ids=ids)
 
 
-def synthetic_data(n, length, vocab, seed):
-    """Random full-length samples (benchmarks): loss on everything after the first 10%."""
+def synthetic_data(spec, length, vocab, seed):
+    """Random samples for benchmarks: "synthetic:N" = N full-length samples, "synthetic:N:varied" =
+    lengths uniform in [length/8, length] (so every bucket occurs). Loss on all but the first 10%."""
+    parts = spec.split(":")
+    n, varied = int(parts[1]), parts[2:] == ["varied"]
     rng = np.random.default_rng(seed)
-    mask = np.ones(length, dtype=np.uint8)
-    mask[: length // 10] = 0
-    return {"input_ids": [rng.integers(0, vocab, length, dtype=np.int32) for _ in range(n)],
-            "loss_mask": [mask.copy() for _ in range(n)], "stats": {"synthetic": n}}
+    ids, masks = [], []
+    for _ in range(n):
+        L = int(rng.integers(max(2, length // 8), length + 1)) if varied else length
+        m = np.ones(L, dtype=np.uint8)
+        m[: L // 10] = 0
+        ids.append(rng.integers(0, vocab, L, dtype=np.int32))
+        masks.append(m)
+    return {"input_ids": ids, "loss_mask": masks, "stats": {"synthetic": n}}
 
 
 def load_target(path, device, dtype, layer_ids, log=print):
@@ -475,7 +482,7 @@ class Trainer:
             f"attention {self.attn}" + (" (CPU: FlexAttention has no backward, dense-mask SDPA chosen explicitly)"
                                         if self.attn == "sdpa" and self.ddevs[0].type == "cpu" else ""))
         if data_files[0].startswith("synthetic:"):
-            self.data = synthetic_data(int(data_files[0].split(":")[1]), cfg.max_length, vocab, cfg.seed)
+            self.data = synthetic_data(data_files[0], cfg.max_length, vocab, cfg.seed)
         else:
             if self.tok is None:
                 raise SystemExit("error: a random:<config> target has no tokenizer; use --data synthetic:N")
