@@ -871,7 +871,8 @@ class Trainer:
              f"{n_avg} steps: {statistics.mean(self.losses[:n_avg]):.4f} -> {statistics.mean(self.losses[-n_avg:]):.4f})")
             if self.last else "  loss -",
             f"  simulated tau  {self.last['sim_tau']:.2f}" if self.last else "",
-            f"  busy           target {busy_t} drafter {busy_d}",
+            f"  busy           target {busy_t} drafter {busy_d} (share of wall time on device work); "
+            f"drafter wait at the step barrier + sync {[f'{x / elapsed:.0%}' for x in self.d_sync]}",
             f"  checkpoint     {last[-1] if last else 'none'}",
             f"  measure real acceptance:\n    {eval_cmd}", "=" * 72]))
 
