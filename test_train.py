@@ -245,6 +245,18 @@ def test_sigkill_then_resume_reproduces_the_straight_run_losses(llama, sharegpt,
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-6, atol=1e-7, msg=lambda s: f"{k}: {s}")
 
 
+def test_resume_on_a_larger_dataset_continues_with_a_notice(llama, sharegpt, cache_dir, tmp_path):
+    """Resuming with more data than the checkpoint saw: accepted, announced, same epoch position."""
+    common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--ckpt-interval", 2,
+              "--out-dir", tmp_path / "out"]
+    assert_ok(train(*common, "--max-samples", 12, "--max-steps", 2))
+    p = train(*common, "--max-samples", 40, "--max-steps", 4, "--resume")
+    assert_ok(p)
+    assert "[resume] NOTICE: the data set changed" in p.out, p.tail()
+    assert re.search(r"\[resume\] .*step_000002: step 2, batch cursor 2", p.out), p.tail()
+    assert [r["step"] for r in metrics(tmp_path / "out")] == [1, 2, 3, 4]
+
+
 # -----------------------------------------------------------------------------
 # 2. replicas
 
