@@ -512,3 +512,14 @@ def test_device_lists_auto_split_and_local_rank(monkeypatch):
     assert [str(x) for x in t] == ["cuda:3"] and [str(x) for x in d] == ["cuda:3"]
     with pytest.raises(SystemExit, match="only 8 CUDA device"):
         tr.resolve_devices(tr.parse_config(["--target-devices", "cuda:9"]))
+
+
+def test_warmup_cli_prints_the_table_and_records_the_build(llama, tmp_path):
+    """warmup.py: every (device, shape) in a table; the cache folder says which build filled it."""
+    p = run_cmd([sys.executable, str(REPO / "warmup.py"), *TINY, "--target", llama, "--drafter-devices", "cpu,cpu",
+                 "--out-dir", str(tmp_path / "out")])
+    assert_ok(p)
+    rows = re.findall(r"^cpu\s+\((\d+), (\d+), (\d+)\)\s+[\d.]+\s+eager \(sdpa\)$", p.out, re.M)
+    assert [(int(s), int(a)) for _, s, a in rows] == [(64, 16), (128, 16), (256, 32)] * 2, p.out
+    info = json.loads((tmp_path / "out" / "compile_cache" / "dflash_cache_info.json").read_text())
+    assert info["torch"] == torch.__version__ and info["torch_git"] == torch.version.git_version
