@@ -18,8 +18,7 @@ import time
 import torch
 
 import dflash_model as dm
-
-CACHE_INFO = "dflash_cache_info.json"
+from diagnose import CACHE_INFO_FILE as CACHE_INFO   # one name for the file both sides read/write
 
 
 def use_compile_cache(cache_dir, log=print):
