@@ -106,17 +106,18 @@ class CompileGate:
                 self._writer = None
                 self._cond.notify_all()
 
-    @contextmanager
-    def _shared(self):
+    # Shared entry/exit are plain methods (no generator context manager) and exit wakes others only
+    # when a writer waits: this is the hot path, taken by every compiled call after warm-up.
+    def _enter_shared(self):
         with self._cond:
             while self._writer is not None or self._writers_waiting > 0:
                 self._cond.wait()
             self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
+
+    def _exit_shared(self):
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0 and self._writers_waiting:
                 self._cond.notify_all()
 
     @property
@@ -127,14 +128,29 @@ class CompileGate:
     # --- the entry point ----------------------------------------------------------------------
     def run(self, name, device, shape, fn, *args, **kwargs):
         """Call the compiled `fn` for key (name, device, shape) under the gate's rules."""
-        self.configure_thread()
-        self.stats["calls"] += 1
-        if not self.enabled:
-            return fn(*args, **kwargs)
-        if getattr(self._local, "depth", 0) > 0:      # nested gated call: we already hold it
+        local = self._local
+        if getattr(local, "generation", -1) != self.config_generation:
+            self.configure_thread()
+        self.stats["calls"] += 1                       # approximate under threads (no lock): a statistic
+        if not self.enabled or getattr(local, "depth", 0) > 0:   # bypass, or nested: we already hold it
             return fn(*args, **kwargs)
         key = self.key(name, device, shape)
-        self._local.depth = 1
+        if self.warm and key in self.warmed:           # the hot path after warm-up
+            self._enter_shared()
+            local.depth = 1
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as e:
+                if "fail_on_recompile" not in str(e):
+                    raise
+                raise UnwarmedShapeError(
+                    f"compiled call '{name}' {tuple(shape)} on {device} was warmed, but dynamo wants "
+                    "to recompile it now (a guard changed: dtype, grad mode, module or a Python "
+                    f"constant). Refusing: under the warm gate nothing may compile. ({e})") from e
+            finally:
+                local.depth = 0
+                self._exit_shared()
+        local.depth = 1
         try:
             if not self.warm:
                 with self._exclusive():
@@ -142,17 +158,6 @@ class CompileGate:
                     out = fn(*args, **kwargs)
                 self.warmed.add(key)
                 return out
-            if key in self.warmed:
-                with self._shared():
-                    try:
-                        return fn(*args, **kwargs)
-                    except RuntimeError as e:
-                        if "fail_on_recompile" not in str(e):
-                            raise
-                        raise UnwarmedShapeError(
-                            f"compiled call '{name}' {tuple(shape)} on {device} was warmed, but dynamo wants "
-                            "to recompile it now (a guard changed: dtype, grad mode, module or a Python "
-                            f"constant). Refusing: under the warm gate nothing may compile. ({e})") from e
             if self.on_unwarmed != "compile":
                 raise UnwarmedShapeError(
                     f"compiled call '{name}' with shape {tuple(shape)} on {device} was not warmed up. "
