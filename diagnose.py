@@ -315,7 +315,7 @@ def collect_env(cache_dir=None):
     env = {"time": datetime.datetime.fromtimestamp(now).astimezone().isoformat(timespec="seconds"),
            "time_unix": now}
     parts = {"hostname": socket.gethostname, "platform": platform.platform, "cpu_count": os.cpu_count,
-             "python_executable": lambda: sys.executable, "versions": _versions, "gpus": _gpus,
+             "python_executable": lambda: os.path.realpath(sys.executable), "versions": _versions, "gpus": _gpus,
              "env_vars": _env_vars, "compile_cache": lambda: _cache_state(cache_dir),
              "project": _git_state,
              "packages": lambda: {n: v for n, v, _ in sorted(installed_packages(), key=lambda r: r[0].lower())}}
@@ -349,6 +349,12 @@ def _flatten(d, prefix=""):
     return out
 
 
+# Variables warmup.use_compile_cache() sets inside the training process (from the cache path, which is
+# compared on its own): their presence in a checkpoint's env.json and absence in a shell is no change.
+TRAINER_SET_VARS = {"env_vars.TORCHINDUCTOR_FX_GRAPH_CACHE", "env_vars.TORCHINDUCTOR_AUTOGRAD_CACHE",
+                    "env_vars.TRITON_CACHE_DIR"}
+
+
 def diff_env(old, new):
     """[(dotted field, old value, new value)] for every field that differs, sorted by field."""
     # a JSON round trip makes tuples lists and keys strings on both sides, as in env.json
@@ -361,6 +367,8 @@ def diff_env(old, new):
             continue
         if k == "env_vars.TORCHINDUCTOR_CACHE_DIR" and same_cache:
             continue   # inductor exports its default into os.environ on first compile: same cache, no change
+        if k in TRAINER_SET_VARS and same_cache:
+            continue   # warmup.use_compile_cache sets these for the run itself: not the user's environment
         a, b = fo.get(k, MISSING), fn.get(k, MISSING)
         if (a is None and b is MISSING and any(x.startswith(k + ".") for x in fn)) or \
                 (b is None and a is MISSING and any(x.startswith(k + ".") for x in fo)):
