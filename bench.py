@@ -41,6 +41,8 @@ def parse_args(argv):
     p.add_argument("--no-pipeline", action="store_true")
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
     p.add_argument("--race-loop", action="store_true", help="only the real-loop race check")
+    p.add_argument("--compile-scope", default="trunk", choices=["trunk", "layer"],
+                   help="trunk: the whole drafter is one compiled graph; layer: one graph reused per layer")
     p.add_argument("--json", default="")
     return p.parse_args(argv)
 
@@ -98,7 +100,8 @@ def main(argv=None):
     shapes = tr.shape_plan(tcfg, dcfg.block_size) if a.all_shapes else [(1, S, A)]
     attn = "flex" if dev.type == "cuda" else "sdpa"
     t0 = time.time()
-    rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log)
+    rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log, compile_scope=a.compile_scope)
+    res["compile_scope"] = a.compile_scope
     res["warmup_cold_s"] = time.time() - t0
     res["warmup_rows"] = [[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows]
     log(warmup.format_table(rows))
@@ -111,7 +114,8 @@ def main(argv=None):
             if naive:
                 loss = naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev)
             else:
-                loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, attn=attn)
+                loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, attn=attn,
+                                                     compile_scope=a.compile_scope)
         if naive:   # its compiled flex backward compiles lazily: also through the gate
             dm.GATE.run("naive_bwd", dev, (1, S, A), loss.backward)
         else:
@@ -197,6 +201,7 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
            "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S), "--buckets", str(S),
            "--num-anchors", str(A), "--target-devices", str(dev), "--drafter-devices", str(dev),
            "--max-steps", str(a.pipeline_steps), "--log-interval", "5", "--ckpt-interval", "100000",
+           "--compile-scope", a.compile_scope,
            "--compile-cache", cache, "--out-dir", out]
     log("[bench] pipeline: " + " ".join(cmd))
     t0 = time.time()

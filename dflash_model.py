@@ -399,6 +399,11 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), k_ctx, v_ctx, cos_q, sin_q, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def with_context(self, h, ctx, cos_c, sin_c, cos_q, sin_q, attend):
+        """One training layer: project the shared context to this layer's keys/values, then attend."""
+        k_ctx, v_ctx = self.self_attn.kv(ctx, cos_c, sin_c)
+        return self(h, k_ctx, v_ctx, cos_q, sin_q, attend)
+
 
 class DFlashDrafter(nn.Module):
     """Trainable: layers, fc, hidden_norm, norm. Frozen and never saved: the target's embedding and LM head."""
@@ -436,16 +441,20 @@ class DFlashDrafter(nn.Module):
         """(B, S, n_ctx*H) target features -> (B, S, H), computed once, shared by all layers."""
         return self.hidden_norm(self.fc(target_feats))
 
-    def body(self, target_feats, block_ids, ctx_pos, block_pos, attend):
-        """Drafter trunk: returns final-normed hidden states of the block tokens (B, Lq, H)."""
+    def body(self, target_feats, block_ids, ctx_pos, block_pos, attend, run_layer=None):
+        """Drafter trunk: returns final-normed hidden states of the block tokens (B, Lq, H).
+        `run_layer(layer, h, ctx, cos_c, sin_c, cos_q, sin_q)` replaces the plain layer call (the
+        per-layer compiled path); by default each layer runs with `attend`."""
         c = self.config
         ctx = self.context(target_feats)
         h = F.embedding(block_ids, self.embed_weight).to(ctx.dtype)
         cos_c, sin_c = rope_cos_sin(ctx_pos, c.head_dim, c.rope_theta, ctx.dtype)
         cos_q, sin_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, ctx.dtype)
         for layer in self.layers:
-            k_ctx, v_ctx = layer.self_attn.kv(ctx, cos_c, sin_c)
-            h = layer(h, k_ctx, v_ctx, cos_q, sin_q, attend)
+            if run_layer is None:
+                h = layer.with_context(h, ctx, cos_c, sin_c, cos_q, sin_q, attend)
+            else:
+                h = run_layer(layer, h, ctx, cos_c, sin_c, cos_q, sin_q)
         return self.norm(h)
 
 
@@ -499,11 +508,22 @@ def _body_flex_impl(drafter, target_feats, block_ids, ctx_pos, block_pos, block_
                         lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True))
 
 
+def _layer_flex_impl(layer, h, ctx, cos_c, sin_c, cos_q, sin_q, block_mask):
+    _require_compiled("drafter layer (flex)")
+    return layer.with_context(h, ctx, cos_c, sin_c, cos_q, sin_q,
+                              lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True))
+
+
 # The compiled callables. dynamic=False: every shape is its own, fully specialised entry, and the
 # bucketing keeps their number small. They are only ever called through GATE.run.
+#   compile_scope "trunk": the whole drafter trunk is one graph (the measured default);
+#   compile_scope "layer": one layer is the graph, reused by every layer (regional compilation:
+#   a fraction of the compile time; no fusion across layer boundaries).
 compiled_block_mask = torch.compile(_block_mask_impl, dynamic=False, fullgraph=True)
 compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
 compiled_body = torch.compile(_body_flex_impl, dynamic=False, fullgraph=True)
+compiled_layer = torch.compile(_layer_flex_impl, dynamic=False, fullgraph=True)
+COMPILE_SCOPES = ("trunk", "layer")
 
 
 def create_dflash_block_mask(anchors, S, bs):
@@ -638,7 +658,7 @@ def sdpa_attend(mask):
 
 
 def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma,
-                         attn="flex", chunk_rows=2048, weight_sum=None):
+                         attn="flex", chunk_rows=2048, weight_sum=None, compile_scope="trunk"):
     """One training forward: blocks -> mask -> drafter (compiled flex or explicit SDPA) -> loss."""
     c = drafter.config
     B, S = input_ids.shape
@@ -649,8 +669,15 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
     anchors = anchors.to(input_ids.device)
     if attn == "flex":
         bm = create_dflash_block_mask(anchors, S, c.block_size)
-        hidden = GATE.run("drafter_fwd", input_ids.device, (B, S, A, c.block_size), compiled_body,
-                          drafter, target_feats, block_ids, ctx_pos, block_pos, bm)
+        key = (B, S, A, c.block_size)
+        if compile_scope == "trunk":
+            hidden = GATE.run("drafter_fwd", input_ids.device, key, compiled_body,
+                              drafter, target_feats, block_ids, ctx_pos, block_pos, bm)
+        elif compile_scope == "layer":
+            run = lambda layer, *a: GATE.run("drafter_layer", input_ids.device, key, compiled_layer, layer, *a, bm)
+            hidden = drafter.body(target_feats, block_ids, ctx_pos, block_pos, None, run_layer=run)
+        else:
+            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
     elif attn == "sdpa":
         hidden = drafter.body(target_feats, block_ids, ctx_pos, block_pos,
                               sdpa_attend(dense_dflash_mask(anchors, S, c.block_size)))

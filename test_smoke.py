@@ -383,6 +383,27 @@ def test_flex_drafter_forward_equals_sdpa(flex_case):
     assert torch.allclose(acc_f, acc_s)
 
 
+def test_layer_compile_scope_equals_sdpa_with_one_graph_for_all_layers(flex_case):
+    """compile_scope="layer" (regional compilation): same result as the dense path, and every layer
+    of the drafter runs the SAME compiled graph (one compile, not one per layer)."""
+    from torch._dynamo.utils import counters
+    c = flex_case
+    d = c.drafter
+    assert len(d.layers) >= 2
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        loss_l, acc_l, _ = dm.drafter_forward_loss(d, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid,
+                                                   c.gamma, attn="flex", compile_scope="layer")
+        loss_s, acc_s, _ = dm.drafter_forward_loss(d, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid,
+                                                   c.gamma, attn="sdpa")
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert abs(float(loss_l) - float(loss_s)) / abs(float(loss_s)) < 1e-4
+    assert torch.allclose(acc_l, acc_s)
+    with pytest.raises(ValueError, match="compile_scope"):
+        dm.drafter_forward_loss(d, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid, c.gamma,
+                                attn="flex", compile_scope="everything")
+
+
 # -----------------------------------------------------------------------------
 # 5. blocks, labels, weights, loss
 

@@ -72,6 +72,7 @@ class TrainConfig:
     attn: str = "auto"                  # flex (compiled) | sdpa (dense mask, explicit) | auto: flex on cuda, sdpa on cpu
     on_unwarmed: str = "error"          # error | compile (exclusive, logged)
     compile_cache: str = ""             # "" = <out_dir>/compile_cache
+    compile_scope: str = "trunk"        # trunk: whole drafter one graph | layer: one graph reused per layer (faster compile)
     chunk_rows: int = 2048              # LM head + CE rows per chunk
     queue_depth: int = 4
     no_gate: bool = False               # DEBUG ONLY: bypass the compile gate (reproduces the race)
@@ -124,6 +125,8 @@ def validate(cfg):
     errs = []
     if cfg.attn not in ("auto", "flex", "sdpa"):
         errs.append(f"--attn must be auto|flex|sdpa, got {cfg.attn}")
+    if cfg.compile_scope not in dm.COMPILE_SCOPES:
+        errs.append(f"--compile-scope must be one of {'|'.join(dm.COMPILE_SCOPES)}, got {cfg.compile_scope}")
     if cfg.on_unwarmed not in ("error", "compile"):
         errs.append(f"--on-unwarmed must be error|compile, got {cfg.on_unwarmed}")
     if cfg.block_size < 2 or cfg.num_anchors < 1 or cfg.max_length < 2 * cfg.block_size:
@@ -629,7 +632,8 @@ class Trainer:
                 shape = (x.shape[0], S, anchors.shape[1])
                 with warmup.autocast(dev):
                     loss, acc, cnt = dm.drafter_forward_loss(dr, f, x, m, anchors, valid, self.gamma, attn=self.attn,
-                                                             chunk_rows=cfg.chunk_rows, weight_sum=wsum)
+                                                             chunk_rows=cfg.chunk_rows, weight_sum=wsum,
+                                                             compile_scope=cfg.compile_scope)
                 dm.backward(loss, dev, shape, self.attn)
                 loss_sum += loss.detach()
                 hits = hits + acc * cnt
@@ -798,7 +802,7 @@ class Trainer:
             dm.GATE.enabled = False
         else:
             rows = warmup.warm_up(self.drafters, self.shapes, self.gamma, self.attn, cfg.chunk_rows,
-                                  cfg.on_unwarmed, log)
+                                  cfg.on_unwarmed, log, compile_scope=cfg.compile_scope)
             log(warmup.format_table(rows).replace("\n", "\n[warmup] "))
             log(f"[warmup] done in {time.time() - t0:.1f}s")
         self.peak_flops = measure_peak_flops(self.ddevs[0])

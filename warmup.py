@@ -59,7 +59,7 @@ def _cache_counters():
             sum(counters["inductor"].get(k, 0) for k in ("fxgraph_cache_miss",)))
 
 
-def warm_shape(drafter, shape, gamma, attn, chunk_rows):
+def warm_shape(drafter, shape, gamma, attn, chunk_rows, compile_scope="trunk"):
     """One forward + backward of the exact training computation at `shape` = (B, S, A)."""
     B, S, A = shape
     c, dev = drafter.config, drafter.fc.weight.device
@@ -71,7 +71,7 @@ def warm_shape(drafter, shape, gamma, attn, chunk_rows):
     valid = torch.ones(B, A, dtype=torch.bool)
     with autocast(dev):
         loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, loss_mask, anchors, valid, gamma,
-                                             attn=attn, chunk_rows=chunk_rows)
+                                             attn=attn, chunk_rows=chunk_rows, compile_scope=compile_scope)
     dm.backward(loss, dev, shape, attn)
     drafter.zero_grad(set_to_none=False)
     if dev.type == "cuda":
@@ -82,7 +82,8 @@ def autocast(dev):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
 
 
-def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error", log=print):
+def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error", log=print,
+            compile_scope="trunk"):
     """Warm every (replica, shape) serially, size the recompile limit, then mark the gate warm.
 
     Returns the table rows [(device, shape, seconds, 'cache hit' | 'cold compile' | 'eager')].
@@ -97,7 +98,7 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
         for shape in shapes:
             before = _cache_counters()
             t0 = time.time()
-            warm_shape(drafter, shape, gamma, attn, chunk_rows)
+            warm_shape(drafter, shape, gamma, attn, chunk_rows, compile_scope)
             dt = time.time() - t0
             aot_hit, fx_hit, fx_miss = (a - b for a, b in zip(_cache_counters(), before))
             kind = "eager (sdpa)" if attn != "flex" else (
@@ -131,7 +132,8 @@ def main(argv=None):
         torch.manual_seed(cfg.seed)
         drafters.append(dm.DFlashDrafter(dcfg).to(d))
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, attention={attn}")
-    rows = warm_up(drafters, shapes, cfg.gamma or tr.default_gamma(dcfg.block_size), attn, cfg.chunk_rows)
+    rows = warm_up(drafters, shapes, cfg.gamma or tr.default_gamma(dcfg.block_size), attn, cfg.chunk_rows,
+                   cfg.on_unwarmed, compile_scope=cfg.compile_scope)
     print(format_table(rows))
 
 
