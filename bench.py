@@ -2,6 +2,7 @@
 
     python bench.py                    # Qwen3-8B-shaped random target, 5-layer drafter, S 3072, 512 anchors
     python bench.py --tiny             # the same code at toy size (CPU: seconds)
+    python bench.py --gate-overhead    # microseconds a warm gate adds to each compiled call
     python bench.py --race-loop        # the compile race on the REAL loop: 3 drafter threads, one GPU,
                                        # cold caches, several buckets, with and without the gate
 
@@ -41,6 +42,7 @@ def parse_args(argv):
     p.add_argument("--no-pipeline", action="store_true")
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
     p.add_argument("--race-loop", action="store_true", help="only the real-loop race check")
+    p.add_argument("--gate-overhead", action="store_true", help="only: cost of one warm GATE.run (1 and 3 threads)")
     p.add_argument("--compile-scope", default="trunk", choices=["trunk", "layer"],
                    help="trunk: the whole drafter is one compiled graph; layer: one graph reused per layer")
     p.add_argument("--json", default="")
@@ -52,6 +54,8 @@ def main(argv=None):
     tmp = tempfile.mkdtemp(prefix="dflash_bench_")
     if a.race_loop:
         return race_loop(a, tmp)
+    if a.gate_overhead:
+        return gate_overhead()
     import warmup
     cache = warmup.use_compile_cache(a.cache or os.path.join(tmp, "compile_cache"))   # before any compile
     import torch
@@ -223,6 +227,34 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     for line in text.splitlines():
         if line.startswith("step ") or "[warmup]" in line or "busy" in line:
             log("  | " + line)
+    return res
+
+
+def gate_overhead(n=100_000):
+    """Microseconds one warm, shared GATE.run adds around a call (an identity function), alone and
+    with 3 threads calling at once: the price every compiled call pays after warm-up."""
+    import threading
+    import torch
+    import dflash_model as dm
+    fn, x = (lambda t: t), torch.zeros(1)
+    dm.GATE.run("overhead", "cpu", (1,), fn, x)
+    dm.GATE.mark_warm()
+
+    def per_call(gated, threads):
+        def work():
+            for _ in range(n):
+                dm.GATE.run("overhead", "cpu", (1,), fn, x) if gated else fn(x)
+        ts = [threading.Thread(target=work) for _ in range(threads)]
+        t0 = time.perf_counter()
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        return (time.perf_counter() - t0) / (n * threads) * 1e6
+    res = {}
+    for threads in (1, 3):
+        plain = min(per_call(False, threads) for _ in range(3))
+        gated = min(per_call(True, threads) for _ in range(3))
+        res[threads] = gated - plain
+        print(f"[bench] gate overhead, {threads} thread(s): {gated - plain:.2f} us per call")
     return res
 
 
