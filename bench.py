@@ -80,7 +80,7 @@ def main(argv=None):
 
     # --- target forward alone
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target_cfg, _ = tr.load_target_config(tcfg)
+    target_cfg, _ = tr.load_target_config(tcfg.target)
     dcfg = tr.make_drafter_config(tcfg, target_cfg, mask_token_id=spec["vocab_size"] - 1)
     target = tr.load_target(tcfg.target, dev, dtype, dcfg.target_layer_ids, log)
     ids = torch.randint(0, spec["vocab_size"], (1, S), device=dev)

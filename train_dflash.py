@@ -213,10 +213,9 @@ def shape_plan(cfg, block_size):
     return [(batch_size_for(cfg, S), S, anchors_for(cfg, S, block_size)) for S in bucket_list(cfg)]
 
 
-def load_target_config(cfg):
+def load_target_config(path):
     """(config, tokenizer). "random:<config.json>" = random weights from a config (benchmarks), no tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
-    path = target_path(cfg)
     if path.startswith("random:"):
         with open(path[len("random:"):]) as f:
             d = json.load(f)
@@ -272,7 +271,7 @@ def load_target(path, device, dtype, layer_ids, log=print):
     """The target, frozen, cut after the deepest captured layer (+1, whose input we need)."""
     from transformers import AutoModelForCausalLM
     if path.startswith("random:"):    # random weights built directly on the device (benchmarks)
-        tcfg, _ = load_target_config(TrainConfig(target=path))
+        tcfg, _ = load_target_config(path)
         tcfg.num_hidden_layers = min(tcfg.num_hidden_layers, max(layer_ids) + 2)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
@@ -463,14 +462,15 @@ class Trainer:
             log(f"[dist] rank {self.rank}/{self.world} backend {backend}")
         self.tdevs, self.ddevs = resolve_devices(cfg)
         self.attn = resolve_attn(cfg, self.ddevs[0])
-        self.tpath = target_path(cfg)
         data_files = cfg.data
-        if not data_files:
-            if cfg.target:
+        if cfg.target:
+            self.tpath = cfg.target
+            if not data_files:
                 raise SystemExit("error: --data is required with --target")
-            _, train_file, self.heldout = embedded_default(cfg.cache_dir)
-            data_files = [train_file]
-        tcfg, self.tok = load_target_config(cfg)
+        else:                                   # prepared (or found in the cache) once
+            self.tpath, train_file, self.heldout = embedded_default(cfg.cache_dir)
+            data_files = data_files or [train_file]
+        tcfg, self.tok = load_target_config(self.tpath)
         vocab = getattr(tcfg, "text_config", tcfg).vocab_size
         if self.tok is None:     # random target from a config: synthetic data, ids picked by hand
             mask_id, self.pad_id, mask_name = (cfg.mask_token_id if cfg.mask_token_id >= 0 else vocab - 1), 0, "-"
@@ -557,11 +557,13 @@ class Trainer:
             return
         path = ckpts[-1]
         state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
-        from safetensors.torch import load_file
-        sd = load_file(os.path.join(path, "drafter", "model.safetensors"))
+        # the fp32 master weights, not the bf16 serving copy: resuming from that would silently
+        # round every weight
         master = state.get("master_weights")
+        if master is None:
+            raise RuntimeError(f"{path}/state.pt has no master_weights: not a checkpoint of this trainer")
         for dr, opt, sched in zip(self.drafters, self.opts, self.scheds):
-            dr.load_state_dict(master if master is not None else sd, strict=True)
+            dr.load_state_dict(master, strict=True)
             opt.load_state_dict(state["optimizer"])
             sched.load_state_dict(state["scheduler"])
         self.step = state["step"]

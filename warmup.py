@@ -122,7 +122,7 @@ def main(argv=None):
     import train_dflash as tr
     cfg = tr.parse_config(argv if argv is not None else sys.argv[1:])
     use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
-    tcfg, _ = tr.load_target_config(cfg)
+    tcfg, _ = tr.load_target_config(tr.target_path(cfg))
     drafter_devs = tr.resolve_devices(cfg)[1]
     attn = tr.resolve_attn(cfg, drafter_devs[0])
     dcfg = tr.make_drafter_config(cfg, tcfg, mask_token_id=max(cfg.mask_token_id, 0))
