@@ -36,7 +36,9 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--seq", type=int, default=0, help="sequence length (default 3072; tiny 256)")
     p.add_argument("--anchors", type=int, default=0, help="anchors per sequence (default 512; tiny 16)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median reported)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round (median of each round)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per measurement: the median of the "
+                   "round medians is reported, with their min-max as the spread")
     p.add_argument("--all-shapes", action="store_true", help="cold warm-up of every default bucket")
     p.add_argument("--pipeline-steps", type=int, default=40)
     p.add_argument("--no-pipeline", action="store_true")
@@ -88,7 +90,7 @@ def main(argv=None):
         with torch.no_grad():
             hs = target.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
             return dm.target_features(hs, dcfg.target_layer_ids)
-    t_target = median_time(target_fwd, a.steps, dev)
+    t_target = median_time(target_fwd, a.steps, dev, a.rounds, "target_ms")
     n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
     res.update(target_ms=1e3 * t_target, target_tok_s=S / t_target, target_mfu=2 * n_params * S / t_target / peak)
     log(f"[bench] target forward ({len(target.model.layers)} layers): {1e3 * t_target:.1f} ms = "
@@ -128,7 +130,7 @@ def main(argv=None):
         opt.zero_grad(set_to_none=False)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    t_ours = median_time(step, a.steps, dev)
+    t_ours = median_time(step, a.steps, dev, a.rounds, "drafter_ms")
     flops = tr.drafter_step_flops(dcfg, S, A)
     res.update(drafter_ms=1e3 * t_ours, drafter_samples_s=1 / t_ours, drafter_tok_s=S / t_ours,
                drafter_mfu=flops / t_ours / peak, drafter_tflop_per_step=flops / 1e12,
@@ -143,7 +145,7 @@ def main(argv=None):
         t0 = time.time()
         step(naive=True)
         res["naive_first_step_s"] = time.time() - t0
-        t_naive = median_time(lambda: step(naive=True), a.steps, dev)
+        t_naive = median_time(lambda: step(naive=True), a.steps, dev, a.rounds, "naive_ms")
         res.update(naive_ms=1e3 * t_naive, naive_mfu=flops / t_naive / peak, speedup_vs_naive=t_naive / t_ours)
         log(f"[bench] drafter step (naive): {1e3 * t_naive:.1f} ms, MFU {res['naive_mfu']:.1%}; "
             f"ours is {t_naive / t_ours:.2f}x faster")
@@ -158,6 +160,8 @@ def main(argv=None):
         res["pipeline_vs_sum_of_parts"] = res["pipeline_tok_s"] / res["sum_of_parts_tok_s"]
         log(f"[bench] pipeline {res['pipeline_tok_s']:,.0f} tok/s vs sum of parts "
             f"{res['sum_of_parts_tok_s']:,.0f} tok/s: {res['pipeline_vs_sum_of_parts']:.1%}")
+    res["spread_ms"] = {k: [round(1e3 * v[0], 2), round(1e3 * v[1], 2)] for k, v in SPREAD.items()}
+    res["rounds"], res["steps_per_round"] = a.rounds, a.steps
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:
@@ -183,26 +187,39 @@ def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
     return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights)[0]
 
 
-def median_time(fn, n, dev):
+SPREAD = {}   # measurement name -> [min, max] of its round medians (seconds)
+
+
+def median_time(fn, n, dev, rounds=1, name=None):
+    """Median step time: `rounds` rounds of `n` timed steps after 2 untimed ones; the median of the
+    round medians, with their min-max kept in SPREAD[name]."""
     import torch
     for _ in range(2):
         fn()
-    times = []
-    for _ in range(n):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    meds = []
+    for _ in range(rounds):
+        times = []
+        for _ in range(n):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        meds.append(statistics.median(times))
+    if name:
+        SPREAD[name] = [min(meds), max(meds)]
+    return statistics.median(meds)
 
 
 def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     out = os.path.join(tmp, "pipeline_out")
     cmd = [sys.executable, "-u", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dflash.py"),
-           "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S), "--buckets", str(S),
+           "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S),
+           # --all-shapes: every default bucket is warmed (= the warm-cache start of all shapes);
+           # the synthetic samples all have length S, so only the S bucket ever trains
+           *([] if a.all_shapes else ["--buckets", str(S)]),
            "--num-anchors", str(A), "--target-devices", str(dev), "--drafter-devices", str(dev),
            "--max-steps", str(a.pipeline_steps), "--log-interval", "5", "--ckpt-interval", "100000",
            "--compile-scope", a.compile_scope,

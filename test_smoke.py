@@ -432,7 +432,10 @@ def test_make_blocks_hand_worked():
     assert torch.allclose(w, expected, atol=1e-7, rtol=0)
 
 
-def test_dflash_loss_matches_plain_weighted_ce_and_gradient():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_dflash_loss_matches_plain_weighted_ce_and_gradient(compiled):
+    """The chunked LM head + CE, eager (CPU/SDPA path) and compiled through the gate (flex path)."""
+    GATE.reset()
     g = torch.Generator().manual_seed(3)
     B, A, bs, H, V = 2, 3, 5, 16, 50
     hidden = torch.randn(B, A * bs, H, generator=g)
@@ -443,8 +446,13 @@ def test_dflash_loss_matches_plain_weighted_ce_and_gradient():
     N = B * A * (bs - 1)
 
     h1 = hidden.clone().requires_grad_(True)
-    loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=7)
+    loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=7, compiled=compiled)
     assert N > 2 * 7                                                       # several chunks ran
+    assert dm.chunk_bounds(N, 7)[-1][1] == N and len({e - s for s, e in dm.chunk_bounds(N, 7)}) == 1
+    # compiled: every chunk went through the gate as one warmed key (equal chunks: one shape), in
+    # no-grad mode (an autograd.Function's forward runs without grad)
+    with torch.no_grad():
+        assert GATE.is_warmed("ce_chunk", "cpu", (N // len(dm.chunk_bounds(N, 7)), V)) == compiled
     (3.0 * loss).backward()                                                # non-unit upstream gradient
 
     h2 = hidden.clone().requires_grad_(True)
