@@ -47,6 +47,8 @@ def parse_args(argv):
     p.add_argument("--gate-overhead", action="store_true", help="only: cost of one warm GATE.run (1 and 3 threads)")
     p.add_argument("--compile-scope", default="trunk", choices=["trunk", "layer"],
                    help="trunk: the whole drafter is one compiled graph; layer: one graph reused per layer")
+    p.add_argument("--warmup-workers", type=int, default=0,
+                   help="with --all-shapes: cold-compile the shapes in up to N parallel processes first")
     p.add_argument("--json", default="")
     return p.parse_args(argv)
 
@@ -106,8 +108,9 @@ def main(argv=None):
     shapes = tr.shape_plan(tcfg, dcfg.block_size) if a.all_shapes else [(1, S, A)]
     attn = "flex" if dev.type == "cuda" else "sdpa"
     t0 = time.time()
-    rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log, compile_scope=a.compile_scope)
-    res["compile_scope"] = a.compile_scope
+    rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log, compile_scope=a.compile_scope,
+                          workers=a.warmup_workers)
+    res["compile_scope"], res["warmup_workers"] = a.compile_scope, a.warmup_workers
     res["warmup_cold_s"] = time.time() - t0
     res["warmup_rows"] = [[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows]
     log(warmup.format_table(rows))

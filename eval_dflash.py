@@ -12,6 +12,7 @@ speculative output must equal the target's greedy output token for token: any mi
 import argparse
 import collections
 import json
+import os
 import sys
 import time
 
@@ -99,6 +100,8 @@ def main(argv=None):
         if (k + 1) % 10 == 0:
             print(f"[eval] {k + 1}/{len(prompts)} prompts: tau so far {sum(taus) / len(taus):.2f}, "
                   f"speed-up so far {(n_spec / t_spec) / (n_ref / t_ref):.2f}x", flush=True)
+            if a.json:   # partial results survive a run that is stopped early
+                write_json(a.json, summarise(k + 1, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a))
     mean_tau = sum(taus) / max(1, len(taus))
     bs = drafter.config.block_size
     print(f"\nmean acceptance length tau = {mean_tau:.3f} over {len(taus)} rounds (block {bs})")
@@ -110,16 +113,26 @@ def main(argv=None):
     print(f"target-only greedy: {ref_tps:8.1f} tok/s\nDFlash speculative: {spec_tps:8.1f} tok/s"
           f"\nspeed-up: {spec_tps / ref_tps:.2f}x")
     print(f"lossless: {len(prompts) - len(mismatches)}/{len(prompts)} prompts identical to target greedy")
-    result = {"prompts": len(prompts), "mean_tau": mean_tau, "histogram": dict(sorted(hist.items())),
-              "target_tok_s": ref_tps, "dflash_tok_s": spec_tps, "speedup": spec_tps / ref_tps,
-              "mismatches": mismatches, "dtype": a.dtype, "device": str(a.device)}
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(a.json, summarise(len(prompts), taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a))
     for m in mismatches:
         print(f"ERROR: prompt {m['prompt']}: speculative output differs from target greedy at new token "
               f"{m['at']} (target logit margin there {m['margin']:.2e})")
     return 1 if mismatches else 0
+
+
+def summarise(n_prompts, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a):
+    return {"prompts": n_prompts, "mean_tau": sum(taus) / max(1, len(taus)), "rounds": len(taus),
+            "histogram": dict(sorted(hist.items())), "target_tok_s": n_ref / t_ref, "dflash_tok_s": n_spec / t_spec,
+            "speedup": (n_spec / t_spec) / (n_ref / t_ref), "lossless": n_prompts - len(mismatches),
+            "mismatches": mismatches, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "device": str(a.device)}
+
+
+def write_json(path, result):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
 
 
 @torch.no_grad()

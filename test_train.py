@@ -523,3 +523,43 @@ def test_warmup_cli_prints_the_table_and_records_the_build(llama, tmp_path):
     assert [(int(s), int(a)) for _, s, a in rows] == [(64, 16), (128, 16), (256, 32)] * 2, p.out
     info = json.loads((tmp_path / "out" / "compile_cache" / "dflash_cache_info.json").read_text())
     assert info["torch"] == torch.__version__ and info["torch_git"] == torch.version.git_version
+
+
+def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_the_cache(tmp_path, monkeypatch):
+    """warm_up(workers=2): each flex shape cold-compiles in its own process into the shared cache, the
+    in-process warm-up then only loads it; a failing child is an error naming its shape, with its output."""
+    import dflash_model as dm
+    import warmup
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
+        monkeypatch.delenv(k, raising=False)      # use_compile_cache sets them; restored after the test
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")     # the children: 2 shared cores
+    warmup.use_compile_cache(str(tmp_path / "compile_cache"))
+    cfg = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, vocab_size=64, num_target_layers=4, num_draft_layers=1, block_size=16,
+                          mask_token_id=63)
+    # FlexAttention has no backward on CPU: a frozen drafter warms (and its children precompile) the forward
+    drafter = dm.DFlashDrafter(cfg, embed_weight=torch.randn(64, 32)).requires_grad_(False)
+
+    def warm(shapes, workers):
+        torch._dynamo.reset()     # forget in-process compiles: only the disk cache can make a 'cache hit'
+        dm.GATE.reset()
+        lines = []
+        try:
+            rows = warmup.warm_up([drafter], shapes, 7.0, "flex", log=lines.append, workers=workers)
+        finally:
+            dm.GATE.reset()
+        return rows, "\n".join(lines)
+
+    shapes = [(1, 128, 8), (1, 256, 8)]
+    rows, log = warm(shapes, workers=2)
+    for B, S, A in shapes:
+        assert re.search(rf"precompiled B={B} S={S} A={A} in [\d.]+s \(worker\)", log), log
+    assert "precompile of 2 shapes done" in log, log
+    assert [(r[0], r[1], r[3]) for r in rows] == [("cpu", s, "cache hit") for s in shapes], log
+
+    rows, log = warm(shapes, workers=0)               # today's path: no children, the same table
+    assert "worker" not in log and [r[3] for r in rows] == ["cache hit"] * 2, log
+
+    with pytest.raises(RuntimeError, match=r"precompile of shape B=1 S=200 A=8 on cpu failed") as e:
+        warm([(1, 128, 8), (1, 200, 8)], workers=2)   # S=200 breaks flex's 128-tile rule in the child
+    assert "multiples of 128" in str(e.value) and "Traceback" in str(e.value)

@@ -73,6 +73,7 @@ class TrainConfig:
     on_unwarmed: str = "error"          # error | compile (exclusive, logged)
     compile_cache: str = ""             # "" = <out_dir>/compile_cache
     compile_scope: str = "trunk"        # trunk: whole drafter one graph | layer: one graph reused per layer (faster compile)
+    warmup_workers: int = 0             # >0: cold-compile the flex shapes in up to N parallel processes first (N drafters' memory)
     chunk_rows: int = 2048              # LM head + CE rows per chunk
     queue_depth: int = 4
     no_gate: bool = False               # DEBUG ONLY: bypass the compile gate (reproduces the race)
@@ -133,6 +134,8 @@ def validate(cfg):
         errs.append("need block_size >= 2, num_anchors >= 1, max_length >= 2*block_size")
     if cfg.grad_accum < 1 or cfg.keep_last < 1 or cfg.log_interval < 1 or cfg.ckpt_interval < 1:
         errs.append("grad_accum, keep_last, log_interval, ckpt_interval must be >= 1")
+    if cfg.warmup_workers < 0:
+        errs.append(f"--warmup-workers must be >= 0, got {cfg.warmup_workers}")
     if not 0 <= cfg.warmup_frac < 1:
         errs.append("warmup_frac must be in [0, 1)")
     for f in cfg.data:
@@ -534,7 +537,9 @@ class Trainer:
             for p in params:
                 p.grad = flat[off: off + p.numel()].view_as(p)
                 off += p.numel()
-            opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+            # fused: one kernel over all 1B+ params instead of foreach's several passes (H200: ~2x less time)
+            opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                    fused=torch.device(d).type == "cuda")
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(self.progress(s), cfg.warmup_frac))
             self.drafters.append(dr); self.opts.append(opt); self.scheds.append(sched); self.flat_grads.append(flat)
         log(f"[model] {len(self.drafters)} drafter replica(s) x {dm.DFlashDrafter.num_trainable(self.drafters[0]) / 1e6:.1f}M "
@@ -804,7 +809,8 @@ class Trainer:
             dm.GATE.enabled = False
         else:
             rows = warmup.warm_up(self.drafters, self.shapes, self.gamma, self.attn, cfg.chunk_rows,
-                                  cfg.on_unwarmed, log, compile_scope=cfg.compile_scope)
+                                  cfg.on_unwarmed, log, compile_scope=cfg.compile_scope,
+                                  workers=cfg.warmup_workers)
             log(warmup.format_table(rows).replace("\n", "\n[warmup] "))
             log(f"[warmup] done in {time.time() - t0:.1f}s")
         self.peak_flops = measure_peak_flops(self.ddevs[0])
@@ -861,7 +867,9 @@ class Trainer:
 
     def summary(self):
         cfg = self.cfg
-        elapsed = time.time() - self.t_start
+        # the training window: from the threads' start to the last step (not the final checkpoint,
+        # which for a 1B drafter writes ~13 GB and would dilute every rate below)
+        elapsed = (self.last["time"] if self.last else time.time()) - self.t_start
         last = list_checkpoints(cfg.out_dir)
         eval_cmd = (f"python eval_dflash.py --target {self.tpath} --drafter {last[-1]}/drafter "
                     f"--prompts {cfg.data[0] if cfg.data else self.heldout} "
@@ -877,7 +885,7 @@ class Trainer:
              f"{n_avg} steps: {statistics.mean(self.losses[:n_avg]):.4f} -> {statistics.mean(self.losses[-n_avg:]):.4f})")
             if self.last else "  loss -",
             f"  simulated tau  {self.last['sim_tau']:.2f}" if self.last else "",
-            f"  busy           target {busy_t} drafter {busy_d} (share of wall time on device work); "
+            f"  busy           target {busy_t} drafter {busy_d} (share of the training time on device work); "
             f"drafter wait at the step barrier + sync {[f'{x / elapsed:.0%}' for x in self.d_sync]}",
             f"  checkpoint     {last[-1] if last else 'none'}",
             f"  measure real acceptance:\n    {eval_cmd}", "=" * 72]))
