@@ -524,6 +524,11 @@ compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
 compiled_body = torch.compile(_body_flex_impl, dynamic=False, fullgraph=True)
 compiled_layer = torch.compile(_layer_flex_impl, dynamic=False, fullgraph=True)
 COMPILE_SCOPES = ("trunk", "layer")
+# Dynamo cache entries per (device, shape) of the scope's drafter graph. "layer" needs two: the
+# first layer's input (an embedding of the frozen table) does not require grad, every later layer's
+# does, and requires_grad is a guard. (Found on the H200: sized for one, the 5-bucket warm-up hit
+# the recompile limit - loudly, as it should.)
+ENTRIES_PER_SHAPE = {"trunk": 1, "layer": 2}
 
 
 def create_dflash_block_mask(anchors, S, bs):
@@ -610,6 +615,20 @@ def _ce_chunk_impl(logits, y, w):
     return loss, correct, g.to(logits.dtype)
 
 
+def _ce_chunk_eager(logits, y, w):
+    """The same result as _ce_chunk_impl, written for eager execution (fused library kernels,
+    in-place updates): the CPU/SDPA path, and the naive baseline in bench.py."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    tgt = x.gather(1, y[:, None]).squeeze(1)
+    loss = ((lse - tgt) * w).sum()
+    correct = x.argmax(-1) == y
+    g = torch.softmax(x, dim=-1)
+    g[torch.arange(len(y), device=x.device), y] -= 1.0
+    g *= w[:, None]
+    return loss, correct, g.to(logits.dtype)
+
+
 compiled_ce_chunk = torch.compile(_ce_chunk_impl, dynamic=False, fullgraph=True)
 
 
@@ -630,7 +649,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     The LM head is frozen, so the only gradient needed is d loss / d h. It is computed in the forward
     chunk by chunk ((softmax - onehot) * w) @ W and kept (N x H, small), so no chunk of N x vocab
     logits is ever stored for backward and fp32 logits exist for one chunk at a time.
-    `ce` is `_ce_chunk_impl` (eager: CPU, SDPA path) or `gated_ce_chunk` (compiled, through the gate).
+    `ce` is `_ce_chunk_eager` (CPU, SDPA path) or `gated_ce_chunk` (compiled, through the gate).
     """
 
     @staticmethod
@@ -669,7 +688,7 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=2048, weight
     w = weights[:, :, 1:].reshape(-1).float()
     wsum = (w.sum() if weight_sum is None else torch.as_tensor(weight_sum, device=w.device)).clamp(min=1e-6)
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum, chunk_rows,
-                                             gated_ce_chunk if compiled else _ce_chunk_impl)
+                                             gated_ce_chunk if compiled else _ce_chunk_eager)
     sup = (w > 0).view(B * A, bs - 1)
     hits = (correct.view(B * A, bs - 1) & sup).sum(0).float()
     counts = sup.sum(0).float()

@@ -404,6 +404,18 @@ def test_layer_compile_scope_equals_sdpa_with_one_graph_for_all_layers(flex_case
                                 attn="flex", compile_scope="everything")
 
 
+def test_warm_up_sizes_the_recompile_limit_for_the_scope(flex_case):
+    """Each (device, shape) is one dynamo entry of the trunk graph but TWO of the layer graph (the
+    first layer's input does not require grad, later layers' inputs do): the limit must count both,
+    or the warm-up of the last buckets fails (it did on the H200, 5 buckets, limit sized for one)."""
+    import warmup
+    d, shapes = flex_case.drafter, [(1, 128, 8), (1, 256, 8)]
+    for scope, per_shape in (("trunk", 1), ("layer", 2)):
+        GATE.reset()
+        warmup.warm_up([d, d], shapes, 7.0, "sdpa", compile_scope=scope, log=lambda m: None)
+        assert GATE.recompile_limit == 2 * len(shapes) * per_shape + 2
+
+
 # -----------------------------------------------------------------------------
 # 5. blocks, labels, weights, loss
 

@@ -98,7 +98,7 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
     """
     gate = dm.GATE
     # Each replica (= device) and shape is its own dynamo cache entry of each compiled function.
-    limit = len(drafters) * len(shapes) + 2
+    limit = len(drafters) * len(shapes) * dm.ENTRIES_PER_SHAPE[compile_scope] + 2
     if workers > 0 and attn == "flex" and len(shapes) > 1:
         precompile(drafters[0], shapes, gamma, attn, chunk_rows, compile_scope, limit, workers, log)
     gate.set_recompile_limit(limit)
