@@ -50,7 +50,12 @@ def parse_args(argv):
     p.add_argument("--warmup-workers", type=int, default=0,
                    help="with --all-shapes: cold-compile the shapes in up to N parallel processes first")
     p.add_argument("--json", default="")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.steps < 1 or a.rounds < 1:
+        p.error("--steps and --rounds must be >= 1")
+    if a.warmup_workers and not a.all_shapes:
+        p.error("--warmup-workers needs --all-shapes (one shape has nothing to compile in parallel)")
+    return a
 
 
 def main(argv=None):

@@ -636,11 +636,11 @@ def gated_ce_chunk(logits, y, w):
     return GATE.run("ce_chunk", logits.device, tuple(logits.shape), compiled_ce_chunk, logits, y, w)
 
 
-def chunk_bounds(n, chunk_rows):
-    """Equal chunks of at most chunk_rows rows: one compiled CE shape per batch shape, not two."""
+def chunk_plan(n, chunk_rows):
+    """(rows per chunk, chunks): equal chunks of at most chunk_rows rows covering n rows (the last one
+    padded), so a batch shape has ONE compiled CE shape, counted by the recompile limit as one entry."""
     k = max(1, math.ceil(n / chunk_rows))
-    size = math.ceil(n / k)
-    return [(s, min(n, s + size)) for s in range(0, n, size)]
+    return math.ceil(n / k), k
 
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
@@ -654,16 +654,24 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk, ce):
-        N = h.shape[0]
-        grad_h = torch.empty_like(h) if h.requires_grad else None
+        N, need_grad = h.shape[0], h.requires_grad
+        size, k = chunk_plan(N, chunk)
+        if size * k > N:   # padding rows: zero hidden, weight 0 -> no loss, no gradient
+            pad = size * k - N
+            h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
+            labels = torch.cat([labels, labels.new_zeros(pad)])
+            w = torch.cat([w, w.new_zeros(pad)])
+        grad_h = torch.empty_like(h) if need_grad else None
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
-        correct = torch.empty(N, device=h.device, dtype=torch.bool)
-        for s, e in chunk_bounds(N, chunk):
+        correct = torch.empty(size * k, device=h.device, dtype=torch.bool)
+        for s in range(0, size * k, size):
+            e = s + size
             part, correct[s:e], g = ce(h[s:e] @ weight.t(), labels[s:e], w[s:e])
             loss += part
-            if grad_h is not None:
+            if need_grad:
                 grad_h[s:e] = (g @ weight).to(h.dtype)
-        ctx.save_for_backward(grad_h)
+        ctx.save_for_backward(grad_h[:N] if need_grad else None)
+        correct = correct[:N]
         ctx.mark_non_differentiable(correct)
         return loss, correct
 

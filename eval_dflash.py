@@ -73,6 +73,7 @@ def main(argv=None):
     prompts, _ = prompts_from(a.prompts, tok, a.num_prompts, a.skip, a.max_prompt_tokens)
     if not prompts:
         raise SystemExit("error: no usable prompts")
+    a.requested = len(prompts)
     print(f"[eval] {len(prompts)} prompts, target {a.target}, drafter {a.drafter}, {a.dtype} on {a.device}, "
           f"block {drafter.config.block_size}, stop ids {stops}")
     # one untimed round of each, so neither side pays first-call costs in the timings
@@ -122,7 +123,7 @@ def main(argv=None):
 
 
 def summarise(n_prompts, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a):
-    return {"prompts": n_prompts, "mean_tau": sum(taus) / max(1, len(taus)), "rounds": len(taus),
+    return {"prompts": n_prompts, "complete": n_prompts == a.requested, "requested": a.requested, "mean_tau": sum(taus) / max(1, len(taus)), "rounds": len(taus),
             "histogram": dict(sorted(hist.items())), "target_tok_s": n_ref / t_ref, "dflash_tok_s": n_spec / t_spec,
             "speedup": (n_spec / t_spec) / (n_ref / t_ref), "lossless": n_prompts - len(mismatches),
             "mismatches": mismatches, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "device": str(a.device)}

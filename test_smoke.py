@@ -444,9 +444,11 @@ def test_make_blocks_hand_worked():
     assert torch.allclose(w, expected, atol=1e-7, rtol=0)
 
 
+@pytest.mark.parametrize("chunk_rows", [7, 5], ids=["equal-chunks", "padded-last-chunk"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_dflash_loss_matches_plain_weighted_ce_and_gradient(compiled):
-    """The chunked LM head + CE, eager (CPU/SDPA path) and compiled through the gate (flex path)."""
+def test_dflash_loss_matches_plain_weighted_ce_and_gradient(compiled, chunk_rows):
+    """The chunked LM head + CE, eager (CPU/SDPA path) and compiled through the gate (flex path);
+    24 rows in chunks of at most 7 (4 x 6) or 5 (5 x 5, the last one padded)."""
     GATE.reset()
     g = torch.Generator().manual_seed(3)
     B, A, bs, H, V = 2, 3, 5, 16, 50
@@ -458,13 +460,15 @@ def test_dflash_loss_matches_plain_weighted_ce_and_gradient(compiled):
     N = B * A * (bs - 1)
 
     h1 = hidden.clone().requires_grad_(True)
-    loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=7, compiled=compiled)
-    assert N > 2 * 7                                                       # several chunks ran
-    assert dm.chunk_bounds(N, 7)[-1][1] == N and len({e - s for s, e in dm.chunk_bounds(N, 7)}) == 1
-    # compiled: every chunk went through the gate as one warmed key (equal chunks: one shape), in
+    loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=chunk_rows, compiled=compiled)
+    size, k = dm.chunk_plan(N, chunk_rows)
+    assert k > 2 and size * k >= N and size <= chunk_rows                 # several chunks ran
+    assert (size * k > N) == (chunk_rows == 5)
+    # compiled: every chunk went through the gate as ONE warmed key (equal chunks: one shape), in
     # no-grad mode (an autograd.Function's forward runs without grad)
     with torch.no_grad():
-        assert GATE.is_warmed("ce_chunk", "cpu", (N // len(dm.chunk_bounds(N, 7)), V)) == compiled
+        assert GATE.is_warmed("ce_chunk", "cpu", (size, V)) == compiled
+        assert sum(key[0] == "ce_chunk" for key in GATE.warmed) == int(compiled)
     (3.0 * loss).backward()                                                # non-unit upstream gradient
 
     h2 = hidden.clone().requires_grad_(True)

@@ -569,7 +569,12 @@ class Trainer:
             raise RuntimeError(f"{path}/state.pt has no master_weights: not a checkpoint of this trainer")
         for dr, opt, sched in zip(self.drafters, self.opts, self.scheds):
             dr.load_state_dict(master, strict=True)
-            opt.load_state_dict(state["optimizer"])
+            # load_state_dict restores the saved group flags too: keep THIS run's kernel choice (fused
+            # on CUDA), or a checkpoint from another device/version would silently switch it
+            saved = dict(state["optimizer"], param_groups=[
+                dict(g, fused=opt.defaults["fused"], foreach=opt.defaults["foreach"])
+                for g in state["optimizer"]["param_groups"]])
+            opt.load_state_dict(saved)
             sched.load_state_dict(state["scheduler"])
         self.step = state["step"]
         nb_old, cur = state["batches_per_epoch"], state["cursor"]

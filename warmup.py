@@ -99,8 +99,9 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
     gate = dm.GATE
     # Each replica (= device) and shape is its own dynamo cache entry of each compiled function.
     limit = len(drafters) * len(shapes) * dm.ENTRIES_PER_SHAPE[compile_scope] + 2
-    if workers > 0 and attn == "flex" and len(shapes) > 1:
-        precompile(drafters[0], shapes, gamma, attn, chunk_rows, compile_scope, limit, workers, log)
+    precompiled = set()
+    if workers > 0 and attn == "flex":
+        precompiled = precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, limit, workers, log)
     gate.set_recompile_limit(limit)
     gate.on_unwarmed = on_unwarmed
     rows = []
@@ -119,6 +120,9 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
             rows.append((str(dev), shape, dt, kind))
             log(f"[warmup] {str(dev):8s} B={shape[0]:<3d} S={shape[1]:<5d} anchors={shape[2]:<4d} "
                 f"{dt:7.1f}s  {kind}")
+            if kind == "cold compile" and (str(dev), tuple(shape)) in precompiled:
+                log(f"[warmup] NOTICE: {dev} {tuple(shape)} was precompiled by a worker but compiled cold "
+                    "again here: the worker's graph differed from this process's (its compile was wasted)")
     gate.mark_warm()
     return rows
 
@@ -129,63 +133,104 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
 # much faster than one process compiling them in turn. Children are fresh processes: no compile gate,
 # no FX-tracing flag and no threads shared with the parent (which holds nothing while they run). They
 # inherit os.environ, i.e. the cache folders use_compile_cache() put there, and build a drafter the
-# compiled graphs cannot tell from the parent's: the same config, parameter dtype, buffer shapes,
-# strides and dtypes, tying, requires_grad and grad mode (dynamo guards and the cache keys see these;
-# values they do not, so the weights are random and the buffers zeros).
+# compiled graphs cannot tell from the parent's (worker_spec). Compiled artefacts are keyed by device
+# index, so each drafter GPU is precompiled by jobs of its own.
 
 
-def precompile(drafter, shapes, gamma, attn, chunk_rows, compile_scope, recompile_limit, workers, log=print):
-    """Compile each shape once on `drafter`'s device, in child processes, `workers` at a time."""
-    dev = drafter.fc.weight.device
-    meta = lambda t: {"shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype)}
-    spec = {"config": dataclasses.asdict(drafter.config), "device": str(dev),
-            "param_dtype": str(next(drafter.parameters()).dtype),
-            "embed_weight": meta(drafter.embed_weight), "lm_head_weight": meta(drafter.lm_head_weight),
-            "tied": drafter.lm_head_weight.data_ptr() == drafter.embed_weight.data_ptr(),
-            "frozen": [n for n, p in drafter.named_parameters() if not p.requires_grad],
-            "grad_enabled": torch.is_grad_enabled(), "recompile_limit": recompile_limit,
-            "gamma": gamma, "attn": attn, "chunk_rows": chunk_rows, "compile_scope": compile_scope}
-    log(f"[warmup] precompiling {len(shapes)} shapes on {dev} in up to {workers} worker processes")
-    t_all, todo, running = time.time(), list(shapes), []
+def precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, recompile_limit, workers, log=print):
+    """Compile every (drafter device, shape) once, in child processes, `workers` at a time.
+
+    The compiled artefacts are cached per device index, so every drafter GPU is a job of its own (and
+    the children's memory spreads over the GPUs). A child that fails (out of memory: N too high) is
+    reported with the end of its output and skipped: the serial warm-up then compiles that shape
+    itself, and raises any real error. Returns the (device, shape) pairs the children compiled."""
+    devices = list(dict.fromkeys(str(d.fc.weight.device) for d in drafters))
+    jobs = [(dev, tuple(shape)) for dev in devices for shape in shapes]
+    if len(jobs) < 2:
+        return set()
+    specs = {dev: worker_spec(next(d for d in drafters if str(d.fc.weight.device) == dev), gamma, attn,
+                              chunk_rows, compile_scope, recompile_limit) for dev in devices}
+    env = dict(os.environ, DFLASH_PRECOMPILE_PARENT=str(os.getpid()))   # + the cache folders use_compile_cache() set
+    log(f"[warmup] precompiling {len(jobs)} (device, shape) pairs in up to {workers} worker processes")
+    t_all, done, running = time.time(), set(), []
     with tempfile.TemporaryDirectory(prefix="dflash_precompile_") as tmp:
-        spec_path = os.path.join(tmp, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
+        for i, dev in enumerate(devices):
+            with open(os.path.join(tmp, f"spec{i}.json"), "w") as f:
+                json.dump(specs[dev], f)
         try:
-            while todo or running:
-                while todo and len(running) < workers:
-                    shape = todo.pop(0)
-                    out_path = os.path.join(tmp, "B{}_S{}_A{}.log".format(*shape))
+            while jobs or running:
+                while jobs and len(running) < workers:
+                    dev, shape = jobs.pop(0)
+                    spec_path = os.path.join(tmp, f"spec{devices.index(dev)}.json")
+                    out_path = os.path.join(tmp, "{}_B{}_S{}_A{}.log".format(dev.replace(":", ""), *shape))
                     with open(out_path, "w") as out:     # the child keeps its own copy of the descriptor
                         p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--precompile-one",
-                                              spec_path, *map(str, shape)], stdout=out, stderr=subprocess.STDOUT)
-                    running.append((p, shape, out_path, time.time()))
+                                              spec_path, *map(str, shape)], stdout=out, stderr=subprocess.STDOUT,
+                                             env=env)
+                    running.append((p, dev, shape, out_path, time.time()))
                 time.sleep(0.2)
                 for job in [j for j in running if j[0].poll() is not None]:
                     running.remove(job)
-                    p, (B, S, A), out_path, t0 = job
-                    if p.returncode != 0:
-                        with open(out_path) as f:
-                            tail = "".join(f.readlines()[-40:])
-                        raise RuntimeError(f"[warmup] precompile of shape B={B} S={S} A={A} on {dev} failed "
-                                           f"(worker exit code {p.returncode}); its output ends:\n{tail}")
-                    log(f"[warmup] precompiled B={B} S={S} A={A} in {time.time() - t0:.1f}s (worker)")
+                    p, dev, (B, S, A), out_path, t0 = job
+                    if p.returncode == 0:
+                        done.add((dev, (B, S, A)))
+                        log(f"[warmup] precompiled {dev} B={B} S={S} A={A} in {time.time() - t0:.1f}s (worker)")
+                        continue
+                    with open(out_path) as f:
+                        tail = "".join(f.readlines()[-40:])
+                    log(f"[warmup] WARNING: the worker for {dev} B={B} S={S} A={A} failed (exit {p.returncode}); "
+                        f"the serial warm-up compiles it instead. Its output ends:\n{tail}")
         finally:
-            for p, *_ in running:    # failure or Ctrl-C: leave no orphan compiling (and holding GPU memory)
+            for p, *_ in running:    # an error or Ctrl-C here: leave no orphan compiling (and holding GPU memory)
                 p.kill()
                 p.wait()
-    log(f"[warmup] precompile of {len(shapes)} shapes done in {time.time() - t_all:.1f}s wall")
+    log(f"[warmup] precompiled {len(done)} pairs in {time.time() - t_all:.1f}s wall")
+    return done
+
+
+def _die_with_parent():
+    # Linux: ask for SIGKILL when the parent dies for any reason (kill -9, a scheduler's time limit), so
+    # no worker outlives the start it compiles for; if the parent is already gone, stop now. (Done in
+    # the child at start-up, not with preexec_fn, which is unsafe in a parent that runs threads.)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG = 1
+    if str(os.getppid()) != os.environ.get("DFLASH_PRECOMPILE_PARENT", str(os.getppid())):
+        sys.exit("precompile worker: the parent process is gone")
+
+
+def worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, recompile_limit):
+    """What a child needs to build a drafter its compiled graphs cannot tell from `drafter`: the same
+    config, parameter dtype, device, buffer layout (shape, stride, storage offset and size: inductor
+    keys GPU buffers on them), requires_grad, grad mode and (CPU) thread count. Values do not matter."""
+    def layout(t):
+        return {"shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype),
+                "offset": t.storage_offset(), "storage_bytes": t.untyped_storage().nbytes()}
+    return {"config": dataclasses.asdict(drafter.config), "device": str(drafter.fc.weight.device),
+            "param_dtype": str(next(drafter.parameters()).dtype),
+            "embed_weight": layout(drafter.embed_weight), "lm_head_weight": layout(drafter.lm_head_weight),
+            "tied": drafter.lm_head_weight.data_ptr() == drafter.embed_weight.data_ptr(),
+            "frozen": [n for n, p in drafter.named_parameters() if not p.requires_grad],
+            "grad_enabled": torch.is_grad_enabled(), "recompile_limit": recompile_limit,
+            "num_threads": torch.get_num_threads(),   # CPU kernels are generated for a thread count
+            "gamma": gamma, "attn": attn, "chunk_rows": chunk_rows, "compile_scope": compile_scope}
 
 
 def precompile_one(spec_path, shape):
     """Child of precompile(): rebuild the parent's drafter from the spec, compile one shape, exit 0."""
+    _die_with_parent()
     with open(spec_path) as f:
         spec = json.load(f)
     dev = torch.device(spec["device"])
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dtype = lambda s: getattr(torch, s.removeprefix("torch."))
-    buffer = lambda m: torch.empty_strided(m["shape"], m["stride"], dtype=dtype(m["dtype"]), device=dev).zero_()
+
+    def buffer(m):   # the parent's layout in a storage of the parent's size, and NOT a view (dynamo treats views apart)
+        dt = dtype(m["dtype"])
+        storage = torch.zeros(m["storage_bytes"] // dt.itemsize, dtype=dt, device=dev).untyped_storage()
+        return torch.empty(0, dtype=dt, device=dev).set_(storage, m["offset"], m["shape"], m["stride"])
     with torch.device(dev):   # initialise on the device (a Qwen3-8B-sized drafter is slow to init on CPU)
         drafter = dm.DFlashDrafter(dm.DFlashConfig(**spec["config"]), embed_weight=torch.empty(0))
     drafter.to(dtype(spec["param_dtype"]))
@@ -194,6 +239,7 @@ def precompile_one(spec_path, shape):
     for name, p in drafter.named_parameters():
         p.requires_grad_(name not in spec["frozen"])
     torch.set_grad_enabled(spec["grad_enabled"])
+    torch.set_num_threads(spec["num_threads"])
     dm.GATE.set_recompile_limit(spec["recompile_limit"])
     warm_shape(drafter, shape, spec["gamma"], spec["attn"], spec["chunk_rows"], spec["compile_scope"])
 
