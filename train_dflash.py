@@ -719,6 +719,7 @@ class Trainer:
             self.first_loss = loss
         self.losses.append(loss)
         self.last = rec
+        self.busy_at_last = (list(self.t_busy), list(self.d_busy))   # the summary's window ends here
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
         if step % cfg.log_interval == 0 or step == self.total_steps:
@@ -879,9 +880,10 @@ class Trainer:
         eval_cmd = (f"python eval_dflash.py --target {self.tpath} --drafter {last[-1]}/drafter "
                     f"--prompts {cfg.data[0] if cfg.data else self.heldout} "
                     f"--num-prompts 100") if last else "(no checkpoint)"
-        busy_t = [f"{b / elapsed:.0%}" for b in self.t_busy]
+        t_busy, d_busy = self.busy_at_last if self.last else (self.t_busy, self.d_busy)
+        busy_t = [f"{b / elapsed:.0%}" for b in t_busy]
         n_avg = max(1, min(20, len(self.losses) // 5))
-        busy_d = [f"{b / elapsed:.0%}" for b in self.d_busy]
+        busy_d = [f"{b / elapsed:.0%}" for b in d_busy]
         self.log("\n".join([
             "=" * 72, "summary",
             f"  steps          {self.last['step'] if self.last else self.step} (this run: from {self.step})",
