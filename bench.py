@@ -45,8 +45,9 @@ def parse_args(argv):
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
     p.add_argument("--race-loop", action="store_true", help="only the real-loop race check")
     p.add_argument("--gate-overhead", action="store_true", help="only: cost of one warm GATE.run (1 and 3 threads)")
-    p.add_argument("--compile-scope", default="trunk", choices=["trunk", "layer"],
-                   help="trunk: the whole drafter is one compiled graph; layer: one graph reused per layer")
+    p.add_argument("--compile-scope", default="trunk", choices=["trunk", "layer", "flex"],
+                   help="trunk: the whole drafter is one compiled graph; layer: one graph reused per layer; "
+                        "flex: only flex_attention compiled (eager layers); also for --race-loop")
     p.add_argument("--warmup-workers", type=int, default=0,
                    help="with --all-shapes: cold-compile the shapes in up to N parallel processes first")
     p.add_argument("--json", default="")
@@ -286,7 +287,10 @@ def gate_overhead(n=100_000):
 def race_loop(a, tmp):
     """train_dflash.py with 3 drafter replicas on one device and 3 length buckets, each mode from an
     empty compile cache. Without the gate the replicas compile different shapes while the others
-    run compiled code (the original failure); with it, warm-up compiles serially first."""
+    run compiled code (the original failure); with it, warm-up compiles serially first.
+    `--compile-scope flex` runs the original failure's layout: compiled flex entered from eager layers
+    all through the step (with the compiled trunk, a replica enters compiled code only at a step's
+    start, and the race has not shown there)."""
     import torch
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     cfg_path = os.path.join(tmp, "tiny.json")
@@ -300,6 +304,7 @@ def race_loop(a, tmp):
                "--buckets", "256,512,1024", "--num-anchors", "128", "--num-draft-layers", "1",
                "--target-devices", dev, "--drafter-devices", ",".join([dev] * 3), "--max-steps", "24",
                "--log-interval", "4", "--ckpt-interval", "100000", "--compile-cache", os.path.join(out, "cc"),
+               "--compile-scope", a.compile_scope,
                "--out-dir", out] + (["--no-gate"] if mode == "no-gate" else [])
         t0 = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True)

@@ -518,17 +518,19 @@ def _layer_flex_impl(layer, h, ctx, cos_c, sin_c, cos_q, sin_q, block_mask):
 # bucketing keeps their number small. They are only ever called through GATE.run.
 #   compile_scope "trunk": the whole drafter trunk is one graph (the measured default);
 #   compile_scope "layer": one layer is the graph, reused by every layer (regional compilation:
-#   a fraction of the compile time; no fusion across layer boundaries).
+#   a fraction of the compile time; no fusion across layer boundaries);
+#   compile_scope "flex": only flex_attention is compiled, the layers run eagerly (the public
+#   trainers' layout: seconds to compile, slower steps; the block mask and CE stay compiled).
 compiled_block_mask = torch.compile(_block_mask_impl, dynamic=False, fullgraph=True)
 compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
 compiled_body = torch.compile(_body_flex_impl, dynamic=False, fullgraph=True)
 compiled_layer = torch.compile(_layer_flex_impl, dynamic=False, fullgraph=True)
-COMPILE_SCOPES = ("trunk", "layer")
+COMPILE_SCOPES = ("trunk", "layer", "flex")
 # Dynamo cache entries per (device, shape) of the scope's drafter graph. "layer" needs two: the
 # first layer's input (an embedding of the frozen table) does not require grad, every later layer's
 # does, and requires_grad is a guard. (Found on the H200: sized for one, the 5-bucket warm-up hit
 # the recompile limit - loudly, as it should.)
-ENTRIES_PER_SHAPE = {"trunk": 1, "layer": 2}
+ENTRIES_PER_SHAPE = {"trunk": 1, "layer": 2, "flex": 1}
 
 
 def create_dflash_block_mask(anchors, S, bs):
@@ -731,6 +733,9 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
         elif compile_scope == "layer":
             run = lambda layer, *a: GATE.run("drafter_layer", input_ids.device, key, compiled_layer, layer, *a, bm)
             hidden = drafter.body(target_feats, block_ids, ctx_pos, block_pos, None, run_layer=run)
+        elif compile_scope == "flex":
+            hidden = drafter.body(target_feats, block_ids, ctx_pos, block_pos,
+                                  lambda q, k, v: gated_flex_attention(q, k, v, bm))
         else:
             raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
     elif attn == "sdpa":

@@ -72,7 +72,7 @@ class TrainConfig:
     attn: str = "auto"                  # flex (compiled) | sdpa (dense mask, explicit) | auto: flex on cuda, sdpa on cpu
     on_unwarmed: str = "error"          # error | compile (exclusive, logged)
     compile_cache: str = ""             # "" = <out_dir>/compile_cache
-    compile_scope: str = "trunk"        # trunk: whole drafter one graph | layer: one graph reused per layer (faster compile)
+    compile_scope: str = "trunk"        # trunk: whole drafter one graph | layer: one graph reused per layer | flex: only attention
     warmup_workers: int = 0             # >0: cold-compile the flex shapes in up to N parallel processes first (N drafters' memory)
     chunk_rows: int = 2048              # LM head + CE rows per chunk
     queue_depth: int = 4
