@@ -855,6 +855,12 @@ class Trainer:
         if self.world > 1:
             self.check_ranks_identical()
         self.summary()
+        if self.world > 1:
+            # Tear the process group down explicitly, all ranks together: one left to the interpreter's
+            # exit can abort the process ("terminate called without an active exception", seen in CI).
+            import torch.distributed as dist
+            dist.barrier()
+            dist.destroy_process_group()
         return 0
 
     def check_ranks_identical(self):
