@@ -34,6 +34,9 @@ def parse_args(argv):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="float32 keeps batched verification and one-token decoding numerically aligned")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="time budget: stop after the prompt that crosses it and report the prompts done "
+                        "(marked incomplete); 0 = no budget")
     return p.parse_args(argv)
 
 
@@ -85,7 +88,13 @@ def main(argv=None):
     t_ref = t_spec = 0.0
     n_ref = n_spec = 0
     mismatches = []
+    t_start, done = time.time(), 0
     for k, ids in enumerate(prompts):
+        if k and a.max_minutes and time.time() - t_start > 60 * a.max_minutes:
+            print(f"[eval] NOTICE: time budget of {a.max_minutes} min reached after {k} of {len(prompts)} "
+                  "prompts; reporting those (incomplete)")
+            break
+        done = k + 1
         x = torch.tensor([ids], device=a.device)
         sync(a.device); t0 = time.time()
         ref = dm.target_greedy(target, x, a.max_new_tokens, stops)
@@ -113,9 +122,10 @@ def main(argv=None):
     ref_tps, spec_tps = n_ref / t_ref, n_spec / t_spec
     print(f"target-only greedy: {ref_tps:8.1f} tok/s\nDFlash speculative: {spec_tps:8.1f} tok/s"
           f"\nspeed-up: {spec_tps / ref_tps:.2f}x")
-    print(f"lossless: {len(prompts) - len(mismatches)}/{len(prompts)} prompts identical to target greedy")
+    print(f"lossless: {done - len(mismatches)}/{done} prompts identical to target greedy"
+          + ("" if done == len(prompts) else f" (incomplete: {done} of {len(prompts)} prompts)"))
     if a.json:
-        write_json(a.json, summarise(len(prompts), taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a))
+        write_json(a.json, summarise(done, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a))
     for m in mismatches:
         print(f"ERROR: prompt {m['prompt']}: speculative output differs from target greedy at new token "
               f"{m['at']} (target logit margin there {m['margin']:.2e})")
@@ -123,7 +133,8 @@ def main(argv=None):
 
 
 def summarise(n_prompts, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a):
-    return {"prompts": n_prompts, "complete": n_prompts == a.requested, "requested": a.requested, "mean_tau": sum(taus) / max(1, len(taus)), "rounds": len(taus),
+    return {"prompts": n_prompts, "complete": n_prompts == a.requested, "requested": a.requested,
+            "mean_tau": sum(taus) / max(1, len(taus)), "rounds": len(taus),
             "histogram": dict(sorted(hist.items())), "target_tok_s": n_ref / t_ref, "dflash_tok_s": n_spec / t_spec,
             "speedup": (n_spec / t_spec) / (n_ref / t_ref), "lossless": n_prompts - len(mismatches),
             "mismatches": mismatches, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "device": str(a.device)}

@@ -569,3 +569,39 @@ def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_t
     log = "\n".join(lines)
     assert re.search(r"WARNING: the worker for cpu B=1 S=200 A=8 failed \(exit 1\)", log), log
     assert "multiples of 128" in log and "Traceback" in log, log     # the child's own output, reported
+
+
+def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path):
+    """eval_dflash.py end to end (tiny target, untrained drafter, ShareGPT prompts): every prompt is
+    lossless, the JSON is complete and consistent with the printout; a time budget stops after the
+    first prompt and reports that one, marked incomplete."""
+    import dflash_model as dm
+    from transformers import AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(llama)
+    cfg = dm.DFlashConfig.from_target_config(target.config, num_draft_layers=1, block_size=4,
+                                             mask_token_id=target.config.vocab_size - 1)
+    torch.manual_seed(0)
+    dm.save_drafter(dm.DFlashDrafter(cfg).attach_target(target), str(tmp_path / "drafter"))
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"Question {i}: what is {i} + {i}?"},
+                                                  {"from": "gpt", "value": "An answer."}]}) + "\n")
+    base = [sys.executable, str(REPO / "eval_dflash.py"), "--target", llama, "--drafter", str(tmp_path / "drafter"),
+            "--prompts", str(prompts), "--max-new-tokens", "12", "--device", "cpu"]
+
+    p = run_cmd(base + ["--num-prompts", "3", "--json", str(tmp_path / "all.json")])
+    assert_ok(p)
+    res = json.loads((tmp_path / "all.json").read_text())
+    assert res["prompts"] == res["requested"] == 3 and res["complete"] and res["lossless"] == 3, res
+    assert res["mismatches"] == [] and "lossless: 3/3 prompts identical" in p.out
+    assert sum(res["histogram"].values()) == res["rounds"] > 0
+    tau = sum(int(k) * v for k, v in res["histogram"].items()) / res["rounds"]
+    assert abs(tau - res["mean_tau"]) < 1e-9 and 1 <= tau <= 4
+    assert f"mean acceptance length tau = {tau:.3f}" in p.out and "speed-up:" in p.out
+
+    p = run_cmd(base + ["--num-prompts", "3", "--max-minutes", "1e-9", "--json", str(tmp_path / "cut.json")])
+    assert_ok(p)
+    res = json.loads((tmp_path / "cut.json").read_text())
+    assert res["prompts"] == 1 and res["requested"] == 3 and not res["complete"], res
+    assert "time budget of 1e-09 min reached after 1 of 3 prompts" in p.out and "(incomplete: 1 of 3" in p.out
