@@ -98,7 +98,9 @@ def main(argv=None):
         with torch.no_grad():
             hs = target.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
             return dm.target_features(hs, dcfg.target_layer_ids)
-    t_target = median_time(target_fwd, a.steps, dev, a.rounds, "target_ms")
+    res["spread_ms"] = {}
+    t_target, spread = median_time(target_fwd, a.steps, dev, a.rounds)
+    res["spread_ms"]["target_ms"] = [round(1e3 * t, 2) for t in spread]
     n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
     res.update(target_ms=1e3 * t_target, target_tok_s=S / t_target, target_mfu=2 * n_params * S / t_target / peak)
     log(f"[bench] target forward ({len(target.model.layers)} layers): {1e3 * t_target:.1f} ms = "
@@ -139,7 +141,8 @@ def main(argv=None):
         opt.zero_grad(set_to_none=False)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    t_ours = median_time(step, a.steps, dev, a.rounds, "drafter_ms")
+    t_ours, spread = median_time(step, a.steps, dev, a.rounds)
+    res["spread_ms"]["drafter_ms"] = [round(1e3 * t, 2) for t in spread]
     flops = tr.drafter_step_flops(dcfg, S, A)
     res.update(drafter_ms=1e3 * t_ours, drafter_samples_s=1 / t_ours, drafter_tok_s=S / t_ours,
                drafter_mfu=flops / t_ours / peak, drafter_tflop_per_step=flops / 1e12,
@@ -154,7 +157,8 @@ def main(argv=None):
         t0 = time.time()
         step(naive=True)
         res["naive_first_step_s"] = time.time() - t0
-        t_naive = median_time(lambda: step(naive=True), a.steps, dev, a.rounds, "naive_ms")
+        t_naive, spread = median_time(lambda: step(naive=True), a.steps, dev, a.rounds)
+        res["spread_ms"]["naive_ms"] = [round(1e3 * t, 2) for t in spread]
         res.update(naive_ms=1e3 * t_naive, naive_mfu=flops / t_naive / peak, speedup_vs_naive=t_naive / t_ours)
         log(f"[bench] drafter step (naive): {1e3 * t_naive:.1f} ms, MFU {res['naive_mfu']:.1%}; "
             f"ours is {t_naive / t_ours:.2f}x faster")
@@ -169,7 +173,6 @@ def main(argv=None):
         res["pipeline_vs_sum_of_parts"] = res["pipeline_tok_s"] / res["sum_of_parts_tok_s"]
         log(f"[bench] pipeline {res['pipeline_tok_s']:,.0f} tok/s vs sum of parts "
             f"{res['sum_of_parts_tok_s']:,.0f} tok/s: {res['pipeline_vs_sum_of_parts']:.1%}")
-    res["spread_ms"] = {k: [round(1e3 * v[0], 2), round(1e3 * v[1], 2)] for k, v in SPREAD.items()}
     res["rounds"], res["steps_per_round"] = a.rounds, a.steps
     print(json.dumps(res, indent=1))
     if a.json:
@@ -196,12 +199,9 @@ def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
     return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights)[0]
 
 
-SPREAD = {}   # measurement name -> [min, max] of its round medians (seconds)
-
-
-def median_time(fn, n, dev, rounds=1, name=None):
-    """Median step time: `rounds` rounds of `n` timed steps after 2 untimed ones; the median of the
-    round medians, with their min-max kept in SPREAD[name]."""
+def median_time(fn, n, dev, rounds=1):
+    """(median, [min, max]) step time in seconds: `rounds` rounds of `n` timed steps after 2 untimed
+    ones; the median of the round medians and their min-max (the spread)."""
     import torch
     for _ in range(2):
         fn()
@@ -217,9 +217,7 @@ def median_time(fn, n, dev, rounds=1, name=None):
                 torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - t0)
         meds.append(statistics.median(times))
-    if name:
-        SPREAD[name] = [min(meds), max(meds)]
-    return statistics.median(meds)
+    return statistics.median(meds), [min(meds), max(meds)]
 
 
 def pipeline(a, tcfg, cache, tmp, S, A, dev, log):

@@ -10,8 +10,8 @@ fail_on_recompile). The inductor/triton cache is persistent (default: <out_dir>/
 second start hits it; the table says which shapes were cache hits and which were cold compiles.
 The same options as train_dflash.py are accepted (only the model/shape ones matter here).
 
---warmup-workers N (N > 0, flex, several shapes): a cold cache is first filled by up to N child
-processes at once, one shape each (see precompile()); the serial warm-up then finds cache hits.
+--warmup-workers N (N > 0, flex): the cache is first filled by up to N child processes at once, one
+(drafter device, shape) pair each (see precompile()); the serial warm-up then finds cache hits.
 """
 import dataclasses
 import json
@@ -148,24 +148,24 @@ def precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, recompi
     jobs = [(dev, tuple(shape)) for dev in devices for shape in shapes]
     if len(jobs) < 2:
         return set()
-    specs = {dev: worker_spec(next(d for d in drafters if str(d.fc.weight.device) == dev), gamma, attn,
-                              chunk_rows, compile_scope, recompile_limit) for dev in devices}
     env = dict(os.environ, DFLASH_PRECOMPILE_PARENT=str(os.getpid()))   # + the cache folders use_compile_cache() set
     log(f"[warmup] precompiling {len(jobs)} (device, shape) pairs in up to {workers} worker processes")
     t_all, done, running = time.time(), set(), []
     with tempfile.TemporaryDirectory(prefix="dflash_precompile_") as tmp:
+        spec_paths = {}   # one spec per device: its first replica's
         for i, dev in enumerate(devices):
-            with open(os.path.join(tmp, f"spec{i}.json"), "w") as f:
-                json.dump(specs[dev], f)
+            spec_paths[dev] = os.path.join(tmp, f"spec{i}.json")
+            drafter = next(d for d in drafters if str(d.fc.weight.device) == dev)
+            with open(spec_paths[dev], "w") as f:
+                json.dump(worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, recompile_limit), f)
         try:
             while jobs or running:
                 while jobs and len(running) < workers:
                     dev, shape = jobs.pop(0)
-                    spec_path = os.path.join(tmp, f"spec{devices.index(dev)}.json")
                     out_path = os.path.join(tmp, "{}_B{}_S{}_A{}.log".format(dev.replace(":", ""), *shape))
                     with open(out_path, "w") as out:     # the child keeps its own copy of the descriptor
                         p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--precompile-one",
-                                              spec_path, *map(str, shape)], stdout=out, stderr=subprocess.STDOUT,
+                                              spec_paths[dev], *map(str, shape)], stdout=out, stderr=subprocess.STDOUT,
                                              env=env)
                     running.append((p, dev, shape, out_path, time.time()))
                 time.sleep(0.2)
