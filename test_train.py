@@ -10,7 +10,7 @@ tokenizer, a 2-layer drafter, a handful of steps. What each test asserts is in i
      the last checkpoint intact and loadable
   4. unknown / mistyped options and bad values are errors that name the option
   5. malformed JSONL lines and short samples are counted in the log, not fatal
-  6. torchrun, 2 processes (gloo): weights identical across ranks after several steps
+  6. torchrun, 2 processes (gloo): weights bit-identical across ranks after several steps
   7. start_training.sh's embedded-default path end to end (135M SmolLM2 target, 2 steps)
 """
 import json
@@ -281,6 +281,7 @@ def test_two_replicas_equal_one_replica_on_the_concatenated_batch(qwen3, cache_d
     assert "[data] 4 samples on this node, 2 batches/epoch, buckets [256], shapes (B,S,A) [(2, 256, 32)]" in p2.out
     assert "[data] 4 samples on this node, 1 batches/epoch, buckets [256], shapes (B,S,A) [(4, 256, 32)]" in p1.out
     assert "2 drafter replica(s)" in p2.out and "2 target + 2 drafter threads started" in p2.out
+    assert "[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 3" in p2.out, p2.tail()
 
     m2, m1 = metrics(two), metrics(one)
     assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
@@ -428,6 +429,33 @@ def test_malformed_jsonl_lines_and_short_samples_are_counted_not_fatal(llama, em
     assert all(math.isfinite(r["loss"]) for r in metrics(out))
 
 
+def test_replica_check_compares_bytes_and_names_the_diverged_tensor():
+    """The end-of-run check must catch a difference a checksum misses: two entries that differ by
+    +e and -e leave the sum unchanged, and -0.0 == 0.0 for torch.equal but not byte for byte."""
+    import train_dflash as tr
+    tr_ = tr.Trainer.__new__(tr.Trainer)
+    logged = []
+    tr_.log, tr_.world, tr_.last, tr_.step = logged.append, 1, {"step": 7}, 0
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    tr_.drafters = [a, b]
+    tr_.check_replicas_identical()
+    assert "[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 7 (20 parameters each" in logged[-1]
+    with torch.no_grad():
+        b.weight[0, 0] += 0.5
+        b.weight[0, 1] -= 0.5          # the same sum (up to rounding), different bytes
+        b.bias.copy_(a.bias)
+    with pytest.raises(RuntimeError, match=r"diverged after step 7: 1 parameter tensor\(s\) differ.*replica 1: weight"):
+        tr_.check_replicas_identical()
+    with torch.no_grad():
+        b.weight.copy_(a.weight)
+        a.bias[0], b.bias[0] = 0.0, -0.0
+    assert torch.equal(a.bias, b.bias)               # what a value comparison would accept
+    with pytest.raises(RuntimeError, match="replica 1: bias"):
+        tr_.check_replicas_identical()
+
+
 # -----------------------------------------------------------------------------
 # 6. torchrun
 
@@ -448,9 +476,10 @@ def test_torchrun_two_processes_keep_identical_replicas(llama, cache_dir, tmp_pa
     assert "[dist] rank 1/2" not in p.out
     assert re.search(r"\[data\] 3 samples on this node, 3 batches/epoch.*, 6 steps planned", p.out), p.out
     assert re.search(r"\[data\] 2 samples on this node, 2 batches/epoch.*, 6 steps planned", rank1), rank1
-    m = re.search(r"\[dist\] replicas identical across 2 ranks: (\S+)", p.out)
+    m = re.search(r"\[replicas\] 1 replica\(s\) x 2 rank\(s\) bit-identical after step 6 .*checksum (\S+)\)",
+                  p.out)
     assert m, p.tail()
-    # the cross-rank checksum is that of the saved final weights
+    # the checksum is that of the saved final weights
     sums = load_state(out / "step_000006")["replica_checksums"]
     assert float(m.group(1)) == sums[0]
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]       # rank 0 only writes metrics

@@ -852,8 +852,8 @@ class Trainer:
             return 1
         for t in threads:    # loader/target threads leave within one batch; one still inside torch at
             t.join(60)       # interpreter exit aborts the process ("terminate called...", rc 134)
-        if self.world > 1:
-            self.check_ranks_identical()
+        if len(self.drafters) > 1 or self.world > 1:
+            self.check_replicas_identical()
         self.summary()
         if self.world > 1:
             # Tear the process group down explicitly, all ranks together: one left to the interpreter's
@@ -863,19 +863,36 @@ class Trainer:
             dist.destroy_process_group()
         return 0
 
-    def check_ranks_identical(self):
-        """Every rank must end with the same weights: gather each rank's float64 checksum, compare."""
-        import torch.distributed as dist
-        t = torch.tensor([self.replica_checksums()[0]], dtype=torch.float64)
-        if dist.get_backend() == "nccl":
-            t = t.cuda()
-        got = [torch.zeros_like(t) for _ in range(self.world)]
-        dist.all_gather(got, t)
-        sums = [float(g) for g in got]
-        if len(set(sums)) > 1:
-            raise RuntimeError(f"drafter replicas diverged across ranks: parameter checksums {sums}")
-        if self.rank == 0:
-            self.log(f"[dist] replicas identical across {self.world} ranks: {sums[0]!r}")
+    def check_replicas_identical(self):
+        """Every replica, in this process and on every rank, must end bit-identical to replica 0 of
+        rank 0: each parameter's bytes are compared (a checksum could hide offsetting differences)."""
+        ref = list(self.drafters[0].named_parameters())
+        n_params = sum(p.numel() for _, p in ref)
+        bad = []
+        for r, dr in enumerate(self.drafters[1:], 1):
+            for (name, p0), p in zip(ref, dr.parameters()):
+                if not torch.equal(as_bytes(p0), as_bytes(p.to(p0.device))):
+                    bad.append(f"replica {r}: {name}")
+        if self.world > 1:
+            import torch.distributed as dist
+            for name, p0 in ref:
+                theirs = p0.detach().clone()
+                dist.broadcast(theirs, 0)                     # rank 0's bytes, to every rank
+                if not torch.equal(as_bytes(theirs), as_bytes(p0)):
+                    bad.append(f"rank {self.rank}: {name}")
+            n_bad = torch.tensor([len(bad)], device=ref[0][1].device)
+            dist.all_reduce(n_bad)
+            if int(n_bad) and not bad:
+                bad.append(f"(another rank: {int(n_bad)} tensors)")
+        if bad:
+            raise RuntimeError(f"drafter replicas diverged after step {self.last_step()}: {len(bad)} parameter "
+                               f"tensor(s) differ, first {bad[:5]}")
+        self.log(f"[replicas] {len(self.drafters)} replica(s) x {self.world} rank(s) bit-identical after step "
+                 f"{self.last_step()} ({n_params:,} parameters each, compared byte for byte; checksum "
+                 f"{self.replica_checksums()[0]!r})")
+
+    def last_step(self):
+        return self.last["step"] if self.last else self.step
 
     def summary(self):
         cfg = self.cfg
@@ -988,6 +1005,11 @@ def measure_peak_flops(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return 2 * n ** 3 * reps / (time.time() - t0)
+
+
+def as_bytes(t):
+    """A tensor's raw bytes (bit-exact comparison: torch.equal on floats treats -0.0 == 0.0)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def sync_device(dev):
