@@ -5,6 +5,8 @@
     python bench.py --gate-overhead    # microseconds a warm gate adds to each compiled call
     python bench.py --race-loop        # the compile race on the REAL loop: 3 drafter threads, one GPU,
                                        # cold caches, several buckets, with and without the gate
+    python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1 --pipeline-steps 100
+                                       # only the real loop, on any device layout (several GPUs)
 
 Ours:  block mask built by compiled create_block_mask, whole drafter trunk compiled (flex inside).
 Naive: what public DFlash trainers run: only flex_attention compiled, the rest of the drafter eager,
@@ -40,7 +42,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per measurement: the median of the "
                    "round medians is reported, with their min-max as the spread")
     p.add_argument("--all-shapes", action="store_true", help="cold warm-up of every default bucket")
-    p.add_argument("--pipeline-steps", type=int, default=40)
+    p.add_argument("--pipeline-steps", type=int, default=40, help="optimiser steps of the pipeline run")
     p.add_argument("--no-pipeline", action="store_true")
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
     p.add_argument("--race-loop", action="store_true", help="only the real-loop race check")
@@ -50,8 +52,15 @@ def parse_args(argv):
                         "flex: only flex_attention compiled (eager layers); also for --race-loop")
     p.add_argument("--warmup-workers", type=int, default=0,
                    help="with --all-shapes: cold-compile the shapes in up to N parallel processes first")
+    p.add_argument("--device", default="", help="device of the one-device measurements (default cuda:0, or cpu)")
+    p.add_argument("--pipeline-only", action="store_true",
+                   help="only the threaded pipeline (train_dflash.py), on --target-devices / --drafter-devices")
+    p.add_argument("--target-devices", default="", help="pipeline target devices (default: --device)")
+    p.add_argument("--drafter-devices", default="", help="pipeline drafter devices (default: --device)")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
+    if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
+        p.error("--target-devices / --drafter-devices need --pipeline-only")
     if a.steps < 1 or a.rounds < 1:
         p.error("--steps and --rounds must be >= 1")
     if a.warmup_workers and not a.all_shapes:
@@ -72,7 +81,9 @@ def main(argv=None):
     import dflash_model as dm
     import train_dflash as tr
 
-    dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(a.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     spec = TINY if a.tiny or dev.type == "cpu" else QWEN3_8B
     S = a.seq or (3072 if spec is QWEN3_8B else 256)
     A = a.anchors or (512 if spec is QWEN3_8B else 16)
@@ -84,6 +95,13 @@ def main(argv=None):
            "torch": torch.__version__, "torch_git": torch.version.git_version, "S": S, "anchors": A,
            "target_hidden": spec["hidden_size"]}
     log = lambda m: print(m, flush=True)
+    if a.pipeline_only:
+        res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))
+        print(json.dumps(res, indent=1))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return res
     peak = tr.measure_peak_flops(dev)
     res["peak_tflops"] = peak / 1e12
     log(f"[bench] {res['device']} torch {torch.__version__}: matmul peak {peak / 1e12:.0f} TFLOP/s")
@@ -227,7 +245,8 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
            # --all-shapes: every default bucket is warmed (= the warm-cache start of all shapes);
            # the synthetic samples all have length S, so only the S bucket ever trains
            *([] if a.all_shapes else ["--buckets", str(S)]),
-           "--num-anchors", str(A), "--target-devices", str(dev), "--drafter-devices", str(dev),
+           "--num-anchors", str(A), "--target-devices", a.target_devices or str(dev),
+           "--drafter-devices", a.drafter_devices or str(dev), "--warmup-workers", str(a.warmup_workers),
            "--max-steps", str(a.pipeline_steps), "--log-interval", "5", "--ckpt-interval", "100000",
            "--compile-scope", a.compile_scope,
            "--compile-cache", cache, "--out-dir", out]
@@ -244,12 +263,17 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     rates = [float(x.replace(",", "")) for x in re.findall(r"\| ([\d,]+) tok/s \|", text)]
     warm = re.search(r"\[warmup\] done in ([\d.]+)s", text)
     busy = re.search(r"busy\s+target \[(.*?)\] drafter \[(.*?)\]", text)
+    same = re.search(r"\[replicas\] .*", text)
+    mfu = [float(x) for x in re.findall(r"MFU drafter ([\d.]+)%", text)]
     res = {"pipeline_tok_s": statistics.median(rates[1:]) if len(rates) > 1 else float("nan"),
            "pipeline_tok_s_spread": [min(rates[1:]), max(rates[1:])] if len(rates) > 2 else None,
            "warmup_warm_cache_s": float(warm.group(1)) if warm else None,
-           "pipeline_busy": busy.group(0) if busy else None, "pipeline_wall_s": wall}
+           "pipeline_busy": busy.group(0) if busy else None, "pipeline_wall_s": wall,
+           "pipeline_devices": {"target": a.target_devices or str(dev), "drafter": a.drafter_devices or str(dev)},
+           "pipeline_replicas": same.group(0) if same else None,
+           "pipeline_mfu_pct": statistics.median(mfu[1:]) if len(mfu) > 1 else None}
     for line in text.splitlines():
-        if line.startswith("step ") or "[warmup]" in line or "busy" in line:
+        if line.startswith("step ") or "[warmup]" in line or "busy" in line or "[replicas]" in line:
             log("  | " + line)
     return res
 

@@ -582,7 +582,8 @@ def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_t
     shapes = [(1, 128, 8), (1, 256, 8)]
     rows, log = warm(shapes, workers=2)
     for B, S, A in shapes:
-        assert re.search(rf"precompiled cpu B={B} S={S} A={A} in [\d.]+s \(worker\)", log), log
+        assert re.search(rf"precompiled cpu B={B} S={S} A={A} in [\d.]+s \(worker\)\n\[warmup\]   compile phases: "
+                         r"\S+ [\d.]+s", log), log     # where each child's compile time went
     assert "precompiled 2 pairs in" in log, log
     assert [(r[0], r[1], r[3]) for r in rows] == [("cpu", s, "cache hit") for s in shapes], log
     assert "NOTICE" not in log, log        # the workers' graphs were the parent's: nothing compiled twice

@@ -65,6 +65,22 @@ def _cache_counters():
             sum(counters["inductor"].get(k, 0) for k in ("fxgraph_cache_miss",)))
 
 
+def compile_phases():
+    """Seconds per compile phase so far in this process, from dynamo's own timers (nested: the
+    outer phases include the inner ones)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:          # a torch without the timers: no breakdown, nothing else changes
+        return {}
+    return {k: sum(v) for k, v in compilation_time_metrics.items()}
+
+
+def format_phases(before, after, top=6):
+    """Where a cold compile's time went: the `top` biggest phases between two compile_phases()."""
+    d = sorted(((after[k] - before.get(k, 0.0), k) for k in after), reverse=True)
+    return ", ".join(f"{k} {v:.1f}s" for v, k in d[:top] if v >= 0.05) or "-"
+
+
 def warm_shape(drafter, shape, gamma, attn, chunk_rows, compile_scope="trunk"):
     """One forward + backward of the exact training computation at `shape` = (B, S, A)."""
     B, S, A = shape
@@ -108,7 +124,7 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
     for drafter in drafters:
         dev = drafter.fc.weight.device
         for shape in shapes:
-            before = _cache_counters()
+            before, phases = _cache_counters(), compile_phases()
             t0 = time.time()
             warm_shape(drafter, shape, gamma, attn, chunk_rows, compile_scope)
             dt = time.time() - t0
@@ -120,6 +136,8 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
             rows.append((str(dev), shape, dt, kind))
             log(f"[warmup] {str(dev):8s} B={shape[0]:<3d} S={shape[1]:<5d} anchors={shape[2]:<4d} "
                 f"{dt:7.1f}s  {kind}")
+            if kind == "cold compile":
+                log(f"[warmup]   compile phases: {format_phases(phases, compile_phases())}")
             if kind == "cold compile" and (str(dev), tuple(shape)) in precompiled:
                 log(f"[warmup] NOTICE: {dev} {tuple(shape)} was precompiled by a worker but compiled cold "
                     "again here: the worker's graph differed from this process's (its compile was wasted)")
@@ -172,12 +190,15 @@ def precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, recompi
                 for job in [j for j in running if j[0].poll() is not None]:
                     running.remove(job)
                     p, dev, (B, S, A), out_path, t0 = job
+                    with open(out_path) as f:
+                        lines = f.readlines()
                     if p.returncode == 0:
                         done.add((dev, (B, S, A)))
-                        log(f"[warmup] precompiled {dev} B={B} S={S} A={A} in {time.time() - t0:.1f}s (worker)")
+                        phases = [ln.strip() for ln in lines if ln.startswith("[warmup]   compile phases")]
+                        log(f"[warmup] precompiled {dev} B={B} S={S} A={A} in {time.time() - t0:.1f}s (worker)"
+                            + (f"\n{phases[-1]}" if phases else ""))
                         continue
-                    with open(out_path) as f:
-                        tail = "".join(f.readlines()[-40:])
+                    tail = "".join(lines[-40:])
                     log(f"[warmup] WARNING: the worker for {dev} B={B} S={S} A={A} failed (exit {p.returncode}); "
                         f"the serial warm-up compiles it instead. Its output ends:\n{tail}")
         finally:
@@ -241,7 +262,9 @@ def precompile_one(spec_path, shape):
     torch.set_grad_enabled(spec["grad_enabled"])
     torch.set_num_threads(spec["num_threads"])
     dm.GATE.set_recompile_limit(spec["recompile_limit"])
+    phases = compile_phases()
     warm_shape(drafter, shape, spec["gamma"], spec["attn"], spec["chunk_rows"], spec["compile_scope"])
+    print(f"[warmup]   compile phases: {format_phases(phases, compile_phases())}", flush=True)
 
 
 def format_table(rows):
