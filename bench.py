@@ -314,7 +314,7 @@ def race_loop(a, tmp):
     all through the step (with the compiled trunk, a replica enters compiled code only at a step's
     start, and the race has not shown there)."""
     import torch
-    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    dev = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     cfg_path = os.path.join(tmp, "tiny.json")
     with open(cfg_path, "w") as f:
         json.dump(TINY, f)
