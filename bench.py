@@ -63,8 +63,9 @@ def parse_args(argv):
         p.error("--target-devices / --drafter-devices need --pipeline-only")
     if a.steps < 1 or a.rounds < 1:
         p.error("--steps and --rounds must be >= 1")
-    if a.warmup_workers and not a.all_shapes:
-        p.error("--warmup-workers needs --all-shapes (one shape has nothing to compile in parallel)")
+    if a.warmup_workers and not (a.all_shapes or a.pipeline_only):
+        p.error("--warmup-workers needs --all-shapes or --pipeline-only (one shape on one device has nothing "
+                "to compile in parallel)")
     return a
 
 

@@ -591,6 +591,16 @@ def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_t
     rows, log = warm(shapes, workers=0)               # today's path: no children, the same table
     assert "worker" not in log and [r[3] for r in rows] == ["cache hit"] * 2, log
 
+    # a restart on this (now warm) cache starts no children: the pairs are on the cache's warm list
+    rows, log = warm(shapes, workers=2)
+    assert f"2 of 2 (device, shape) pairs were compiled into this cache before ({warmup.WARM_LIST})" in log, log
+    assert "precompil" not in log and [r[3] for r in rows] == ["cache hit"] * 2, log
+    # ... and a change to what the graphs depend on (here the grad mode) is not on the list: workers run
+    with torch.no_grad():
+        rows, log = warm(shapes[:1] + [(1, 384, 8)], workers=2)
+    assert "were compiled into this cache before" not in log and "precompiled 2 pairs in" in log, log
+
+    os.remove(tmp_path / "compile_cache" / warmup.WARM_LIST)     # below: both pairs go to workers
     lines = []
     dm.GATE.reset()
     with pytest.raises(ValueError, match="multiples of 128"):   # S=200 breaks flex's 128-tile rule

@@ -461,6 +461,8 @@ class Trainer:
         if self.world > 1:
             import torch.distributed as dist
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":   # before any collective: else every rank's NCCL runs on cuda:0 ("invalid usage")
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend)
             log(f"[dist] rank {self.rank}/{self.world} backend {backend}")
         self.tdevs, self.ddevs = resolve_devices(cfg)

@@ -14,6 +14,7 @@ The same options as train_dflash.py are accepted (only the model/shape ones matt
 (drafter device, shape) pair each (see precompile()); the serial warm-up then finds cache hits.
 """
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -56,6 +57,49 @@ def _triton_version():
         return triton.__version__
     except ImportError:
         return "absent"
+
+
+# The (device, shape) pairs a warm-up saw compiled into a cache, keyed on everything a compiled graph
+# depends on. With --warmup-workers, a restart on a warm cache then starts no children (each would
+# only load the cache, ~25 s each on an H200) and goes straight to the serial warm-up.
+WARM_LIST = "dflash_warm_pairs.json"
+
+
+def pair_key(spec, shape):
+    """A hash of what a cache hit of `shape` needs to match: the drafter's spec (config, device,
+    layouts, grad mode, scope...), the shape, the torch/triton build and the source of this code."""
+    src = hashlib.sha256()
+    for path in (dm.__file__, __file__):
+        with open(path, "rb") as f:
+            src.update(f.read())
+    spec = {k: v for k, v in spec.items() if k != "recompile_limit"}    # depends on the replica count only
+    blob = json.dumps({"spec": spec, "shape": list(shape), "torch": torch.__version__,
+                       "torch_git": torch.version.git_version, "triton": _triton_version(),
+                       "source": src.hexdigest()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def read_warm_list():
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    path = cache and os.path.join(cache, WARM_LIST)
+    if not path or not os.path.exists(path):
+        return set()
+    try:
+        with open(path) as f:
+            return set(json.load(f))
+    except (OSError, ValueError):      # a damaged list only costs the workers' time: start them all
+        return set()
+
+
+def add_to_warm_list(keys):
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not cache or not keys:
+        return
+    path = os.path.join(cache, WARM_LIST)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(sorted(read_warm_list() | set(keys)), f)
+    os.replace(tmp, path)               # atomic: a reader sees the old list or the new one
 
 
 def _cache_counters():
@@ -115,9 +159,20 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
     gate = dm.GATE
     # Each replica (= device) and shape is its own dynamo cache entry of each compiled function.
     limit = len(drafters) * len(shapes) * dm.ENTRIES_PER_SHAPE[compile_scope] + 2
+    keys = {}       # (device, shape) -> pair_key: one spec per device (its replicas are identical)
+    for drafter in drafters:
+        dev = str(drafter.fc.weight.device)
+        spec = worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, limit)
+        keys.update({(dev, tuple(shape)): pair_key(spec, shape) for shape in shapes if (dev, tuple(shape)) not in keys})
+    known = read_warm_list() if attn == "flex" else set()
     precompiled = set()
     if workers > 0 and attn == "flex":
-        precompiled = precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, limit, workers, log)
+        todo = [pair for pair, key in keys.items() if key not in known]
+        if len(todo) < len(keys):
+            log(f"[warmup] {len(keys) - len(todo)} of {len(keys)} (device, shape) pairs were compiled into this "
+                f"cache before ({WARM_LIST}): no worker for them")
+        precompiled = precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, limit, workers, log,
+                                 pairs=todo)
     gate.set_recompile_limit(limit)
     gate.on_unwarmed = on_unwarmed
     rows = []
@@ -141,7 +196,12 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
             if kind == "cold compile" and (str(dev), tuple(shape)) in precompiled:
                 log(f"[warmup] NOTICE: {dev} {tuple(shape)} was precompiled by a worker but compiled cold "
                     "again here: the worker's graph differed from this process's (its compile was wasted)")
+            elif kind == "cold compile" and keys[(str(dev), tuple(shape))] in known:
+                log(f"[warmup] NOTICE: {dev} {tuple(shape)} is listed in {WARM_LIST} but compiled cold: "
+                    "the cache lost its entries (evicted, or partly deleted)")
     gate.mark_warm()
+    if attn == "flex":
+        add_to_warm_list([keys[(dev, tuple(shape))] for dev, shape, _, _ in rows])
     return rows
 
 
@@ -155,8 +215,9 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
 # index, so each drafter GPU is precompiled by jobs of its own.
 
 
-def precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, recompile_limit, workers, log=print):
-    """Compile every (drafter device, shape) once, in child processes, `workers` at a time.
+def precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, recompile_limit, workers, log=print,
+               pairs=None):
+    """Compile every (drafter device, shape) once (or only `pairs`), in child processes, `workers` at a time.
 
     The compiled artefacts are cached per device index, so every drafter GPU is a job of its own (and
     the children's memory spreads over the GPUs). A child that fails (out of memory: N too high) is
@@ -164,7 +225,9 @@ def precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, recompi
     itself, and raises any real error. Returns the (device, shape) pairs the children compiled."""
     devices = list(dict.fromkeys(str(d.fc.weight.device) for d in drafters))
     jobs = [(dev, tuple(shape)) for dev in devices for shape in shapes]
-    if len(jobs) < 2:
+    if pairs is not None:
+        jobs = [j for j in jobs if j in set(pairs)]
+    if len(jobs) < 2:      # one pair compiles no faster in a child than in the serial warm-up
         return set()
     env = dict(os.environ, DFLASH_PRECOMPILE_PARENT=str(os.getpid()))   # + the cache folders use_compile_cache() set
     log(f"[warmup] precompiling {len(jobs)} (device, shape) pairs in up to {workers} worker processes")
