@@ -460,6 +460,32 @@ def test_replica_check_compares_bytes_and_names_the_diverged_tensor():
 # 6. torchrun
 
 
+def test_nccl_rank_sets_its_gpu_before_the_process_group_starts(monkeypatch):
+    """On GPUs (NCCL) each torchrun rank must select cuda:LOCAL_RANK before init_process_group: else
+    every rank's collectives run on cuda:0 and NCCL fails ("invalid usage", seen on 2 H200s). CPU CI
+    has no NCCL, so the calls are recorded instead of made."""
+    import torch.distributed as dist
+    import train_dflash as tr
+    calls = []
+
+    class Started(Exception):
+        pass
+
+    def init_process_group(backend):
+        calls.append(("init_process_group", backend))
+        raise Started
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    trainer = tr.Trainer(tr.parse_config([]), log=lambda m: None)
+    with pytest.raises(Started):
+        trainer.setup()
+    assert calls == [("set_device", 1), ("init_process_group", "nccl")]
+
+
 def test_torchrun_two_processes_keep_identical_replicas(llama, cache_dir, tmp_path):
     # 5 samples, one bucket, B=1: rank 0's shard has 3 batches/epoch, rank 1's has 2, so with
     # --epochs 3 they would plan 9 and 6 steps: the ranks must agree (min: 6), or their lr schedules

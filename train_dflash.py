@@ -740,6 +740,11 @@ class Trainer:
                     f"| MFU drafter {mfu:.1%} | queues load {self.load_q.qsize()} feat {len(self.buf)} "
                     f"| sync {1000 * self.t_sync_last:.0f}ms | mem {mem} | ETA {eta / 60:.1f}min")
             self.log(line)
+            if mfu > 1.0 and not getattr(self, "mfu_warned", False):
+                self.mfu_warned = True
+                self.log(f"WARNING: MFU above 100%: the matmul peak measured at the start ({self.peak_flops / 1e12:.0f} "
+                         f"TFLOP/s on {self.ddevs[0]}) was too low; was the GPU busy with another process then? "
+                         "This run's MFU figures are not comparable")
             rec.update(tok_s=tok_s, mfu=mfu, load_q=self.load_q.qsize(), feat_q=len(self.buf))
             recent = self.tok_hist[-20:-1]
             if len(recent) >= 5 and tok_s < 0.5 * statistics.median(recent):
