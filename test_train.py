@@ -637,6 +637,23 @@ def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_t
     assert "multiples of 128" in log and "Traceback" in log, log     # the child's own output, reported
 
 
+def test_precompile_schedule_is_longest_first_interleaved_and_capped_per_device():
+    """Workers start the slowest compiles (longest sequences) first, alternate devices, and never run
+    more than the per-device cap on one GPU (their memory lands there); auto means none on CPU."""
+    import dflash_model as dm
+    import warmup
+    jobs = warmup.job_order(["cuda:0", "cuda:1"], [(12, 256, 48), (1, 3072, 512), (3, 1024, 176)])
+    assert jobs == [("cuda:0", (1, 3072, 512)), ("cuda:1", (1, 3072, 512)), ("cuda:0", (3, 1024, 176)),
+                    ("cuda:1", (3, 1024, 176)), ("cuda:0", (12, 256, 48)), ("cuda:1", (12, 256, 48))]
+    assert warmup.next_job(jobs, [], 2) == ("cuda:0", (1, 3072, 512))
+    assert warmup.next_job(jobs[1:], ["cuda:0", "cuda:0"], 2) == ("cuda:1", (1, 3072, 512))
+    assert warmup.next_job(jobs[2:], ["cuda:0", "cuda:1"], 1) is None       # both GPUs at their cap
+    cfg = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, vocab_size=64, num_target_layers=4, num_draft_layers=1, block_size=16,
+                          mask_token_id=63)
+    assert warmup.auto_workers([dm.DFlashDrafter(cfg, embed_weight=torch.randn(64, 32))], n_pairs=5) == 0
+
+
 def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path):
     """eval_dflash.py end to end (tiny target, untrained drafter, ShareGPT prompts): every prompt is
     lossless, the JSON is complete and consistent with the printout; a time budget stops after the

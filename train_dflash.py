@@ -73,7 +73,7 @@ class TrainConfig:
     on_unwarmed: str = "error"          # error | compile (exclusive, logged)
     compile_cache: str = ""             # "" = <out_dir>/compile_cache
     compile_scope: str = "trunk"        # trunk: whole drafter one graph | layer: one graph reused per layer | flex: only attention
-    warmup_workers: int = 0             # >0: cold-compile the flex shapes in up to N parallel processes first (N drafters' memory)
+    warmup_workers: int = -1            # cold-compile the flex shapes in up to N parallel processes first; -1 = auto (by free GPU memory, 0 on CPU)
     chunk_rows: int = 2048              # LM head + CE rows per chunk
     queue_depth: int = 4
     no_gate: bool = False               # DEBUG ONLY: bypass the compile gate (reproduces the race)
@@ -134,8 +134,8 @@ def validate(cfg):
         errs.append("need block_size >= 2, num_anchors >= 1, max_length >= 2*block_size")
     if cfg.grad_accum < 1 or cfg.keep_last < 1 or cfg.log_interval < 1 or cfg.ckpt_interval < 1:
         errs.append("grad_accum, keep_last, log_interval, ckpt_interval must be >= 1")
-    if cfg.warmup_workers < 0:
-        errs.append(f"--warmup-workers must be >= 0, got {cfg.warmup_workers}")
+    if cfg.warmup_workers < -1:
+        errs.append(f"--warmup-workers must be >= 0, or -1 (auto), got {cfg.warmup_workers}")
     if not 0 <= cfg.warmup_frac < 1:
         errs.append("warmup_frac must be in [0, 1)")
     for f in cfg.data:

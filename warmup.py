@@ -11,7 +11,8 @@ second start hits it; the table says which shapes were cache hits and which were
 The same options as train_dflash.py are accepted (only the model/shape ones matter here).
 
 --warmup-workers N (N > 0, flex): the cache is first filled by up to N child processes at once, one
-(drafter device, shape) pair each (see precompile()); the serial warm-up then finds cache hits.
+(drafter device, shape) pair each, longest sequences first (see precompile()); the serial warm-up then
+finds cache hits. -1 (the default) = auto_workers(): by free GPU memory and CPU cores, 0 on CPU.
 """
 import dataclasses
 import hashlib
@@ -152,7 +153,8 @@ def autocast(dev):
 def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error", log=print,
             compile_scope="trunk", workers=0):
     """Warm every (replica, shape) serially, size the recompile limit, then mark the gate warm.
-    workers > 0: first cold-compile the shapes in up to that many child processes (precompile()).
+    workers > 0: first cold-compile the shapes in up to that many child processes (precompile());
+    workers < 0: as many as auto_workers() finds room for (0 on CPU).
 
     Returns the table rows [(device, shape, seconds, 'cache hit' | 'cold compile' | 'eager')].
     """
@@ -166,6 +168,9 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
         keys.update({(dev, tuple(shape)): pair_key(spec, shape) for shape in shapes if (dev, tuple(shape)) not in keys})
     known = read_warm_list() if attn == "flex" else set()
     precompiled = set()
+    if workers < 0 and attn == "flex":
+        workers = auto_workers(drafters, sum(k not in known for k in keys.values()))
+        log(f"[warmup] --warmup-workers auto: {workers}")
     if workers > 0 and attn == "flex":
         todo = [pair for pair, key in keys.items() if key not in known]
         if len(todo) < len(keys):
@@ -224,13 +229,15 @@ def precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, recompi
     reported with the end of its output and skipped: the serial warm-up then compiles that shape
     itself, and raises any real error. Returns the (device, shape) pairs the children compiled."""
     devices = list(dict.fromkeys(str(d.fc.weight.device) for d in drafters))
-    jobs = [(dev, tuple(shape)) for dev in devices for shape in shapes]
+    jobs = job_order(devices, shapes)
     if pairs is not None:
         jobs = [j for j in jobs if j in set(pairs)]
     if len(jobs) < 2:      # one pair compiles no faster in a child than in the serial warm-up
         return set()
+    per_device = max(1, -(-workers // len(devices)))     # children's memory lands on their own GPU
     env = dict(os.environ, DFLASH_PRECOMPILE_PARENT=str(os.getpid()))   # + the cache folders use_compile_cache() set
-    log(f"[warmup] precompiling {len(jobs)} (device, shape) pairs in up to {workers} worker processes")
+    log(f"[warmup] precompiling {len(jobs)} (device, shape) pairs in up to {workers} worker processes "
+        f"(at most {per_device} per device, longest sequences first)")
     t_all, done, running = time.time(), set(), []
     with tempfile.TemporaryDirectory(prefix="dflash_precompile_") as tmp:
         spec_paths = {}   # one spec per device: its first replica's
@@ -241,8 +248,12 @@ def precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, recompi
                 json.dump(worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, recompile_limit), f)
         try:
             while jobs or running:
-                while jobs and len(running) < workers:
-                    dev, shape = jobs.pop(0)
+                while len(running) < workers:
+                    job = next_job(jobs, [r[1] for r in running], per_device)
+                    if job is None:
+                        break
+                    jobs.remove(job)
+                    dev, shape = job
                     out_path = os.path.join(tmp, "{}_B{}_S{}_A{}.log".format(dev.replace(":", ""), *shape))
                     with open(out_path, "w") as out:     # the child keeps its own copy of the descriptor
                         p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--precompile-one",
@@ -270,6 +281,35 @@ def precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, recompi
                 p.wait()
     log(f"[warmup] precompiled {len(done)} pairs in {time.time() - t_all:.1f}s wall")
     return done
+
+
+def job_order(devices, shapes):
+    """Longest sequence first (a cold compile takes longer the longer the sequence: on an H200, 66 s at
+    S 256 and 215 s at S 3072), devices interleaved: the slowest pairs start in the first wave instead
+    of last, which bounds the wall time by the slowest pair rather than by a queue behind it."""
+    order = sorted((tuple(s) for s in shapes), key=lambda s: (-s[1], -s[0] * s[1]))
+    return [(dev, shape) for shape in order for dev in devices]
+
+
+def next_job(jobs, running_devices, per_device):
+    """The first job whose device has fewer than per_device children running (None: wait)."""
+    for dev, shape in jobs:
+        if running_devices.count(dev) < per_device:
+            return dev, shape
+    return None
+
+
+CHILD_GIB = 40    # what one child may need on its GPU at Qwen3-8B size (measured peak ~31 GiB at S 3072)
+
+
+def auto_workers(drafters, n_pairs):
+    """--warmup-workers -1: on CUDA, up to 3 children per drafter GPU as its free memory allows (each
+    may need CHILD_GIB), at most one per 4 CPU cores and one per pair; 0 on CPU (no flex to compile)."""
+    devices = list(dict.fromkeys(d.fc.weight.device for d in drafters))
+    if devices[0].type != "cuda":
+        return 0
+    per_device = min(max(1, min(3, torch.cuda.mem_get_info(d)[0] // (CHILD_GIB * 2**30))) for d in devices)
+    return int(min(per_device * len(devices), max(1, (os.cpu_count() or 4) // 4), n_pairs))
 
 
 def _die_with_parent():
