@@ -2,6 +2,7 @@
 
     python bench.py                    # Qwen3-8B-shaped random target, 5-layer drafter, S 3072, 512 anchors
     python bench.py --tiny             # the same code at toy size (CPU: seconds)
+    python bench.py --profile          # + where a drafter step's device time goes (kernel classes, top kernels)
     python bench.py --gate-overhead    # microseconds a warm gate adds to each compiled call
     python bench.py --race-loop        # the compile race on the REAL loop: 3 drafter threads, one GPU,
                                        # cold caches, several buckets, with and without the gate
@@ -57,6 +58,8 @@ def parse_args(argv):
                    help="only the threaded pipeline (train_dflash.py), on --target-devices / --drafter-devices")
     p.add_argument("--target-devices", default="", help="pipeline target devices (default: --device)")
     p.add_argument("--drafter-devices", default="", help="pipeline drafter devices (default: --device)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile 3 steps of ours: device time by kernel class, top kernels, busy share")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
@@ -168,6 +171,8 @@ def main(argv=None):
                drafter_peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None)
     log(f"[bench] drafter step (ours): {1e3 * t_ours:.1f} ms = {S / t_ours:,.0f} target tok/s, "
         f"MFU {res['drafter_mfu']:.1%}, peak mem {res['drafter_peak_mem_gib']}")
+    if a.profile:
+        res["profile"] = profile(step, dev, log)
 
     # --- drafter, naive (compiled flex only; eager mask and trunk): its flex compile is an unwarmed
     # key for the (already warm) gate, so the gate compiles it exclusively and logs that.
@@ -216,6 +221,60 @@ def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
                                          q, k, v, block_mask=bm, enable_gqa=True)
     hidden = drafter.body(feats, block_ids, torch.arange(S, device=dev).expand(B, S), block_pos, attend)
     return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights)[0]
+
+
+# Kernel classes, by the first pattern found in a kernel's name (lower case), in this order.
+KERNEL_CLASSES = (("flex attention", ("flex", "attention")),
+                  ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "::mm", "addmm", "bmm")),
+                  ("optimizer", ("adam",)),
+                  ("communication", ("nccl",)),
+                  ("fused pointwise / reductions (inductor)", ("triton",)),
+                  ("copies / fills", ("copy", "memcpy", "memset", "fill")))
+
+
+def profile(fn, dev, log, steps=3, top=12):
+    """Where a step's device time goes: kernels grouped by class, the top kernels, and the device's busy
+    share of the (profiled) wall time; what is not busy is launch overhead, host syncs or idle.
+    On CPU (no kernels), the top operators by self CPU time instead."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    cuda = dev.type == "cuda"
+    fn()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(dev)
+    wall_us = (time.perf_counter() - t0) * 1e6 / steps
+    per_name = {}
+    if cuda:
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+    else:
+        for e in prof.key_averages():
+            per_name[e.key] = e.self_cpu_time_total / steps
+    busy = sum(per_name.values())
+    classes = {}
+    for name, us in per_name.items():
+        cls = next((c for c, pats in KERNEL_CLASSES if any(p in name.lower() for p in pats)), "other")
+        classes[cls] = classes.get(cls, 0.0) + us
+    res = {"wall_ms_profiled": wall_us / 1e3, "device_busy_ms": busy / 1e3,
+           "busy_share": busy / wall_us if cuda else None,
+           "by_class_ms": {c: round(us / 1e3, 2) for c, us in sorted(classes.items(), key=lambda kv: -kv[1])},
+           "top_ms": [[n[:120], round(us / 1e3, 3)] for n, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:top]]}
+    log(f"[bench] profile of one step ({steps} profiled): wall {res['wall_ms_profiled']:.1f} ms, "
+        + (f"device busy {res['device_busy_ms']:.1f} ms ({res['busy_share']:.0%})" if cuda else
+           f"CPU operators {res['device_busy_ms']:.1f} ms"))
+    for c, ms in res["by_class_ms"].items():
+        log(f"[bench]   {c:42s} {ms:8.2f} ms  {ms / max(busy / 1e3, 1e-9):5.1%}")
+    for n, ms in res["top_ms"]:
+        log(f"[bench]   top: {ms:8.3f} ms  {n}")
+    return res
 
 
 def median_time(fn, n, dev, rounds=1):

@@ -654,6 +654,33 @@ def test_precompile_schedule_is_longest_first_interleaved_and_capped_per_device(
     assert warmup.auto_workers([dm.DFlashDrafter(cfg, embed_weight=torch.randn(64, 32))], n_pairs=5) == 0
 
 
+def test_bench_tiny_reports_every_figure_its_profile_and_a_two_replica_layout(tmp_path):
+    """bench.py at toy size on CPU: every figure of the table lands in --json (values are timings,
+    not asserted), the profile groups the step's time, and --pipeline-only runs the real loop on a
+    2-replica layout whose replicas end bit-identical."""
+    bench = str(REPO / "bench.py")
+    out = tmp_path / "bench.json"
+    p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--steps", "1", "--rounds", "1", "--profile",
+                 "--pipeline-steps", "10", "--json", str(out)], timeout=300)
+    assert_ok(p)
+    res = json.loads(out.read_text())
+    for key in ("target_ms", "target_tok_s", "target_mfu", "drafter_ms", "drafter_mfu", "warmup_cold_s",
+                "sum_of_parts_tok_s", "pipeline_tok_s", "pipeline_vs_sum_of_parts", "warmup_warm_cache_s"):
+        assert isinstance(res[key], float) and math.isfinite(res[key]), (key, res.get(key))
+    assert set(res["spread_ms"]) == {"target_ms", "drafter_ms"}          # no naive step without flex
+    prof = res["profile"]
+    assert prof["by_class_ms"] and prof["top_ms"] and "[bench] profile of one step" in p.out
+    assert sum(prof["by_class_ms"].values()) == pytest.approx(prof["device_busy_ms"], rel=0.01)
+
+    out2 = tmp_path / "layout.json"
+    p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--pipeline-only", "--target-devices", "cpu",
+                 "--drafter-devices", "cpu,cpu", "--pipeline-steps", "4", "--json", str(out2)], timeout=300)
+    assert_ok(p)
+    res = json.loads(out2.read_text())
+    assert res["pipeline_devices"] == {"target": "cpu", "drafter": "cpu,cpu"}
+    assert res["pipeline_replicas"].startswith("[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 4"), res
+
+
 def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path):
     """eval_dflash.py end to end (tiny target, untrained drafter, ShareGPT prompts): every prompt is
     lossless, the JSON is complete and consistent with the printout; a time budget stops after the
