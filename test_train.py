@@ -12,6 +12,7 @@ tokenizer, a 2-layer drafter, a handful of steps. What each test asserts is in i
   5. malformed JSONL lines and short samples are counted in the log, not fatal
   6. torchrun, 2 processes (gloo): weights bit-identical across ranks after several steps
   7. start_training.sh's embedded-default path end to end (135M SmolLM2 target, 2 steps)
+  8. the tools: warm-up workers (cache, warm list, schedule), bench.py at toy size, the eval CLI
 """
 import json
 import math
