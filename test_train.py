@@ -457,6 +457,21 @@ def test_replica_check_compares_bytes_and_names_the_diverged_tensor():
         tr_.check_replicas_identical()
 
 
+def test_an_impossible_mfu_is_reported_once():
+    """A peak measured while the GPU was busy (seen on a shared H200: 344 instead of ~790 TFLOP/s) makes
+    every MFU figure of the run wrong; the first one above 100% says so, once."""
+    import train_dflash as tr
+    t = tr.Trainer.__new__(tr.Trainer)
+    logged = []
+    t.log, t.peak_flops, t.ddevs = logged.append, 344e12, [torch.device("cpu")]
+    t.check_mfu(0.64)
+    assert logged == []
+    t.check_mfu(1.38)
+    t.check_mfu(1.39)
+    assert len(logged) == 1 and logged[0].startswith("WARNING: MFU above 100%: the matmul peak measured at the "
+                                                     "start (344 TFLOP/s on cpu) was too low"), logged
+
+
 # -----------------------------------------------------------------------------
 # 6. torchrun
 

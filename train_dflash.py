@@ -740,11 +740,7 @@ class Trainer:
                     f"| MFU drafter {mfu:.1%} | queues load {self.load_q.qsize()} feat {len(self.buf)} "
                     f"| sync {1000 * self.t_sync_last:.0f}ms | mem {mem} | ETA {eta / 60:.1f}min")
             self.log(line)
-            if mfu > 1.0 and not getattr(self, "mfu_warned", False):
-                self.mfu_warned = True
-                self.log(f"WARNING: MFU above 100%: the matmul peak measured at the start ({self.peak_flops / 1e12:.0f} "
-                         f"TFLOP/s on {self.ddevs[0]}) was too low; was the GPU busy with another process then? "
-                         "This run's MFU figures are not comparable")
+            self.check_mfu(mfu)
             rec.update(tok_s=tok_s, mfu=mfu, load_q=self.load_q.qsize(), feat_q=len(self.buf))
             recent = self.tok_hist[-20:-1]
             if len(recent) >= 5 and tok_s < 0.5 * statistics.median(recent):
@@ -770,6 +766,15 @@ class Trainer:
         S = self.cfg.max_length
         per_token = drafter_step_flops(self.dcfg, S, anchors_for(self.cfg, S, self.cfg.block_size)) / S
         return tok_s * per_token / (self.peak_flops * len(self.ddevs) * self.world)
+
+    def check_mfu(self, mfu):
+        """An MFU above 100% means the peak measured at the start was too low (the GPU was busy then, as
+        on a GPU shared with another job): say so once, instead of printing impossible figures silently."""
+        if mfu > 1.0 and not getattr(self, "mfu_warned", False):
+            self.mfu_warned = True
+            self.log(f"WARNING: MFU above 100%: the matmul peak measured at the start ({self.peak_flops / 1e12:.0f} "
+                     f"TFLOP/s on {self.ddevs[0]}) was too low; was the GPU busy with another process then? "
+                     "This run's MFU figures are not comparable")
 
     # --- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step):
