@@ -15,6 +15,7 @@ The same options as train_dflash.py are accepted (only the model/shape ones matt
 finds cache hits. -1 (the default) = auto_workers(): by free GPU memory and CPU cores, 0 on CPU.
 """
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -66,17 +67,22 @@ def _triton_version():
 WARM_LIST = "dflash_warm_pairs.json"
 
 
-def pair_key(spec, shape):
-    """A hash of what a cache hit of `shape` needs to match: the drafter's spec (config, device,
-    layouts, grad mode, scope...), the shape, the torch/triton build and the source of this code."""
+@functools.lru_cache(maxsize=1)
+def _source_digest():
     src = hashlib.sha256()
     for path in (dm.__file__, __file__):
         with open(path, "rb") as f:
             src.update(f.read())
+    return src.hexdigest()
+
+
+def pair_key(spec, shape):
+    """A hash of what a cache hit of `shape` needs to match: the drafter's spec (config, device,
+    layouts, grad mode, scope...), the shape, the torch/triton build and the source of this code."""
     spec = {k: v for k, v in spec.items() if k != "recompile_limit"}    # depends on the replica count only
     blob = json.dumps({"spec": spec, "shape": list(shape), "torch": torch.__version__,
                        "torch_git": torch.version.git_version, "triton": _triton_version(),
-                       "source": src.hexdigest()}, sort_keys=True)
+                       "source": _source_digest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -161,23 +167,24 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
     gate = dm.GATE
     # Each replica (= device) and shape is its own dynamo cache entry of each compiled function.
     limit = len(drafters) * len(shapes) * dm.ENTRIES_PER_SHAPE[compile_scope] + 2
-    keys = {}       # (device, shape) -> pair_key: one spec per device (its replicas are identical)
-    for drafter in drafters:
-        dev = str(drafter.fc.weight.device)
-        spec = worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, limit)
-        keys.update({(dev, tuple(shape)): pair_key(spec, shape) for shape in shapes if (dev, tuple(shape)) not in keys})
-    known = read_warm_list() if attn == "flex" else set()
-    precompiled = set()
-    if workers < 0 and attn == "flex":
-        workers = auto_workers(drafters, sum(k not in known for k in keys.values()))
-        log(f"[warmup] --warmup-workers auto: {workers}")
-    if workers > 0 and attn == "flex":
-        todo = [pair for pair, key in keys.items() if key not in known]
-        if len(todo) < len(keys):
-            log(f"[warmup] {len(keys) - len(todo)} of {len(keys)} (device, shape) pairs were compiled into this "
-                f"cache before ({WARM_LIST}): no worker for them")
-        precompiled = precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, limit, workers, log,
-                                 pairs=todo)
+    # One spec per device (its replicas are identical): what the workers rebuild, and what the warm
+    # list's keys hash - so a listed pair is exactly what a worker would have compiled.
+    specs, keys, known, precompiled = {}, {}, set(), set()
+    if attn == "flex":
+        for drafter in drafters:
+            specs.setdefault(str(drafter.fc.weight.device),
+                             worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, limit))
+        keys = {(dev, tuple(shape)): pair_key(spec, shape) for dev, spec in specs.items() for shape in shapes}
+        known = read_warm_list()
+        if workers < 0:
+            workers = auto_workers(drafters, sum(k not in known for k in keys.values()))
+            log(f"[warmup] --warmup-workers auto: {workers}")
+        if workers > 0:
+            todo = [pair for pair in job_order(list(specs), shapes) if keys[pair] not in known]
+            if len(todo) < len(keys):
+                log(f"[warmup] {len(keys) - len(todo)} of {len(keys)} (device, shape) pairs were compiled into "
+                    f"this cache before ({WARM_LIST}): no worker for them")
+            precompiled = precompile(specs, todo, workers, log)
     gate.set_recompile_limit(limit)
     gate.on_unwarmed = on_unwarmed
     rows = []
@@ -220,32 +227,28 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
 # index, so each drafter GPU is precompiled by jobs of its own.
 
 
-def precompile(drafters, shapes, gamma, attn, chunk_rows, compile_scope, recompile_limit, workers, log=print,
-               pairs=None):
-    """Compile every (drafter device, shape) once (or only `pairs`), in child processes, `workers` at a time.
+def precompile(specs, jobs, workers, log=print):
+    """Compile each (drafter device, shape) of `jobs` once, in child processes, `workers` at a time, in
+    the jobs' order; `specs[device]` = worker_spec() of a drafter on that device.
 
     The compiled artefacts are cached per device index, so every drafter GPU is a job of its own (and
     the children's memory spreads over the GPUs). A child that fails (out of memory: N too high) is
     reported with the end of its output and skipped: the serial warm-up then compiles that shape
     itself, and raises any real error. Returns the (device, shape) pairs the children compiled."""
-    devices = list(dict.fromkeys(str(d.fc.weight.device) for d in drafters))
-    jobs = job_order(devices, shapes)
-    if pairs is not None:
-        jobs = [j for j in jobs if j in set(pairs)]
+    jobs = list(jobs)
     if len(jobs) < 2:      # one pair compiles no faster in a child than in the serial warm-up
         return set()
-    per_device = max(1, -(-workers // len(devices)))     # children's memory lands on their own GPU
+    per_device = max(1, -(-workers // len(specs)))       # children's memory lands on their own GPU
     env = dict(os.environ, DFLASH_PRECOMPILE_PARENT=str(os.getpid()))   # + the cache folders use_compile_cache() set
     log(f"[warmup] precompiling {len(jobs)} (device, shape) pairs in up to {workers} worker processes "
         f"(at most {per_device} per device, longest sequences first)")
     t_all, done, running = time.time(), set(), []
     with tempfile.TemporaryDirectory(prefix="dflash_precompile_") as tmp:
-        spec_paths = {}   # one spec per device: its first replica's
-        for i, dev in enumerate(devices):
+        spec_paths = {}
+        for i, (dev, spec) in enumerate(specs.items()):
             spec_paths[dev] = os.path.join(tmp, f"spec{i}.json")
-            drafter = next(d for d in drafters if str(d.fc.weight.device) == dev)
             with open(spec_paths[dev], "w") as f:
-                json.dump(worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, recompile_limit), f)
+                json.dump(spec, f)
         try:
             while jobs or running:
                 while len(running) < workers:
