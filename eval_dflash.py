@@ -112,20 +112,19 @@ def main(argv=None):
                   f"speed-up so far {(n_spec / t_spec) / (n_ref / t_ref):.2f}x", flush=True)
             if a.json:   # partial results survive a run that is stopped early
                 write_json(a.json, summarise(k + 1, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a))
-    mean_tau = sum(taus) / max(1, len(taus))
+    res = summarise(done, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a)
     bs = drafter.config.block_size
-    print(f"\nmean acceptance length tau = {mean_tau:.3f} over {len(taus)} rounds (block {bs})")
+    print(f"\nmean acceptance length tau = {res['mean_tau']:.3f} over {res['rounds']} rounds (block {bs})")
     print("histogram of acceptance lengths:")
     for L in range(1, bs + 1):
         c = hist.get(L, 0)
         print(f"  {L:2d} {c:7d} {'#' * int(60 * c / max(1, max(hist.values())))}")
-    ref_tps, spec_tps = n_ref / t_ref, n_spec / t_spec
-    print(f"target-only greedy: {ref_tps:8.1f} tok/s\nDFlash speculative: {spec_tps:8.1f} tok/s"
-          f"\nspeed-up: {spec_tps / ref_tps:.2f}x")
-    print(f"lossless: {done - len(mismatches)}/{done} prompts identical to target greedy"
-          + ("" if done == len(prompts) else f" (incomplete: {done} of {len(prompts)} prompts)"))
+    print(f"target-only greedy: {res['target_tok_s']:8.1f} tok/s\nDFlash speculative: {res['dflash_tok_s']:8.1f} "
+          f"tok/s\nspeed-up: {res['speedup']:.2f}x")
+    print(f"lossless: {res['lossless']}/{done} prompts identical to target greedy"
+          + ("" if res["complete"] else f" (incomplete: {done} of {len(prompts)} prompts)"))
     if a.json:
-        write_json(a.json, summarise(done, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a))
+        write_json(a.json, res)
     for m in mismatches:
         print(f"ERROR: prompt {m['prompt']}: speculative output differs from target greedy at new token "
               f"{m['at']} (target logit margin there {m['margin']:.2e})")
