@@ -101,11 +101,7 @@ def main(argv=None):
     log = lambda m: print(m, flush=True)
     if a.pipeline_only:
         res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))
-        print(json.dumps(res, indent=1))
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return res
+        return report(a, res)
     peak = tr.measure_peak_flops(dev)
     res["peak_tflops"] = peak / 1e12
     log(f"[bench] {res['device']} torch {torch.__version__}: matmul peak {peak / 1e12:.0f} TFLOP/s")
@@ -198,10 +194,20 @@ def main(argv=None):
         log(f"[bench] pipeline {res['pipeline_tok_s']:,.0f} tok/s vs sum of parts "
             f"{res['sum_of_parts_tok_s']:,.0f} tok/s: {res['pipeline_vs_sum_of_parts']:.1%}")
     res["rounds"], res["steps_per_round"] = a.rounds, a.steps
+    return report(a, res)
+
+
+def report(a, res):
+    """The results as JSON on stdout, and in --json FILE."""
     print(json.dumps(res, indent=1))
+    save_json(a, res)
+    return res
+
+
+def save_json(a, obj):
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump(obj, f, indent=1)
 
 
 def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
@@ -402,9 +408,7 @@ def race_loop(a, tmp):
     for mode, r in rows.items():
         print(f"{mode:8s} {r['exit']:4d} {r['fx_errors']:9d} {r['uncompiled_errors']:10d} "
               f"{r['median_tok_s'] or 0:9,.0f} {r['wall_s']:7.1f}   {r['log']}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(a, rows)
     return rows
 
 
