@@ -60,10 +60,14 @@ def parse_args(argv):
     p.add_argument("--drafter-devices", default="", help="pipeline drafter devices (default: --device)")
     p.add_argument("--profile", action="store_true",
                    help="also profile 3 steps of ours: device time by kernel class, top kernels, busy share")
+    p.add_argument("--trace", default="", help="with --profile: also write the profiled steps as a Chrome "
+                   "trace (.json or .json.gz) to open in Perfetto / chrome://tracing")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
         p.error("--target-devices / --drafter-devices need --pipeline-only")
+    if a.trace and not a.profile:
+        p.error("--trace needs --profile")
     if a.steps < 1 or a.rounds < 1:
         p.error("--steps and --rounds must be >= 1")
     if a.warmup_workers and not (a.all_shapes or a.pipeline_only):
@@ -168,7 +172,7 @@ def main(argv=None):
     log(f"[bench] drafter step (ours): {1e3 * t_ours:.1f} ms = {S / t_ours:,.0f} target tok/s, "
         f"MFU {res['drafter_mfu']:.1%}, peak mem {res['drafter_peak_mem_gib']}")
     if a.profile:
-        res["profile"] = profile(step, dev, log)
+        res["profile"] = profile(step, dev, log, trace=a.trace)
 
     # --- drafter, naive (compiled flex only; eager mask and trunk): its flex compile is an unwarmed
     # key for the (already warm) gate, so the gate compiles it exclusively and logs that.
@@ -238,7 +242,7 @@ KERNEL_CLASSES = (("flex attention", ("flex", "attention")),
                   ("copies / fills", ("copy", "memcpy", "memset", "fill")))
 
 
-def profile(fn, dev, log, steps=3, top=12):
+def profile(fn, dev, log, steps=3, top=20, trace=""):
     """Where a step's device time goes: kernels grouped by class, the top kernels, and the device's busy
     share of the (profiled) wall time; what is not busy is launch overhead, host syncs or idle.
     On CPU (no kernels), the top operators by self CPU time instead."""
@@ -256,6 +260,9 @@ def profile(fn, dev, log, steps=3, top=12):
         if cuda:
             torch.cuda.synchronize(dev)
     wall_us = (time.perf_counter() - t0) * 1e6 / steps
+    if trace:
+        prof.export_chrome_trace(trace)
+        log(f"[bench] profile trace: {trace}")
     per_name = {}
     if cuda:
         for e in prof.events():
