@@ -58,6 +58,8 @@ def parse_args(argv):
                    help="only the threaded pipeline (train_dflash.py), on --target-devices / --drafter-devices")
     p.add_argument("--target-devices", default="", help="pipeline target devices (default: --device)")
     p.add_argument("--drafter-devices", default="", help="pipeline drafter devices (default: --device)")
+    p.add_argument("--flex-options", default="", help="JSON kernel_options of our compiled flex attention "
+                   "(as train_dflash.py --flex-options; the naive setup keeps torch's defaults)")
     p.add_argument("--profile", action="store_true",
                    help="also profile 3 steps of ours: device time by kernel class, top kernels, busy share")
     p.add_argument("--trace", default="", help="with --profile: also write the profiled steps as a Chrome "
@@ -88,6 +90,10 @@ def main(argv=None):
     import torch
     import dflash_model as dm
     import train_dflash as tr
+    try:
+        dm.set_flex_options(a.flex_options)
+    except ValueError as e:
+        raise SystemExit(f"error: --flex-options: {e}")
 
     dev = torch.device(a.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
@@ -99,7 +105,7 @@ def main(argv=None):
     with open(cfg_path, "w") as f:
         json.dump(spec, f)
     tcfg = tr.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A)
-    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "flex_options": dm.FLEX_OPTIONS,
            "torch": torch.__version__, "torch_git": torch.version.git_version, "S": S, "anchors": A,
            "target_hidden": spec["hidden_size"]}
     log = lambda m: print(m, flush=True)
@@ -137,6 +143,8 @@ def main(argv=None):
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-5, fused=dev.type == "cuda")
     shapes = tr.shape_plan(tcfg, dcfg.block_size) if a.all_shapes else [(1, S, A)]
     attn = "flex" if dev.type == "cuda" else "sdpa"
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()     # the target forward's cached blocks: free memory for the warm-up workers
     t0 = time.time()
     rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log, compile_scope=a.compile_scope,
                           workers=a.warmup_workers)
@@ -160,7 +168,7 @@ def main(argv=None):
         else:
             dm.backward(loss, dev, (1, S, A), attn)
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=True)       # as the trainer's lone replica: the next backward's grads are handed over
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t_ours, spread = median_time(step, a.steps, dev, a.rounds)
@@ -321,7 +329,7 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
            "--num-anchors", str(A), "--target-devices", a.target_devices or str(dev),
            "--drafter-devices", a.drafter_devices or str(dev), "--warmup-workers", str(a.warmup_workers),
            "--max-steps", str(a.pipeline_steps), "--log-interval", "5", "--ckpt-interval", "100000",
-           "--compile-scope", a.compile_scope,
+           "--compile-scope", a.compile_scope, "--flex-options", a.flex_options,
            "--compile-cache", cache, "--out-dir", out]
     log("[bench] pipeline: " + " ".join(cmd))
     t0 = time.time()

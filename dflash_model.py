@@ -332,12 +332,21 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight.to(x.dtype)   # stay in the compute dtype (bf16 under autocast)
 
 
-def rope_cos_sin(positions, head_dim, theta, dtype):
-    """cos/sin of shape (B, 1, L, head_dim) for integer positions (B, L)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    ang = positions.float()[..., None] * inv
-    ang = torch.cat([ang, ang], dim=-1)[:, None]
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+def rope_tables(n_positions, head_dim, theta):
+    """fp32 cos/sin of every position's rotary angles, (n_positions, head_dim // 2) each.
+
+    Made once per drafter (a buffer) and gathered by position: computed inside the compiled step,
+    the angles cost a pow, a sin and a cos per ELEMENT of every q/k tensor in every rope kernel,
+    forward and backward (~3 ms of a 142 ms Qwen3-8B-size step on an H200); gathered, a load."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ang = torch.arange(n_positions, dtype=torch.float32)[:, None] * inv
+    return ang.cos(), ang.sin()
+
+
+def rope_cos_sin(cos_table, sin_table, positions, dtype):
+    """cos/sin of shape (B, 1, L, head_dim) for integer positions (B, L), from rope_tables()."""
+    c, s = cos_table[positions], sin_table[positions]
+    return torch.cat([c, c], dim=-1)[:, None].to(dtype), torch.cat([s, s], dim=-1)[:, None].to(dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -421,6 +430,9 @@ class DFlashDrafter(nn.Module):
         h = lm_head_weight if lm_head_weight is not None else e
         self.register_buffer("embed_weight", e.detach(), persistent=False)
         self.register_buffer("lm_head_weight", h.detach(), persistent=False)
+        cos, sin = rope_tables(c.max_position_embeddings, c.head_dim, c.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init)
 
     @staticmethod
@@ -437,6 +449,9 @@ class DFlashDrafter(nn.Module):
     def num_trainable(self):
         return sum(p.numel() for p in self.parameters())
 
+    def rope(self, positions, dtype):
+        return rope_cos_sin(self.rope_cos, self.rope_sin, positions, dtype)
+
     def context(self, target_feats):
         """(B, S, n_ctx*H) target features -> (B, S, H), computed once, shared by all layers."""
         return self.hidden_norm(self.fc(target_feats))
@@ -448,8 +463,8 @@ class DFlashDrafter(nn.Module):
         c = self.config
         ctx = self.context(target_feats)
         h = F.embedding(block_ids, self.embed_weight).to(ctx.dtype)
-        cos_c, sin_c = rope_cos_sin(ctx_pos, c.head_dim, c.rope_theta, ctx.dtype)
-        cos_q, sin_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, ctx.dtype)
+        cos_c, sin_c = self.rope(ctx_pos, ctx.dtype)
+        cos_q, sin_q = self.rope(block_pos, ctx.dtype)
         for layer in self.layers:
             if run_layer is None:
                 h = layer.with_context(h, ctx, cos_c, sin_c, cos_q, sin_q, attend)
@@ -497,21 +512,52 @@ def _block_mask_impl(anchors, S, bs):
                              device=anchors.device)
 
 
+# flex_attention's kernel_options (Triton tile sizes, warps, stages, TMA) for every compiled flex call
+# of the drafter; {} = torch's defaults for the device. Set once, before anything compiles
+# (set_flex_options): a compiled graph bakes them in, and the warm list and warm-up workers key on them.
+FLEX_OPTIONS = {}
+FLEX_OPTION_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps",
+                     "num_stages", "USE_TMA", "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
+
+
+def set_flex_options(options):
+    """options: a dict or its JSON text ("" = defaults). Names are FLEX_OPTION_NAMES, optionally with
+    a "fwd_" / "bwd_" prefix (forward / backward kernel only); values are ints or booleans."""
+    if isinstance(options, str):
+        try:
+            options = json.loads(options) if options.strip() else {}
+        except ValueError as e:
+            raise ValueError(f"flex options must be a JSON object, got {options!r} ({e})") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"flex options must be a JSON object, got {options!r}")
+    for k, v in options.items():
+        name = k[4:] if k.startswith(("fwd_", "bwd_")) else k
+        if name not in FLEX_OPTION_NAMES:
+            raise ValueError(f"unknown flex kernel option {k!r}; known: {', '.join(FLEX_OPTION_NAMES)} "
+                             "(optionally prefixed fwd_ or bwd_)")
+        if not isinstance(v, (bool, int)):
+            raise ValueError(f"flex kernel option {k} must be an int or a boolean, got {v!r}")
+    FLEX_OPTIONS.clear()
+    FLEX_OPTIONS.update(options)
+
+
+def _flex(q, k, v, block_mask):
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=dict(FLEX_OPTIONS) or None)
+
+
 def _flex_impl(q, k, v, block_mask):
     _require_compiled("flex_attention")
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return _flex(q, k, v, block_mask)
 
 
 def _body_flex_impl(drafter, target_feats, block_ids, ctx_pos, block_pos, block_mask):
     _require_compiled("drafter body (flex)")
-    return drafter.body(target_feats, block_ids, ctx_pos, block_pos,
-                        lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True))
+    return drafter.body(target_feats, block_ids, ctx_pos, block_pos, lambda q, k, v: _flex(q, k, v, block_mask))
 
 
 def _layer_flex_impl(layer, h, ctx, cos_c, sin_c, cos_q, sin_q, block_mask):
     _require_compiled("drafter layer (flex)")
-    return layer.with_context(h, ctx, cos_c, sin_c, cos_q, sin_q,
-                              lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True))
+    return layer.with_context(h, ctx, cos_c, sin_c, cos_q, sin_q, lambda q, k, v: _flex(q, k, v, block_mask))
 
 
 # The compiled callables. dynamic=False: every shape is its own, fully specialised entry, and the
@@ -782,12 +828,12 @@ def draft_block(drafter, cache, new_feats, new_pos, anchor_token, anchor_pos):
     c = drafter.config
     dev = new_feats.device
     ctx = drafter.context(new_feats)
-    cos_c, sin_c = rope_cos_sin(new_pos, c.head_dim, c.rope_theta, ctx.dtype)
+    cos_c, sin_c = drafter.rope(new_pos, ctx.dtype)
     block_ids = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=dev)
     block_ids[0, 0] = anchor_token
     block_pos = anchor_pos + torch.arange(c.block_size, device=dev)[None]
     h = F.embedding(block_ids, drafter.embed_weight).to(ctx.dtype)
-    cos_q, sin_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, ctx.dtype)
+    cos_q, sin_q = drafter.rope(block_pos, ctx.dtype)
     attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # all visible
     for i, layer in enumerate(drafter.layers):
         k, v = layer.self_attn.kv(ctx, cos_c, sin_c)
@@ -819,6 +865,9 @@ def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=N
     stops = set(stop_token_ids or [])
     cache = DynamicCache(config=target.config)
     P = input_ids.shape[1]
+    if P + max_new_tokens + c.block_size > c.max_position_embeddings:
+        raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) + a block ({c.block_size}) exceed the "
+                         f"{c.max_position_embeddings} positions of the drafter's rotary table")
     out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
     feats = target_features(out.hidden_states, c.target_layer_ids)
     feat_pos = torch.arange(P, device=dev)[None]

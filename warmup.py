@@ -145,9 +145,14 @@ def warm_shape(drafter, shape, gamma, attn, chunk_rows, compile_scope="trunk"):
     with autocast(dev):
         loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, loss_mask, anchors, valid, gamma,
                                              attn=attn, chunk_rows=chunk_rows, compile_scope=compile_scope)
+    had_grad = [p.grad is not None for p in drafter.parameters()]
     if loss.requires_grad:          # a frozen drafter (or no-grad mode) has no backward to compile
         dm.backward(loss, dev, shape, attn)
-    drafter.zero_grad(set_to_none=False)
+    for p, had in zip(drafter.parameters(), had_grad):   # leave the grads as they were: a flat buffer's
+        if had:                                          # views zeroed, absent ones absent again
+            p.grad.zero_()
+        else:
+            p.grad = None
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -203,7 +208,7 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
             rows.append((str(dev), shape, dt, kind))
             log(f"[warmup] {str(dev):8s} B={shape[0]:<3d} S={shape[1]:<5d} anchors={shape[2]:<4d} "
                 f"{dt:7.1f}s  {kind}")
-            if kind == "cold compile":
+            if kind != "eager (sdpa)" and dt >= 2.0:     # where a slow load or cold compile spent its time
                 log(f"[warmup]   compile phases: {format_phases(phases, compile_phases())}")
             if kind == "cold compile" and (str(dev), tuple(shape)) in precompiled:
                 log(f"[warmup] NOTICE: {dev} {tuple(shape)} was precompiled by a worker but compiled cold "
@@ -302,7 +307,7 @@ def next_job(jobs, running_devices, per_device):
     return None
 
 
-CHILD_GIB = 40    # what one child may need on its GPU at Qwen3-8B size (measured peak ~31 GiB at S 3072)
+CHILD_GIB = 34    # what one child may need on its GPU at Qwen3-8B size (measured peak ~31 GiB at S 3072)
 
 
 def auto_workers(drafters, n_pairs):
@@ -341,7 +346,8 @@ def worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, recompile_limit
             "frozen": [n for n, p in drafter.named_parameters() if not p.requires_grad],
             "grad_enabled": torch.is_grad_enabled(), "recompile_limit": recompile_limit,
             "num_threads": torch.get_num_threads(),   # CPU kernels are generated for a thread count
-            "gamma": gamma, "attn": attn, "chunk_rows": chunk_rows, "compile_scope": compile_scope}
+            "gamma": gamma, "attn": attn, "chunk_rows": chunk_rows, "compile_scope": compile_scope,
+            "flex_options": dict(dm.FLEX_OPTIONS)}
 
 
 def precompile_one(spec_path, shape):
@@ -368,9 +374,10 @@ def precompile_one(spec_path, shape):
     torch.set_grad_enabled(spec["grad_enabled"])
     torch.set_num_threads(spec["num_threads"])
     dm.GATE.set_recompile_limit(spec["recompile_limit"])
+    dm.set_flex_options(spec["flex_options"])
     phases = compile_phases()
     warm_shape(drafter, shape, spec["gamma"], spec["attn"], spec["chunk_rows"], spec["compile_scope"])
-    print(f"[warmup]   compile phases: {format_phases(phases, compile_phases())}", flush=True)
+    print(f"[warmup]   compile phases: {format_phases(phases, compile_phases(), top=12)}", flush=True)
 
 
 def format_table(rows):
