@@ -299,24 +299,24 @@ def profile(fn, dev, log, steps=3, top=20, trace=""):
 
 
 def median_time(fn, n, dev, rounds=1):
-    """(median, [min, max]) step time in seconds: `rounds` rounds of `n` timed steps after 2 untimed
-    ones; the median of the round medians and their min-max (the spread)."""
+    """(median, [min, max]) seconds per call: after 2 untimed calls, `rounds` rounds of `n` calls back
+    to back, each round timed as a whole (a device sync at its two ends only, like a training loop that
+    does not wait for the device between steps: the host prepares step i+1 while step i's tail runs);
+    the median of the rounds' per-call times and their min-max (the spread)."""
     import torch
     for _ in range(2):
         fn()
-    meds = []
+    per_call = []
     for _ in range(rounds):
-        times = []
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
         for _ in range(n):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
             fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            times.append(time.perf_counter() - t0)
-        meds.append(statistics.median(times))
-    return statistics.median(meds), [min(meds), max(meds)]
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        per_call.append((time.perf_counter() - t0) / n)
+    return statistics.median(per_call), [min(per_call), max(per_call)]
 
 
 def pipeline(a, tcfg, cache, tmp, S, A, dev, log):

@@ -645,7 +645,11 @@ def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id,
 
 
 def _ce_chunk_impl(logits, y, w):
-    """One chunk of the weighted CE from its (n, V) logits: (sum of w*CE, argmax == y, dCE/dlogits * w).
+    """One chunk of the weighted CE from its (n, V) logits: (sum of w*CE, correct, dCE/dlogits * w).
+
+    correct = the label's logit is the row's maximum: argmax == y, except that a label tied with an
+    earlier maximum also counts (rare, and only in the accuracy log); tracking argmax indices through
+    the looped reduction costs time on every logit.
 
     Written as plain tensor code so that torch.compile turns it into two passes over the logits
     (row max/sum/argmax, then the gradient) instead of ~10 eager kernels with fp32 temporaries:
@@ -657,7 +661,7 @@ def _ce_chunk_impl(logits, y, w):
     lse = (m + s.log()).squeeze(1)
     tgt = x.gather(1, y[:, None]).squeeze(1)
     loss = ((lse - tgt) * w).sum()
-    correct = x.argmax(-1) == y
+    correct = tgt >= m.squeeze(1)           # the label's logit is the row max (no argmax pass with indices)
     onehot = torch.arange(x.shape[1], device=x.device)[None] == y[:, None]
     g = (e / s - onehot.float()) * w[:, None]
     return loss, correct, g.to(logits.dtype)
@@ -670,7 +674,7 @@ def _ce_chunk_eager(logits, y, w):
     lse = torch.logsumexp(x, dim=-1)
     tgt = x.gather(1, y[:, None]).squeeze(1)
     loss = ((lse - tgt) * w).sum()
-    correct = x.argmax(-1) == y
+    correct = tgt >= x.amax(-1)
     g = torch.softmax(x, dim=-1)
     g[torch.arange(len(y), device=x.device), y] -= 1.0
     g *= w[:, None]
@@ -766,10 +770,10 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
     c = drafter.config
     B, S = input_ids.shape
     A = anchors.shape[1]
+    anchors, valid = to_device(anchors, input_ids.device), to_device(valid, input_ids.device)
     block_ids, block_pos, labels, weights = make_blocks(
         input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
     ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
-    anchors = anchors.to(input_ids.device)
     if attn == "flex":
         bm = create_dflash_block_mask(anchors, S, c.block_size)
         key = (B, S, A, c.block_size)
@@ -791,6 +795,15 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
         raise ValueError(f"attn must be 'flex' or 'sdpa', got {attn!r}")
     return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows, weight_sum,
                        compiled=attn == "flex")
+
+
+def to_device(t, dev):
+    """A host tensor to `dev` without making the host wait for the device: from pageable memory a copy
+    waits for the stream's earlier work (the previous step's optimiser), so the next step's inputs
+    could not be prepared meanwhile; from pinned memory it is queued like a kernel."""
+    if t.device == dev or dev.type != "cuda" or t.device.type != "cpu":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
 
 
 def backward(loss, device, shape, attn="flex"):

@@ -655,7 +655,7 @@ class Trainer:
             wsum = sync.all_sum_scalar(r, wsum)                  # global normaliser over replicas x micro-batches
             loss_sum, hits, counts = 0.0, 0, 0
             for S, ids, lm, feats, anchors, valid in prepared:
-                x, m = ids.to(dev, non_blocking=True), lm.to(dev, non_blocking=True)
+                x, m = dm.to_device(ids, dev), dm.to_device(lm, dev)
                 f = feats.to(dev, non_blocking=True)
                 shape = (x.shape[0], S, anchors.shape[1])
                 with warmup.autocast(dev):
@@ -712,6 +712,10 @@ class Trainer:
                 dist.all_reduce(frac, op=dist.ReduceOp.MAX)
             self.time_frac = float(frac)
         self.lr_used = self.opts[0].param_groups[0]["lr"]
+        # The host reads the stats now (they are ready with the grads), not after the optimiser: so the
+        # step's log costs no wait for it, and this thread prepares the next step's inputs while the
+        # device runs the AdamW pass (~9 ms at Qwen3-8B size on an H200).
+        stats = stats.to("cpu")
         gnorms = []
         for dr, opt, sched, flat in zip(self.drafters, self.opts, self.scheds, flats):
             gnorms.append(clip_and_step(list(dr.parameters()), opt, self.cfg.clip))
