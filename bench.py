@@ -274,7 +274,9 @@ def profile(fn, dev, log, steps=3, top=20, trace=""):
     per_name = {}
     if cuda:
         for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
+            # kernels only: a record_function range (e.g. "Optimizer.step#AdamW.step") also shows on the
+            # device timeline, around the kernels it launched, and would count them twice
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
                 per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
     else:
         for e in prof.key_averages():

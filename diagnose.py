@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -282,8 +283,13 @@ def installed_packages():
             continue
         if not name or name.lower() in seen:
             continue   # the same package further down sys.path is shadowed: the first one is in use
-        seen.add(name.lower())
         path = getattr(d, "_path", None)
+        if path is not None and "_vendor" in Path(path).parts:
+            # a copy bundled inside another package (setuptools puts its _vendor folder on sys.path
+            # once imported, e.g. by inductor's CPU compiler): not installed, and listing it would
+            # make a report written after a compile differ from one written before
+            continue
+        seen.add(name.lower())
         try:
             mtime = os.path.getmtime(path) if path is not None else 0.0
         except OSError:

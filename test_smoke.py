@@ -817,3 +817,84 @@ def test_gate_config_takes_in_worker_thread():
         f"main-thread dynamo config leaked into a new thread ({before}): per-thread config assumption broken"
     assert after == (2, True, True)
     assert third == "raised" and cnt.compiles == 2
+
+
+# -----------------------------------------------------------------------------
+# speed-path details: rope table, CE 'correct', flex kernel options, position limits
+
+
+def test_rope_table_gives_the_angle_formula_exactly_and_is_not_saved():
+    """The per-drafter cos/sin table, gathered by position, equals computing the angles in place
+    (the pre-table code), in fp32 and after the bf16 cast; it is a non-persistent buffer."""
+    c = dm.DFlashConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=64, num_target_layers=4, rope_theta=12345.0,
+                        max_position_embeddings=300, num_draft_layers=1)
+    d = dm.DFlashDrafter(c)
+    pos = torch.tensor([[0, 1, 7, 150, 299], [3, 3, 298, 42, 5]])
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+    ang = pos.float()[..., None] * inv
+    ang = torch.cat([ang, ang], dim=-1)[:, None]
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = d.rope(pos, dtype)
+        assert cos.shape == sin.shape == (2, 1, 5, c.head_dim) and cos.dtype == dtype
+        assert torch.equal(cos, ang.cos().to(dtype)) and torch.equal(sin, ang.sin().to(dtype))
+    assert d.rope_cos.shape == (300, c.head_dim // 2)
+    assert not any(k.startswith("rope_") for k in d.state_dict())       # the saved format is unchanged
+
+
+def test_ce_correct_means_the_label_has_the_row_max_in_both_implementations():
+    GATE.reset()
+    logits = torch.tensor([[0.0, 3.0, 1.0, -2.0],      # label 1 is the max
+                           [5.0, 3.0, 1.0, 4.0],       # label 3 is not
+                           [2.0, 2.0, 0.5, 0.0],       # label 1 ties with an earlier max: counted correct
+                           [0.0, 0.0, 0.0, 9.0]])      # label 3 is the max
+    y = torch.tensor([1, 3, 1, 3])
+    w = torch.ones(4)
+    expect = torch.tensor([True, False, True, True])
+    _, correct_eager, g_eager = dm._ce_chunk_eager(logits, y, w)
+    assert torch.equal(correct_eager, expect)
+    _, correct_c, g_c = dm.gated_ce_chunk(logits, y, w)
+    assert torch.equal(correct_c, expect)
+    torch.testing.assert_close(g_c, g_eager)
+
+
+def test_flex_options_are_checked_passed_to_flex_and_part_of_the_warm_list_key(monkeypatch):
+    import warmup
+    try:
+        for bad, needle in [('{"BLOCK_Q": 64}', "unknown flex kernel option 'BLOCK_Q'"),
+                            ('{"bwd_num_stages": "two"}', "must be an int or a boolean"),
+                            ('{"num_warps": 4', "must be a JSON object"),
+                            ('[1, 2]', "must be a JSON object")]:
+            with pytest.raises(ValueError, match=needle):
+                dm.set_flex_options(bad)
+        seen = []
+        monkeypatch.setattr(dm, "flex_attention", lambda q, k, v, **kw: seen.append(kw["kernel_options"]))
+        dm.set_flex_options("")
+        dm._flex(None, None, None, None)
+        dm.set_flex_options('{"bwd_num_stages": 2, "USE_TMA": true}')
+        dm._flex(None, None, None, None)
+        assert seen == [None, {"bwd_num_stages": 2, "USE_TMA": True}]
+        drafter = _tiny_drafter()
+        spec = warmup.worker_spec(drafter, 7.0, "flex", 2048, "trunk", 9)
+        assert spec["flex_options"] == {"bwd_num_stages": 2, "USE_TMA": True}
+        key_tuned = warmup.pair_key(spec, (1, 256, 16))
+        dm.set_flex_options({})
+        key_default = warmup.pair_key(warmup.worker_spec(drafter, 7.0, "flex", 2048, "trunk", 9), (1, 256, 16))
+        assert key_tuned != key_default          # a graph compiled with other options is not "warm"
+    finally:
+        dm.set_flex_options({})
+
+
+def _tiny_drafter():
+    c = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=16, vocab_size=64, num_target_layers=4, max_position_embeddings=64,
+                        num_draft_layers=1)
+    return dm.DFlashDrafter(c, embed_weight=torch.randn(64, 32), lm_head_weight=torch.randn(64, 32))
+
+
+def test_generate_refuses_positions_beyond_the_rope_table(targets):
+    target = targets["qwen3"]
+    drafter = drafter_for(target, 16)
+    n = drafter.config.max_position_embeddings
+    with pytest.raises(ValueError, match="exceed the .* positions of the drafter's rotary table"):
+        dm.dflash_generate(drafter, target, torch.zeros(1, 8, dtype=torch.long), max_new_tokens=n)

@@ -282,6 +282,7 @@ def test_two_replicas_equal_one_replica_on_the_concatenated_batch(qwen3, cache_d
     assert "[data] 4 samples on this node, 2 batches/epoch, buckets [256], shapes (B,S,A) [(2, 256, 32)]" in p2.out
     assert "[data] 4 samples on this node, 1 batches/epoch, buckets [256], shapes (B,S,A) [(4, 256, 32)]" in p1.out
     assert "2 drafter replica(s)" in p2.out and "2 target + 2 drafter threads started" in p2.out
+    assert "grads: one flat buffer per replica" in p2.out and "grads: handed over by each backward" in p1.out
     assert "[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 3" in p2.out, p2.tail()
 
     m2, m1 = metrics(two), metrics(one)
@@ -379,7 +380,8 @@ def test_unknown_or_mistyped_option_and_bad_value_are_errors(tmp_path):
                          (["--block-size", "1"], "block_size >= 2"),
                          (["--data", "/no/such/file.jsonl"], "data file not found"),
                          (["max-steps", "3"], "unexpected argument 'max-steps'"),
-                         (["--num_anchors_x", "3"], "unknown option --num_anchors_x")]:
+                         (["--num_anchors_x", "3"], "unknown option --num_anchors_x"),
+                         (["--flex-options", '{"BLOCK_Q": 64}'], "--flex-options: unknown flex kernel option")]:
         with pytest.raises(SystemExit) as e:
             tr.parse_config(argv)
         assert needle in str(e.value), (argv, str(e.value))
@@ -455,6 +457,71 @@ def test_replica_check_compares_bytes_and_names_the_diverged_tensor():
     assert torch.equal(a.bias, b.bias)               # what a value comparison would accept
     with pytest.raises(RuntimeError, match="replica 1: bias"):
         tr_.check_replicas_identical()
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e3])        # the scaling pass runs / is skipped
+def test_a_lone_replica_steps_on_handed_over_grads_and_clips_exactly_like_clip_grad_norm(clip):
+    """reduce_and_step for one replica without a flat buffer: the same parameters, byte for byte, and
+    the same norm as clip_grad_norm_ + AdamW.step; grads None afterwards (the next backward's grads are
+    handed over, not added to zeros); the step's stats already on the host (read before the optimiser)."""
+    from types import SimpleNamespace
+    import train_dflash as tr
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 8)
+    opt_a, opt_b = torch.optim.AdamW(a.parameters(), lr=0.1), torch.optim.AdamW(b.parameters(), lr=0.1)
+    for m in (a, b):
+        m(x).square().sum().backward()
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(b.parameters(), clip))
+    opt_b.step()
+    t = tr.Trainer.__new__(tr.Trainer)
+    t.drafters, t.opts, t.flat_grads, t.world = [a], [opt_a], [None], 1
+    t.scheds = [torch.optim.lr_scheduler.LambdaLR(opt_a, lambda s: 1.0)]
+    t.cfg = SimpleNamespace(clip=clip, max_minutes=0)
+    gnorm, stats = t.reduce_and_step([torch.tensor([1.0, 2.0])])
+    assert gnorm == ref_norm and (ref_norm > clip) == (clip < 1)
+    assert stats.device.type == "cpu" and stats.tolist() == [1.0, 2.0]
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert pa.grad is None
+        assert torch.equal(dm_bytes(pa), dm_bytes(pb))
+
+
+def dm_bytes(t):
+    import train_dflash as tr
+    return tr.as_bytes(t)
+
+
+def test_warm_shape_leaves_the_grads_as_it_found_them():
+    """Absent grads stay absent (a lone replica's next backward hands its grads over); a flat buffer's
+    views stay those views, zeroed."""
+    import dflash_model as dm
+    import warmup
+    c = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=16, vocab_size=64, num_target_layers=4, max_position_embeddings=128,
+                        num_draft_layers=1)
+    d = dm.DFlashDrafter(c, embed_weight=torch.randn(64, 32), lm_head_weight=torch.randn(64, 32))
+    warmup.warm_shape(d, (1, 64, 4), 7.0, "sdpa", 2048)
+    assert all(p.grad is None for p in d.parameters())
+    params = list(d.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    off = 0
+    for p in params:
+        p.grad = flat[off: off + p.numel()].view_as(p)
+        off += p.numel()
+    warmup.warm_shape(d, (1, 64, 4), 7.0, "sdpa", 2048)
+    assert all(p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in params)
+    assert not flat.any()
+
+
+def test_max_length_beyond_the_targets_positions_is_an_early_error():
+    from transformers import Qwen3Config
+    import train_dflash as tr
+    tcfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, num_hidden_layers=4, vocab_size=64, max_position_embeddings=512)
+    assert tr.make_drafter_config(tr.parse_config(["--max-length", "512"]), tcfg, 0).max_position_embeddings == 512
+    with pytest.raises(SystemExit, match="--max-length 1024 exceeds the target's max_position_embeddings"):
+        tr.make_drafter_config(tr.parse_config(["--max-length", "1024"]), tcfg, 0)
 
 
 def test_an_impossible_mfu_is_reported_once():

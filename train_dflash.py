@@ -559,7 +559,9 @@ class Trainer:
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(self.progress(s), cfg.warmup_frac))
             self.drafters.append(dr); self.opts.append(opt); self.scheds.append(sched); self.flat_grads.append(flat)
         log(f"[model] {len(self.drafters)} drafter replica(s) x {dm.DFlashDrafter.num_trainable(self.drafters[0]) / 1e6:.1f}M "
-            f"trainable params on {[str(d) for d in self.ddevs]}; target on {[str(d) for d in self.tdevs]}")
+            f"trainable params on {[str(d) for d in self.ddevs]}; target on {[str(d) for d in self.tdevs]}; grads: "
+            + ("one flat buffer per replica (summed across replicas/ranks)" if self.flat_grads[0] is not None
+               else "handed over by each backward (lone replica)"))
 
     def progress(self, s):
         """Fraction of the run reached at (the middle of) step s, 0-based: never 0 or 1, so no step
