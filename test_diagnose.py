@@ -98,6 +98,21 @@ def test_against_reports_exactly_the_changed_fields(tmp_path, capsys):
     assert "versions.torch" in text and "2.0.0+fake" in text and "installed or modified after" in text
 
 
+def test_installed_packages_skip_vendored_copies(monkeypatch, tmp_path):
+    """Once setuptools is imported (inductor's CPU compiler does), its _vendor folder is on sys.path
+    and importlib lists the copies bundled there; they are not installed, and a report written after
+    a compile must not differ from one written before (seen: 'packages.autocommand ... (missing)')."""
+    from types import SimpleNamespace
+    real = tmp_path / "site-packages" / "numpy-2.0.0.dist-info"
+    vendored = tmp_path / "site-packages" / "setuptools" / "_vendor" / "autocommand-2.2.2.dist-info"
+    for p in (real, vendored):
+        p.mkdir(parents=True)
+    fake = [SimpleNamespace(metadata={"Name": "autocommand"}, version="2.2.2", _path=vendored),
+            SimpleNamespace(metadata={"Name": "numpy"}, version="2.0.0", _path=real)]
+    monkeypatch.setattr(diagnose.importlib.metadata, "distributions", lambda: fake)
+    assert [(n, v) for n, v, _ in diagnose.installed_packages()] == [("numpy", "2.0.0")]
+
+
 def test_against_clear_errors(tmp_path, capsys):
     assert diagnose.main(["--against", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
