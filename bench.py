@@ -40,8 +40,8 @@ def parse_args(argv):
     p.add_argument("--seq", type=int, default=0, help="sequence length (default 3072; tiny 256)")
     p.add_argument("--anchors", type=int, default=0, help="anchors per sequence (default 512; tiny 16)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per round (median of each round)")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per measurement: the median of the "
-                   "round medians is reported, with their min-max as the spread")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per measurement, each of --steps "
+                   "steps back to back: the median of the rounds is reported, with their min-max as the spread")
     p.add_argument("--all-shapes", action="store_true", help="cold warm-up of every default bucket")
     p.add_argument("--pipeline-steps", type=int, default=40, help="optimiser steps of the pipeline run")
     p.add_argument("--no-pipeline", action="store_true")
@@ -127,8 +127,12 @@ def main(argv=None):
             hs = target.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
             return dm.target_features(hs, dcfg.target_layer_ids)
     res["spread_ms"] = {}
-    t_target, spread = median_time(target_fwd, a.steps, dev, a.rounds)
-    res["spread_ms"]["target_ms"] = [round(1e3 * t, 2) for t in spread]
+
+    def timed(name, fn):      # median seconds per call; the rounds' min-max goes to res["spread_ms"][name]
+        t, spread = median_time(fn, a.steps, dev, a.rounds)
+        res["spread_ms"][name] = [round(1e3 * s, 2) for s in spread]
+        return t
+    t_target = timed("target_ms", target_fwd)
     n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
     res.update(target_ms=1e3 * t_target, target_tok_s=S / t_target, target_mfu=2 * n_params * S / t_target / peak)
     log(f"[bench] target forward ({len(target.model.layers)} layers): {1e3 * t_target:.1f} ms = "
@@ -171,8 +175,7 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)       # as the trainer's lone replica: the next backward's grads are handed over
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    t_ours, spread = median_time(step, a.steps, dev, a.rounds)
-    res["spread_ms"]["drafter_ms"] = [round(1e3 * t, 2) for t in spread]
+    t_ours = timed("drafter_ms", step)
     flops = tr.drafter_step_flops(dcfg, S, A)
     res.update(drafter_ms=1e3 * t_ours, drafter_samples_s=1 / t_ours, drafter_tok_s=S / t_ours,
                drafter_mfu=flops / t_ours / peak, drafter_tflop_per_step=flops / 1e12,
@@ -189,8 +192,7 @@ def main(argv=None):
         t0 = time.time()
         step(naive=True)
         res["naive_first_step_s"] = time.time() - t0
-        t_naive, spread = median_time(lambda: step(naive=True), a.steps, dev, a.rounds)
-        res["spread_ms"]["naive_ms"] = [round(1e3 * t, 2) for t in spread]
+        t_naive = timed("naive_ms", lambda: step(naive=True))
         res.update(naive_ms=1e3 * t_naive, naive_mfu=flops / t_naive / peak, speedup_vs_naive=t_naive / t_ours)
         log(f"[bench] drafter step (naive): {1e3 * t_naive:.1f} ms, MFU {res['naive_mfu']:.1%}; "
             f"ours is {t_naive / t_ours:.2f}x faster")
@@ -257,16 +259,15 @@ def profile(fn, dev, log, steps=3, top=20, trace=""):
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
+    from train_dflash import sync_device
     cuda = dev.type == "cuda"
     fn()
-    if cuda:
-        torch.cuda.synchronize(dev)
+    sync_device(dev)
     t0 = time.perf_counter()
     with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             fn()
-        if cuda:
-            torch.cuda.synchronize(dev)
+        sync_device(dev)
     wall_us = (time.perf_counter() - t0) * 1e6 / steps
     if trace:
         prof.export_chrome_trace(trace)
@@ -305,18 +306,16 @@ def median_time(fn, n, dev, rounds=1):
     to back, each round timed as a whole (a device sync at its two ends only, like a training loop that
     does not wait for the device between steps: the host prepares step i+1 while step i's tail runs);
     the median of the rounds' per-call times and their min-max (the spread)."""
-    import torch
+    from train_dflash import sync_device
     for _ in range(2):
         fn()
     per_call = []
     for _ in range(rounds):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync_device(dev)
         per_call.append((time.perf_counter() - t0) / n)
     return statistics.median(per_call), [min(per_call), max(per_call)]
 

@@ -520,9 +520,10 @@ FLEX_OPTION_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "
                      "num_stages", "USE_TMA", "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
 
 
-def set_flex_options(options):
-    """options: a dict or its JSON text ("" = defaults). Names are FLEX_OPTION_NAMES, optionally with
-    a "fwd_" / "bwd_" prefix (forward / backward kernel only); values are ints or booleans."""
+def parse_flex_options(options):
+    """The checked options dict of `options`: a dict or its JSON text ("" = defaults). Names are
+    FLEX_OPTION_NAMES, optionally with a "fwd_" / "bwd_" prefix (forward / backward kernel only);
+    values are ints or booleans. Raises ValueError naming what is wrong."""
     if isinstance(options, str):
         try:
             options = json.loads(options) if options.strip() else {}
@@ -537,6 +538,12 @@ def set_flex_options(options):
                              "(optionally prefixed fwd_ or bwd_)")
         if not isinstance(v, (bool, int)):
             raise ValueError(f"flex kernel option {k} must be an int or a boolean, got {v!r}")
+    return options
+
+
+def set_flex_options(options):
+    """Check `options` (parse_flex_options) and make them every compiled flex call's kernel_options."""
+    options = parse_flex_options(options)
     FLEX_OPTIONS.clear()
     FLEX_OPTIONS.update(options)
 

@@ -136,7 +136,7 @@ def validate(cfg):
     if cfg.grad_accum < 1 or cfg.keep_last < 1 or cfg.log_interval < 1 or cfg.ckpt_interval < 1:
         errs.append("grad_accum, keep_last, log_interval, ckpt_interval must be >= 1")
     try:
-        dm.set_flex_options(cfg.flex_options)
+        dm.parse_flex_options(cfg.flex_options)
     except ValueError as e:
         errs.append(f"--flex-options: {e}")
     if cfg.warmup_workers < -1:
@@ -826,7 +826,7 @@ class Trainer:
         self.log(f"[ckpt] {final}")
 
     def replica_checksums(self):
-        sums = [float(sum(p.detach().double().sum() for p in dr.parameters())) for dr in self.drafters]
+        sums = [param_checksum(dr) for dr in self.drafters]
         if len(set(sums)) > 1:
             raise RuntimeError(f"drafter replicas diverged: parameter checksums {sums}")
         return sums
@@ -835,6 +835,7 @@ class Trainer:
     def train(self):
         cfg, log = self.cfg, self.log
         self.compile_cache = warmup.use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"), log)
+        dm.set_flex_options(cfg.flex_options)         # before anything compiles (checked by validate)
         self.setup()
         self.build_models()
         self.resume()
@@ -923,7 +924,7 @@ class Trainer:
                                f"tensor(s) differ, first {bad[:5]}")
         self.log(f"[replicas] {len(self.drafters)} replica(s) x {self.world} rank(s) bit-identical after step "
                  f"{self.last_step()} ({n_params:,} parameters each, compared byte for byte; checksum "
-                 f"{self.replica_checksums()[0]!r})")
+                 f"{param_checksum(self.drafters[0])!r})")      # the others are byte-equal to it
 
     def last_step(self):
         return self.last["step"] if self.last else self.step
@@ -1054,6 +1055,11 @@ def measure_peak_flops(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return 2 * n ** 3 * reps / (time.time() - t0)
+
+
+def param_checksum(model):
+    """float64 sum of every parameter: a cheap fingerprint for logs and checkpoints."""
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
 def as_bytes(t):

@@ -395,6 +395,7 @@ def main(argv=None):
     import train_dflash as tr
     cfg = tr.parse_config(argv)
     use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
+    dm.set_flex_options(cfg.flex_options)
     tcfg, _ = tr.load_target_config(tr.target_path(cfg))
     drafter_devs = tr.resolve_devices(cfg)[1]
     attn = tr.resolve_attn(cfg, drafter_devs[0])
