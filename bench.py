@@ -144,7 +144,8 @@ def main(argv=None):
     drafter = dm.DFlashDrafter(dcfg).to(dev)
     drafter.embed_weight = target.get_input_embeddings().weight.detach()
     drafter.lm_head_weight = target.get_output_embeddings().weight.detach()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-5, fused=dev.type == "cuda")
+    # the trainer's optimiser: fp32 masters, bf16 weights on a GPU, one fused update pass
+    opt = tr.MasterAdamW(drafter.parameters(), lr=1e-5, param_dtype=tr.param_dtype(dev))
     shapes = tr.shape_plan(tcfg, dcfg.block_size) if a.all_shapes else [(1, S, A)]
     attn = "flex" if dev.type == "cuda" else "sdpa"
     if dev.type == "cuda":

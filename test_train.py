@@ -282,7 +282,7 @@ def test_two_replicas_equal_one_replica_on_the_concatenated_batch(qwen3, cache_d
     assert "[data] 4 samples on this node, 2 batches/epoch, buckets [256], shapes (B,S,A) [(2, 256, 32)]" in p2.out
     assert "[data] 4 samples on this node, 1 batches/epoch, buckets [256], shapes (B,S,A) [(4, 256, 32)]" in p1.out
     assert "2 drafter replica(s)" in p2.out and "2 target + 2 drafter threads started" in p2.out
-    assert "grads: one flat buffer per replica" in p2.out and "grads: handed over by each backward" in p1.out
+    assert "grads: one flat fp32 buffer per replica" in p2.out and "grads: handed over by each backward" in p1.out
     assert "[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 3" in p2.out, p2.tail()
 
     m2, m1 = metrics(two), metrics(one)
@@ -305,11 +305,11 @@ def test_two_replicas_equal_one_replica_on_the_concatenated_batch(qwen3, cache_d
                                        msg=lambda s: f"step {step} {k}: {s}")
         # Adam's moments are the (clipped) summed gradients themselves: sensitive to any scale error,
         # which the first sign-like Adam update would hide.
-        o2, o1 = s2["optimizer"]["state"], s1["optimizer"]["state"]
-        assert o2.keys() == o1.keys() and len(o1) > 0
-        for i in o1:
+        o2, o1 = s2["optimizer"], s1["optimizer"]
+        assert len(o2["exp_avg"]) == len(o1["exp_avg"]) > 0 and o2["step"] == o1["step"] == [step] * len(o1["step"])
+        for i in range(len(o1["exp_avg"])):
             for key in ("exp_avg", "exp_avg_sq"):
-                a, b = o2[i][key], o1[i][key]        # relative to the tensor's norm: summation order
+                a, b = o2[key][i], o1[key][i]        # relative to the tensor's norm: summation order
                 err = float((a - b).norm() / b.norm().clamp(min=1e-30))     # moves tiny entries
                 assert err < 1e-5, (step, i, key, err)
         # the saved serving weights (bf16): equal up to one bf16 rounding step
@@ -461,8 +461,9 @@ def test_replica_check_compares_bytes_and_names_the_diverged_tensor():
 
 @pytest.mark.parametrize("clip", [1e-3, 1e3])        # the scaling pass runs / is skipped
 def test_a_lone_replica_steps_on_handed_over_grads_and_clips_exactly_like_clip_grad_norm(clip):
-    """reduce_and_step for one replica without a flat buffer: the same parameters, byte for byte, and
-    the same norm as clip_grad_norm_ + AdamW.step; grads None afterwards (the next backward's grads are
+    """reduce_and_step for one replica without a flat buffer (MasterAdamW, the clip factor applied
+    inside its pass): the same parameters, byte for byte, and the same norm as clip_grad_norm_ +
+    torch's AdamW.step; grads None afterwards (the next backward's grads are
     handed over, not added to zeros); the step's stats already on the host (read before the optimiser)."""
     from types import SimpleNamespace
     import train_dflash as tr
@@ -470,13 +471,14 @@ def test_a_lone_replica_steps_on_handed_over_grads_and_clips_exactly_like_clip_g
     a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
     b.load_state_dict(a.state_dict())
     x = torch.randn(4, 8)
-    opt_a, opt_b = torch.optim.AdamW(a.parameters(), lr=0.1), torch.optim.AdamW(b.parameters(), lr=0.1)
+    opt_a = tr.MasterAdamW(a.parameters(), lr=0.1, param_dtype=torch.float32)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=0.1, foreach=False)
     for m in (a, b):
         m(x).square().sum().backward()
     ref_norm = float(torch.nn.utils.clip_grad_norm_(b.parameters(), clip))
     opt_b.step()
     t = tr.Trainer.__new__(tr.Trainer)
-    t.drafters, t.opts, t.flat_grads, t.world = [a], [opt_a], [None], 1
+    t.drafters, t.opts, t.flat_grads, t.grads, t.world = [a], [opt_a], [None], [None], 1
     t.scheds = [torch.optim.lr_scheduler.LambdaLR(opt_a, lambda s: 1.0)]
     t.cfg = SimpleNamespace(clip=clip, max_minutes=0)
     gnorm, stats = t.reduce_and_step([torch.tensor([1.0, 2.0])])
@@ -798,3 +800,87 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
     res = json.loads((tmp_path / "cut.json").read_text())
     assert res["prompts"] == 1 and res["requested"] == 3 and not res["complete"], res
     assert "time budget of 1e-09 min reached after 1 of 3 prompts" in p.out and "(incomplete: 1 of 3" in p.out
+
+
+def _adamw_pair(param_dtype):
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    b.load_state_dict(a.state_dict())
+    import train_dflash as tr
+    opt_a = tr.MasterAdamW(a.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, param_dtype=param_dtype)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    return a, b, opt_a, opt_b
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_master_adamw_is_torch_adamw_on_fp32_masters_and_writes_the_weights_from_them(param_dtype):
+    """Given the same fp32 gradients, MasterAdamW's masters are torch AdamW's parameters byte for byte
+    (with a grad_scale of 0.5 against gradients halved by hand), and the model's weights are the
+    masters cast to the weight dtype (bf16: what a GPU run uses; fp32: CPU)."""
+    a, b, opt_a, opt_b = _adamw_pair(param_dtype)
+    assert all(p.dtype == param_dtype for p in a.parameters())
+    assert all(m.dtype == torch.float32 for m in opt_a.masters())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in b.parameters()]
+        for p, g in zip(b.parameters(), grads):
+            p.grad = g * 0.5
+        opt_b.step()
+        opt_a.step(grads=grads, grad_scale=torch.tensor(0.5))
+    for p, m, ref in zip(a.parameters(), opt_a.masters(), b.parameters()):
+        assert torch.equal(dm_bytes(m), dm_bytes(ref.detach()))
+        assert torch.equal(dm_bytes(p), dm_bytes(m.to(param_dtype)))
+
+
+def test_master_adamw_state_round_trip_keeps_the_masters_in_fp32_and_checks_what_it_loads():
+    """A checkpoint's optimiser state restores masters, moments and steps exactly into an optimiser of
+    bf16 weights (torch.optim's own load would round them to the parameters' dtype), writes the
+    weights from the masters, and the next step is the same as the uninterrupted optimiser's.
+    Another optimiser's state or another model's is a clear error."""
+    import train_dflash as tr
+    a, _, opt_a, _ = _adamw_pair(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(p.shape, generator=gen) for p in a.parameters()] for _ in range(2)]
+    opt_a.step(grads=grads[0])
+    sd = opt_a.state_dict()
+    torch.manual_seed(5)
+    c = torch.nn.Linear(8, 8)
+    opt_c = tr.MasterAdamW(c.parameters(), lr=0.5, param_dtype=torch.bfloat16)
+    opt_c.load_state_dict(sd)
+    assert opt_c.param_groups[0]["lr"] == 0.1
+    for m_c, m_a, p_c in zip(opt_c.masters(), opt_a.masters(), c.parameters()):
+        assert m_c.dtype == torch.float32 and torch.equal(dm_bytes(m_c), dm_bytes(m_a))
+        assert torch.equal(dm_bytes(p_c), dm_bytes(m_a.to(torch.bfloat16)))
+    opt_a.step(grads=grads[1])
+    opt_c.step(grads=grads[1])
+    for m_c, m_a in zip(opt_c.masters(), opt_a.masters()):
+        assert torch.equal(dm_bytes(m_c), dm_bytes(m_a))
+    with pytest.raises(ValueError, match="not a master_adamw/1 optimiser state"):
+        opt_c.load_state_dict(torch.optim.AdamW(c.parameters()).state_dict())
+    d = torch.nn.Linear(8, 4)
+    with pytest.raises(ValueError, match="has shape"):
+        tr.MasterAdamW(d.parameters()).load_state_dict(sd)
+    with pytest.raises(ValueError, match="takes fp32 parameters"):
+        tr.MasterAdamW(c.parameters())            # already bf16: the masters would be rounded
+
+
+def test_gradients_summed_in_the_flat_buffer_by_the_hooks():
+    """Where grads are summed (replicas, ranks, micro-batches), each backward's gradient is added into
+    the replica's fp32 buffer by a hook and freed; two backward passes sum there."""
+    import train_dflash as tr
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    params = list(lin.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    views = [g.view_as(p) for g, p in zip(torch.split(flat, [p.numel() for p in params]), params)]
+    for p, v in zip(params, views):
+        p.register_post_accumulate_grad_hook(tr.add_into(v))
+    x1, x2 = torch.randn(2, 4), torch.randn(5, 4)
+    lin(x1).sum().backward()
+    lin(x2).sum().backward()
+    assert all(p.grad is None for p in params)
+    ref = torch.nn.Linear(4, 3)
+    ref.load_state_dict(lin.state_dict())
+    ref(torch.cat([x1, x2])).sum().backward()
+    for v, p in zip(views, ref.parameters()):
+        torch.testing.assert_close(v, p.grad)

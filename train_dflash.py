@@ -34,6 +34,7 @@ import torch
 
 import dflash_model as dm
 import warmup
+from master_adamw import MasterAdamW
 
 
 # -----------------------------------------------------------------------------
@@ -533,7 +534,10 @@ class Trainer:
         t0 = self.targets[0]
         emb = t0.get_input_embeddings().weight.detach()
         head = t0.get_output_embeddings().weight.detach()
-        self.drafters, self.opts, self.scheds, self.flat_grads = [], [], [], []
+        self.drafters, self.opts, self.scheds, self.flat_grads, self.grads = [], [], [], [], []
+        # Where gradients are summed (several replicas or ranks, or micro-batches), an fp32 buffer
+        # per replica holds them, so one collective per step sums them and micro-batches add in fp32.
+        summed = len(self.ddevs) > 1 or self.world > 1 or cfg.grad_accum > 1
         for d in self.ddevs:
             torch.manual_seed(cfg.seed)               # identical initial replicas
             dr = dm.DFlashDrafter(self.dcfg)
@@ -541,26 +545,27 @@ class Trainer:
             dr = dr.to(d)
             dr.embed_weight = emb.to(d, tdtype)
             dr.lm_head_weight = head.to(d, tdtype)
-            params, flat = list(dr.parameters()), None
-            if len(self.ddevs) > 1 or self.world > 1:
-                # Grads summed across replicas/ranks: one flat buffer per replica, so one collective
-                # per step instead of one per tensor.
-                flat = torch.zeros(sum(p.numel() for p in params), device=d, dtype=torch.float32)
-                off = 0
-                for p in params:
-                    p.grad = flat[off: off + p.numel()].view_as(p)
-                    off += p.numel()
-            # A lone replica keeps no buffer: its grads are set to None after each step, so the next
-            # backward hands its fresh gradient tensors over (no zeroing pass and no accumulating add
-            # over 1B fp32 grads: ~4 ms of a Qwen3-8B-size step on an H200).
-            # fused: one kernel over all 1B+ params instead of foreach's several passes (H200: ~2x less time)
-            opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                    fused=torch.device(d).type == "cuda")
+            params = list(dr.parameters())
+            # The optimiser keeps the fp32 masters and moments; the model's weights become bf16 on a GPU
+            # (what the matmuls read: no casts in the step) and its update writes both in one pass.
+            opt = MasterAdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                              param_dtype=param_dtype(d))
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(self.progress(s), cfg.warmup_frac))
-            self.drafters.append(dr); self.opts.append(opt); self.scheds.append(sched); self.flat_grads.append(flat)
+            flat, grads = None, None
+            if summed:
+                flat = torch.zeros(sum(p.numel() for p in params), device=d, dtype=torch.float32)
+                grads = list(torch.split(flat, [p.numel() for p in params]))
+                grads = [g.view_as(p) for g, p in zip(grads, params)]
+                for p, g in zip(params, grads):
+                    p.register_post_accumulate_grad_hook(add_into(g))
+            # Otherwise (a lone replica, one micro-batch) each backward hands its fresh gradient
+            # tensors over and the step sets them to None: no zeroing or accumulating pass.
+            self.drafters.append(dr); self.opts.append(opt); self.scheds.append(sched)
+            self.flat_grads.append(flat); self.grads.append(grads)
         log(f"[model] {len(self.drafters)} drafter replica(s) x {dm.DFlashDrafter.num_trainable(self.drafters[0]) / 1e6:.1f}M "
-            f"trainable params on {[str(d) for d in self.ddevs]}; target on {[str(d) for d in self.tdevs]}; grads: "
-            + ("one flat buffer per replica (summed across replicas/ranks)" if self.flat_grads[0] is not None
+            f"trainable params on {[str(d) for d in self.ddevs]} ({str(param_dtype(self.ddevs[0])).removeprefix('torch.')} "
+            f"weights, fp32 masters in the optimiser); target on {[str(d) for d in self.tdevs]}; grads: "
+            + ("one flat fp32 buffer per replica (summed across replicas/ranks/micro-batches)" if self.flat_grads[0] is not None
                else "handed over by each backward (lone replica)"))
 
     def progress(self, s):
@@ -586,13 +591,11 @@ class Trainer:
         if master is None:
             raise RuntimeError(f"{path}/state.pt has no master_weights: not a checkpoint of this trainer")
         for dr, opt, sched in zip(self.drafters, self.opts, self.scheds):
-            dr.load_state_dict(master, strict=True)
-            # load_state_dict restores the saved group flags too: keep THIS run's kernel choice (fused
-            # on CUDA), or a checkpoint from another device/version would silently switch it
-            saved = dict(state["optimizer"], param_groups=[
-                dict(g, fused=opt.defaults["fused"], foreach=opt.defaults["foreach"])
-                for g in state["optimizer"]["param_groups"]])
-            opt.load_state_dict(saved)
+            dr.load_state_dict(master, strict=True)      # buffers; the weights come from the masters:
+            try:
+                opt.load_state_dict(state["optimizer"])   # fp32 masters and moments, weights written from them
+            except ValueError as e:
+                raise RuntimeError(f"{path}/state.pt: cannot resume its optimiser state: {e}") from None
             sched.load_state_dict(state["scheduler"])
         self.step = state["step"]
         nb_old, cur = state["batches_per_epoch"], state["cursor"]
@@ -719,8 +722,9 @@ class Trainer:
         # device runs the AdamW pass (~9 ms at Qwen3-8B size on an H200).
         stats = stats.to("cpu")
         gnorms = []
-        for dr, opt, sched, flat in zip(self.drafters, self.opts, self.scheds, flats):
-            gnorms.append(clip_and_step(list(dr.parameters()), opt, self.cfg.clip))
+        for dr, opt, sched, flat, grads in zip(self.drafters, self.opts, self.scheds, flats, self.grads):
+            gnorms.append(clip_and_step(opt, grads if grads is not None else [p.grad for p in dr.parameters()],
+                                        self.cfg.clip))
             sched.step()
             if flat is None:
                 opt.zero_grad(set_to_none=True)
@@ -811,7 +815,7 @@ class Trainer:
         torch.save({"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
                     "batches_per_epoch": self.stream.nb, "optimizer": self.opts[0].state_dict(),
                     "scheduler": self.scheds[0].state_dict(), "config": dataclasses.asdict(cfg),
-                    "master_weights": {k: v.detach().cpu() for k, v in dr.state_dict().items()},
+                    "master_weights": master_state_dict(dr, self.opts[0]),
                     "replica_checksums": self.replica_checksums()},
                    os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "env.json"), "w") as f:
@@ -854,6 +858,9 @@ class Trainer:
                                   workers=cfg.warmup_workers)
             log(warmup.format_table(rows).replace("\n", "\n[warmup] "))
             log(f"[warmup] done in {time.time() - t0:.1f}s")
+            for flat in self.flat_grads:     # the warm-up's backward passes added into them (the hooks)
+                if flat is not None:
+                    flat.zero_()
         self.peak_flops = measure_peak_flops(self.ddevs[0])
         log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s")
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -901,11 +908,18 @@ class Trainer:
     def check_replicas_identical(self):
         """Every replica, in this process and on every rank, must end bit-identical to replica 0 of
         rank 0: each parameter's bytes are compared (a checksum could hide offsetting differences)."""
-        ref = list(self.drafters[0].named_parameters())
-        n_params = sum(p.numel() for _, p in ref)
+        names = [n for n, _ in self.drafters[0].named_parameters()]
+        opts = getattr(self, "opts", [None] * len(self.drafters))
+        # the weights and, where an optimiser holds them, the fp32 masters (bf16 weights can hide a
+        # master that differs below their rounding)
+        tensors = [[(n, p) for n, p in dr.named_parameters()]
+                   + ([(n + " (master)", m) for n, m in zip(names, opt.masters())] if opt is not None else [])
+                   for dr, opt in zip(self.drafters, opts)]
+        ref = tensors[0]
+        n_params = sum(p.numel() for _, p in self.drafters[0].named_parameters())
         bad = []
-        for r, dr in enumerate(self.drafters[1:], 1):
-            for (name, p0), p in zip(ref, dr.parameters()):
+        for r, mine in enumerate(tensors[1:], 1):
+            for (name, p0), (_, p) in zip(ref, mine):
                 if not torch.equal(as_bytes(p0), as_bytes(p.to(p0.device))):
                     bad.append(f"replica {r}: {name}")
         if self.world > 1:
@@ -1025,19 +1039,38 @@ def drafter_step_flops(c, S, A):
     return 3 * fwd + head
 
 
-def clip_and_step(params, opt, clip):
-    """Clip the gradients' global norm to `clip`, then opt.step(); returns the norm (a float).
+def clip_and_step(opt, grads, clip):
+    """Clip the gradients' global norm to `clip` and take the optimiser step; returns the norm (float).
 
-    The same result as clip_grad_norm_ + step, but the scaling pass over every gradient runs only
-    when it changes them (norm + 1e-6 > clip, clip_grad_norm_'s own condition for a factor < 1).
-    Reading the norm on the host costs nothing extra: the caller logs it every step anyway."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
+    clip_grad_norm_'s factor, min(1, clip / (norm + 1e-6)), stays on the device and the optimiser's
+    pass multiplies the gradients by it (MasterAdamW's grad_scale): no scaling pass over 1B gradients
+    and no wait for the norm before the step. The host reads the norm (for the log) before it queues
+    the step, so it does not wait for the step either."""
+    norm = total_norm(grads)
+    scale = (clip / (norm + 1e-6)).clamp(max=1.0)
     value = float(norm)
-    if value + 1e-6 > clip:
-        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
-    opt.step()
+    opt.step(grads=grads, grad_scale=scale)
     return value
+
+
+def total_norm(grads):
+    """Global L2 norm of the gradients, accumulated in fp32 whatever their dtype (bf16 on a GPU)."""
+    grads = [g for g in grads if g is not None]
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def param_dtype(dev):
+    """The drafter's weight dtype: bf16 on a GPU (fp32 masters in the optimiser), fp32 on a CPU."""
+    return torch.bfloat16 if torch.device(dev).type == "cuda" else torch.float32
+
+
+def add_into(buf):
+    """A post-accumulate-grad hook: add the fresh gradient into `buf` (an fp32 view) and free it."""
+    def hook(p):
+        buf.add_(p.grad)
+        p.grad = None
+    return hook
 
 
 def measure_peak_flops(dev):
@@ -1055,6 +1088,13 @@ def measure_peak_flops(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return 2 * n ** 3 * reps / (time.time() - t0)
+
+
+def master_state_dict(model, opt):
+    """The model's state_dict on the CPU with every weight replaced by its fp32 master: what a
+    checkpoint resumes from (the bf16 weights would round every master)."""
+    masters = dict(zip([n for n, _ in model.named_parameters()], opt.masters()))
+    return {k: masters.get(k, v).detach().cpu() for k, v in model.state_dict().items()}
 
 
 def param_checksum(model):
