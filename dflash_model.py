@@ -753,7 +753,13 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=2048, weight
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
     w = weights[:, :, 1:].reshape(-1).float()
-    wsum = (w.sum() if weight_sum is None else torch.as_tensor(weight_sum, device=w.device)).clamp(min=1e-6)
+    if weight_sum is None:
+        wsum = w.sum()
+    elif isinstance(weight_sum, torch.Tensor):
+        wsum = weight_sum.to(w.device, torch.float32)
+    else:   # a host number: a fill kernel, not a blocking host-to-device copy (that would wait for the
+        wsum = torch.full((), float(weight_sum), device=w.device)     # forward just queued: a stall mid-step)
+    wsum = wsum.clamp(min=1e-6)
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum, chunk_rows,
                                              gated_ce_chunk if compiled else _ce_chunk_eager)
     sup = (w > 0).view(B * A, bs - 1)

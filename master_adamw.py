@@ -110,8 +110,11 @@ class MasterAdamW(torch.optim.Optimizer):
                         group["lr"] / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t))
                 if p.device.type == "cuda" and triton is not None:
                     scale = grad_scale if grad_scale is not None else self._one(p.device)
-                    self._check_kernel(p.device)
-                    _update_triton(p, g.contiguous(), st, scale.float(), *args)
+                    # Triton launches on the CURRENT device's stream, not the tensors' (torch ops
+                    # switch for you): one thread stepping replicas on several GPUs must switch.
+                    with torch.cuda.device(p.device):
+                        self._check_kernel(p.device)
+                        _update_triton(p, g.contiguous(), st, scale.float(), *args)
                 else:
                     _update_torch(p, g, st, grad_scale, *args)
 

@@ -220,6 +220,7 @@ def test_sigkill_then_resume_reproduces_the_straight_run_losses(llama, sharegpt,
 
     p = train(*common, "--out-dir", straight)
     assert_ok(p)
+    assert "grads: one flat fp32 buffer per replica" in p.out     # micro-batches are added in fp32
     m = re.search(r"\[data\] \d+ samples on this node, (\d+) batches/epoch", p.out)
     assert m and int(m.group(1)) < 12, "the run should cross an epoch boundary"
 
