@@ -81,6 +81,7 @@ class MasterAdamW(torch.optim.Optimizer):
                              "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format)}
             p.data = p.data.to(param_dtype)
         self.checked = set()              # devices whose Triton kernel was checked
+        self.ones = {}                    # device -> 1.0 (the grad scale when none is given)
 
     def params(self):
         return [p for group in self.param_groups for p in group["params"]]
@@ -119,11 +120,9 @@ class MasterAdamW(torch.optim.Optimizer):
                     _update_torch(p, g, st, grad_scale, *args)
 
     def _one(self, dev):
-        if not hasattr(self, "_ones"):
-            self._ones = {}
-        if dev not in self._ones:
-            self._ones[dev] = torch.ones((), device=dev)
-        return self._ones[dev]
+        if dev not in self.ones:
+            self.ones[dev] = torch.ones((), device=dev)
+        return self.ones[dev]
 
     def _check_kernel(self, dev):
         """Once per device: the Triton pass against the torch-op pass on random data (bf16 weight and
@@ -185,3 +184,25 @@ class MasterAdamW(torch.optim.Optimizer):
                 p.copy_(st["master"])
         for g, saved in zip(self.param_groups, sd["param_groups"]):
             g.update(saved)
+
+
+def from_torch_adamw_state(sd, masters):
+    """torch.optim.AdamW's state_dict (+ the fp32 parameters it stepped, in order) -> this format.
+
+    Checkpoints of this trainer before MasterAdamW held fp32 parameters stepped by torch's AdamW:
+    those parameters are the masters, and its moments and step counts carry over unchanged."""
+    if "state" not in sd or "param_groups" not in sd:
+        raise ValueError("not a torch.optim state_dict (no 'state' / 'param_groups')")
+    sizes = [len(g["params"]) for g in sd["param_groups"]]
+    if sum(sizes) != len(masters):
+        raise ValueError(f"torch AdamW state for {sum(sizes)} tensors, {len(masters)} master weights given")
+    out = {k: [] for k in ("step", "master", "exp_avg", "exp_avg_sq")}
+    for i, m in enumerate(masters):
+        st = sd["state"].get(i)        # absent: a parameter that never had a gradient
+        out["step"].append(int(st["step"]) if st else 0)
+        out["master"].append(m.float())
+        out["exp_avg"].append(st["exp_avg"].float() if st else torch.zeros_like(m, dtype=torch.float32))
+        out["exp_avg_sq"].append(st["exp_avg_sq"].float() if st else torch.zeros_like(m, dtype=torch.float32))
+    keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+    return {"format": STATE_FORMAT, "group_sizes": sizes,
+            "param_groups": [{k: g[k] for k in keep if k in g} for g in sd["param_groups"]], **out}

@@ -885,3 +885,31 @@ def test_gradients_summed_in_the_flat_buffer_by_the_hooks():
     ref(torch.cat([x1, x2])).sum().backward()
     for v, p in zip(views, ref.parameters()):
         torch.testing.assert_close(v, p.grad)
+
+
+def test_a_torch_adamw_checkpoint_state_converts_and_continues_the_same_run():
+    """An optimiser state of this trainer before MasterAdamW (torch's AdamW over fp32 parameters,
+    with a LambdaLR schedule) converts: its parameters become the masters, its moments and steps
+    carry over, and the next step equals torch AdamW's next step byte for byte (CPU, fp32)."""
+    import train_dflash as tr
+    a, b, opt_a, opt_b = _adamw_pair(torch.float32)
+    sched_b = torch.optim.lr_scheduler.LambdaLR(opt_b, lambda s: 0.5)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        for p in b.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt_b.step()
+        sched_b.step()
+    sd = tr.from_torch_adamw_state(opt_b.state_dict(), [p.detach().clone() for p in b.parameters()])
+    opt_a.load_state_dict(sd)
+    assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"] == 0.05
+    assert [opt_a.state[p]["step"] for p in a.parameters()] == [2, 2]
+    grads = [torch.randn(p.shape, generator=gen) for p in b.parameters()]
+    for p, g in zip(b.parameters(), grads):
+        p.grad = g
+    opt_b.step()
+    opt_a.step(grads=grads)
+    for m, p in zip(opt_a.masters(), b.parameters()):
+        assert torch.equal(dm_bytes(m), dm_bytes(p.detach()))
+    with pytest.raises(ValueError, match="2 tensors, 1 master weights"):
+        tr.from_torch_adamw_state(opt_b.state_dict(), [torch.zeros(1)])

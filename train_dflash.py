@@ -34,7 +34,7 @@ import torch
 
 import dflash_model as dm
 import warmup
-from master_adamw import MasterAdamW
+from master_adamw import MasterAdamW, from_torch_adamw_state
 
 
 # -----------------------------------------------------------------------------
@@ -590,10 +590,16 @@ class Trainer:
         master = state.get("master_weights")
         if master is None:
             raise RuntimeError(f"{path}/state.pt has no master_weights: not a checkpoint of this trainer")
+        opt_state = state["optimizer"]
+        if "format" not in opt_state and "state" in opt_state:
+            self.log(f"[resume] NOTICE: {path} holds torch AdamW state (this trainer before MasterAdamW): "
+                     "its fp32 weights become the masters, its moments and steps carry over")
+            names = [n for n, _ in self.drafters[0].named_parameters()]
+            opt_state = from_torch_adamw_state(opt_state, [master[n] for n in names])
         for dr, opt, sched in zip(self.drafters, self.opts, self.scheds):
             dr.load_state_dict(master, strict=True)      # buffers; the weights come from the masters:
             try:
-                opt.load_state_dict(state["optimizer"])   # fp32 masters and moments, weights written from them
+                opt.load_state_dict(opt_state)            # fp32 masters and moments, weights written from them
             except ValueError as e:
                 raise RuntimeError(f"{path}/state.pt: cannot resume its optimiser state: {e}") from None
             sched.load_state_dict(state["scheduler"])
