@@ -8,6 +8,9 @@
                                        # cold caches, several buckets, with and without the gate
     python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1 --pipeline-steps 100
                                        # only the real loop, on any device layout (several GPUs)
+    python bench.py --optimizer        # only the optimiser side at the drafter's size (MasterAdamW vs
+                                       # torch's fused AdamW, the gradient norm) and the matmul rate,
+                                       # burst (the MFU denominator) vs sustained for seconds
 
 Ours:  block mask built by compiled create_block_mask, whole drafter trunk compiled (flex inside).
 Naive: what public DFlash trainers run: only flex_attention compiled, the rest of the drafter eager,
@@ -48,6 +51,8 @@ def parse_args(argv):
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
     p.add_argument("--race-loop", action="store_true", help="only the real-loop race check")
     p.add_argument("--gate-overhead", action="store_true", help="only: cost of one warm GATE.run (1 and 3 threads)")
+    p.add_argument("--optimizer", action="store_true", help="only: the optimiser step and gradient norm at the "
+                   "drafter's size, and the matmul rate in a burst vs sustained")
     p.add_argument("--compile-scope", default="trunk", choices=["trunk", "layer", "flex"],
                    help="trunk: the whole drafter is one compiled graph; layer: one graph reused per layer; "
                         "flex: only flex_attention compiled (eager layers); also for --race-loop")
@@ -111,6 +116,9 @@ def main(argv=None):
     log = lambda m: print(m, flush=True)
     if a.pipeline_only:
         res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))
+        return report(a, res)
+    if a.optimizer:
+        res.update(optimizer_bench(a, tcfg, spec, dev, log))
         return report(a, res)
     peak = tr.measure_peak_flops(dev)
     res["peak_tflops"] = peak / 1e12
@@ -300,6 +308,69 @@ def profile(fn, dev, log, steps=3, top=20, trace=""):
     for n, ms in res["top_ms"]:
         log(f"[bench]   top: {ms:8.3f} ms  {n}")
     return res
+
+
+def optimizer_bench(a, tcfg, spec, dev, log):
+    """The optimiser side of a drafter step at the drafter's size, eager: MasterAdamW's update pass
+    (bf16 weights and grads on a GPU) against torch's AdamW over fp32 weights and grads (fused on a
+    GPU), the gradient norm both ways; then the matmul rate as the trainer measures it (a burst of
+    ten products) and sustained for 1 and 3 s (a GPU at its power limit clocks down)."""
+    import torch
+    import dflash_model as dm
+    import train_dflash as tr
+    target_cfg, _ = tr.load_target_config(tcfg.target)
+    dcfg = tr.make_drafter_config(tcfg, target_cfg, mask_token_id=spec["vocab_size"] - 1)
+    with torch.device(dev):          # initialise on the device: 1B parameters are slow to initialise on a CPU
+        drafter = dm.DFlashDrafter(dcfg, embed_weight=torch.empty(0))
+    params = list(drafter.parameters())
+    n = sum(p.numel() for p in params)
+    res = {"optimizer_params": n}
+
+    def timed(name, fn, nbytes=None):
+        s, _ = median_time(fn, a.steps, dev, a.rounds)
+        res[name] = 1e3 * s
+        log(f"[bench] {name:28s} {1e3 * s:8.2f} ms" + (f"  {nbytes / s / 1e12:.2f} TB/s" if nbytes else ""))
+    opt = tr.MasterAdamW(params, lr=1e-5, param_dtype=tr.param_dtype(dev))
+    grads = [torch.randn_like(p) for p in params]
+    wbytes = params[0].element_size()        # master, exp_avg, exp_avg_sq read and written; weight written, grad read
+    timed("master_adamw_step_ms", lambda: opt.step(grads=grads), nbytes=n * (24 + 2 * wbytes))
+    timed("total_norm_ms", lambda: tr.total_norm(grads), nbytes=n * wbytes)
+    timed("clip_and_step_ms", lambda: tr.clip_and_step(opt, grads, 1.0))
+    del opt, grads
+    for p in params:
+        p.data = p.data.float()
+        p.grad = torch.randn_like(p)
+    ref = torch.optim.AdamW(params, lr=1e-5, fused=dev.type == "cuda", foreach=False if dev.type != "cuda" else None)
+    timed("torch_adamw_step_ms", ref.step, nbytes=n * 28)
+    timed("clip_grad_norm_ms", lambda: torch.nn.utils.clip_grad_norm_(params, 1e9))
+    del ref, params, drafter
+    res["matmul_burst_tflops"] = [round(tr.measure_peak_flops(dev) / 1e12, 1) for _ in range(3)]
+    log(f"[bench] matmul burst (the trainer's measure_peak_flops): {res['matmul_burst_tflops']} TFLOP/s")
+    if dev.type == "cuda":
+        from train_dflash import sync_device
+        N = 8192
+        x, y = (torch.randn(N, N, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        for secs in (1, 3):
+            sync_device(dev)
+            t0, k = time.perf_counter(), 0
+            while time.perf_counter() - t0 < secs:     # the launch queue bounds how far the host runs ahead;
+                for _ in range(50):                    # the final sync ends the timing
+                    x @ y
+                k += 50
+            sync_device(dev)
+            rate = 2 * N ** 3 * k / (time.perf_counter() - t0) / 1e12
+            res[f"matmul_sustained_{secs}s_tflops"] = round(rate, 1)
+            log(f"[bench] matmul sustained {secs} s: {rate:.0f} TFLOP/s (SM clock, power now: {gpu_clocks(dev)})")
+    return res
+
+
+def gpu_clocks(dev):
+    """SM clock and power draw from nvidia-smi ("?" where it cannot be asked)."""
+    try:
+        return subprocess.run(["nvidia-smi", "-i", str(dev.index or 0), "--query-gpu=clocks.sm,power.draw",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def median_time(fn, n, dev, rounds=1):

@@ -767,6 +767,20 @@ def test_bench_tiny_reports_every_figure_its_profile_and_a_two_replica_layout(tm
     assert res["pipeline_replicas"].startswith("[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 4"), res
 
 
+def test_bench_optimizer_times_both_optimisers_and_the_matmul_rate(tmp_path):
+    """bench.py --optimizer at toy size on CPU: MasterAdamW and torch's AdamW step, both norms and the
+    burst matmul rate land in --json (timings, not asserted)."""
+    out = tmp_path / "opt.json"
+    p = run_cmd([sys.executable, str(REPO / "bench.py"), "--tiny", "--device", "cpu", "--optimizer", "--steps", "1",
+                 "--rounds", "1", "--json", str(out)], timeout=300)
+    assert_ok(p)
+    res = json.loads(out.read_text())
+    assert res["optimizer_params"] > 0
+    for key in ("master_adamw_step_ms", "total_norm_ms", "clip_and_step_ms", "torch_adamw_step_ms", "clip_grad_norm_ms"):
+        assert isinstance(res[key], float) and res[key] > 0, (key, res.get(key))
+    assert len(res["matmul_burst_tflops"]) == 3
+
+
 def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path):
     """eval_dflash.py end to end (tiny target, untrained drafter, ShareGPT prompts): every prompt is
     lossless, the JSON is complete and consistent with the printout; a time budget stops after the
