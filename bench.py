@@ -318,6 +318,7 @@ def optimizer_bench(a, tcfg, spec, dev, log):
     import torch
     import dflash_model as dm
     import train_dflash as tr
+    from master_adamw import cast_weights
     target_cfg, _ = tr.load_target_config(tcfg.target)
     dcfg = tr.make_drafter_config(tcfg, target_cfg, mask_token_id=spec["vocab_size"] - 1)
     with torch.device(dev):          # initialise on the device: 1B parameters are slow to initialise on a CPU
@@ -337,8 +338,8 @@ def optimizer_bench(a, tcfg, spec, dev, log):
     timed("total_norm_ms", lambda: tr.total_norm(grads), nbytes=n * wbytes)
     timed("clip_and_step_ms", lambda: tr.clip_and_step(opt, grads, 1.0))
     del opt, grads
+    cast_weights(params, torch.float32)
     for p in params:
-        p.data = p.data.float()
         p.grad = torch.randn_like(p)
     ref = torch.optim.AdamW(params, lr=1e-5, fused=dev.type == "cuda", foreach=False if dev.type != "cuda" else None)
     timed("torch_adamw_step_ms", ref.step, nbytes=n * 28)

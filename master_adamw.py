@@ -44,6 +44,13 @@ if triton is not None:
         tl.store(param_ptr + offs, w.to(param_ptr.dtype.element_ty), mask=keep)
 
 
+def cast_weights(params, dtype):
+    """Cast parameters in place (their .data), so modules keep their Parameter objects. Unlike
+    Module.to(dtype) this leaves buffers alone (the drafter's rope tables stay fp32)."""
+    for p in params:
+        p.data = p.data.to(dtype)
+
+
 def _update_torch(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
     """The same update with torch ops, in torch.optim.AdamW's (single-tensor) order."""
     g = g.float() if scale is None else g.float() * scale
@@ -79,7 +86,7 @@ class MasterAdamW(torch.optim.Optimizer):
             self.state[p] = {"step": 0, "master": p.detach().clone(memory_format=torch.contiguous_format),
                              "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
                              "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format)}
-            p.data = p.data.to(param_dtype)
+        cast_weights(self.params(), param_dtype)
         self.checked = set()              # devices whose Triton kernel was checked
         self.ones = {}                    # device -> 1.0 (the grad scale when none is given)
 

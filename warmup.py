@@ -27,6 +27,7 @@ import time
 import torch
 
 import dflash_model as dm
+from master_adamw import cast_weights
 from diagnose import CACHE_INFO_FILE as CACHE_INFO   # one name for the file both sides read/write
 
 
@@ -366,8 +367,7 @@ def precompile_one(spec_path, shape):
         return torch.empty(0, dtype=dt, device=dev).set_(storage, m["offset"], m["shape"], m["stride"])
     with torch.device(dev):   # initialise on the device (a Qwen3-8B-sized drafter is slow to init on CPU)
         drafter = dm.DFlashDrafter(dm.DFlashConfig(**spec["config"]), embed_weight=torch.empty(0))
-    for p in drafter.parameters():          # the weights only: the rope tables stay fp32, as in the parent
-        p.data = p.data.to(dtype(spec["param_dtype"]))
+    cast_weights(drafter.parameters(), dtype(spec["param_dtype"]))     # as the parent's (rope tables stay fp32)
     drafter.embed_weight = buffer(spec["embed_weight"])
     drafter.lm_head_weight = drafter.embed_weight if spec["tied"] else buffer(spec["lm_head_weight"])
     for name, p in drafter.named_parameters():
@@ -406,8 +406,7 @@ def main(argv=None):
     for d in drafter_devs:
         torch.manual_seed(cfg.seed)
         dr = dm.DFlashDrafter(dcfg).to(d)
-        for p in dr.parameters():           # the trainer's weight dtype (its optimiser casts them so)
-            p.data = p.data.to(tr.param_dtype(d))
+        cast_weights(dr.parameters(), tr.param_dtype(d))     # the trainer's weight dtype (its optimiser casts them so)
         drafters.append(dr)
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, attention={attn}")
     rows = warm_up(drafters, shapes, cfg.gamma or tr.default_gamma(dcfg.block_size), attn, cfg.chunk_rows,
