@@ -542,6 +542,32 @@ def test_an_impossible_mfu_is_reported_once():
                                                      "start (344 TFLOP/s on cpu) was too low"), logged
 
 
+def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
+    """The MFU's analytic matmul FLOPs are what a drafter forward+backward really runs: torch's FLOP
+    counter over one step of a tiny drafter (SDPA path: the counter sees the matmuls, not attention)
+    counts exactly drafter_matmul_flops. (The fc over the frozen target features has no input grad.)"""
+    import dflash_model as dm
+    import train_dflash as tr
+    from torch.utils.flop_counter import FlopCounterMode
+    S, A, bs, H = 256, 16, 16, 64
+    torch.manual_seed(7)
+    cfg = dm.DFlashConfig(hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, vocab_size=256, num_target_layers=6, num_draft_layers=3, block_size=bs,
+                          mask_token_id=255)
+    drafter = dm.DFlashDrafter(cfg, embed_weight=torch.randn(256, H), lm_head_weight=torch.randn(256, H))
+    feats = torch.randn(1, S, len(cfg.target_layer_ids) * H)
+    ids, lm = torch.randint(0, 255, (1, S)), torch.ones(1, S)
+    anchors, valid = dm.sample_anchors(lm, torch.tensor([S]), A, bs, torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, attn="sdpa")
+        loss.backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    matmuls = sum(n for op, n in counts.items() if op in ("aten.mm", "aten.addmm", "aten.bmm"))
+    assert matmuls == tr.drafter_matmul_flops(cfg, S, A), counts
+    ctx = 100.0
+    assert tr.drafter_step_flops(cfg, S, A, ctx) == matmuls + 3 * 3 * 4 * A * bs * 64 * (ctx + bs)
+
+
 # -----------------------------------------------------------------------------
 # 6. torchrun
 

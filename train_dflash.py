@@ -1029,20 +1029,33 @@ def lr_factor(progress, warmup_frac):
     return 0.5 * (1 + math.cos(math.pi * (progress - warmup_frac) / (1 - warmup_frac)))
 
 
-def drafter_step_flops(c, S, A):
-    """Analytic FLOPs of one drafter forward+backward for one sequence of S tokens with A anchors.
+def drafter_step_flops(c, S, A, ctx=None):
+    """Analytic FLOPs of one drafter forward+backward for one sequence of S tokens with A anchors:
+    its matmuls plus its attention. `ctx`: the mean number of context keys a block sees (= its anchor
+    position); default S/2, anchors spread evenly over a full sequence."""
+    return drafter_matmul_flops(c, S, A) + drafter_attention_flops(c, A, S / 2 if ctx is None else ctx)
 
-    Trainable matmuls cost 3x their forward (forward, input grads, weight grads); the frozen LM head
-    costs 2 matmuls (logits, grad wrt hidden: no weight grad); attention counts visible keys only
-    (on average S/2 context + the block)."""
+
+def drafter_matmul_flops(c, S, A):
+    """FLOPs of the drafter's matmuls in one forward+backward (tested equal to torch's FLOP counter).
+
+    A trainable matmul costs 3x its forward (forward, input grads, weight grads), except the fc over
+    the target's features, which need no gradient (2x); the frozen LM head costs 2 matmuls (logits,
+    grad wrt hidden) on the A*(bs-1) scored rows."""
     Q = A * c.block_size
     H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * I * 3
-    attn = 4 * Q * qd * (S / 2 + c.block_size)
-    fwd = 2 * S * len(c.target_layer_ids) * H * H + c.num_draft_layers * (layer + attn)
-    head = 4 * Q * (c.block_size - 1) / c.block_size * H * V
-    return 3 * fwd + head
+    fc = 2 * S * len(c.target_layer_ids) * H * H
+    head = 2 * 2 * Q * (c.block_size - 1) / c.block_size * H * V
+    return 2 * fc + 3 * c.num_draft_layers * layer + head
+
+
+def drafter_attention_flops(c, A, ctx):
+    """FLOPs of the drafter's attention over the visible keys only (ctx context keys + the block's
+    own bs), forward (QK^T and PV) and backward (2x the forward; flash-style recomputation not counted)."""
+    Q, qd = A * c.block_size, c.num_attention_heads * c.head_dim
+    return 3 * c.num_draft_layers * 4 * Q * qd * (ctx + c.block_size)
 
 
 def clip_and_step(opt, grads, clip):
