@@ -257,6 +257,7 @@ def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
 KERNEL_CLASSES = (("flex attention", ("flex", "attention")),
                   ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "::mm", "addmm", "bmm")),
                   ("optimizer", ("adam",)),
+                  ("LM-head cross entropy (Triton)", ("_ce_rows",)),
                   ("communication", ("nccl",)),
                   ("fused pointwise / reductions (inductor)", ("triton",)),
                   ("copies / fills", ("copy", "memcpy", "memset", "fill")))

@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, asdict
 
 import torch
@@ -703,7 +703,8 @@ def gated_ce_chunk(logits, y, w):
 
 if triton is not None:
     @triton.jit
-    def _ce_rows_kernel(x_ptr, g_ptr, y_ptr, w_ptr, loss_ptr, correct_ptr, V, stride, BLOCK: tl.constexpr):
+    def _ce_rows_kernel(x_ptr, g_ptr, y_ptr, w_ptr, loss_ptr, correct_ptr, stride, V: tl.constexpr,
+                        BLOCK: tl.constexpr):
         # one program per row: pass 1 keeps a running max and rescaled sum over the row, pass 2
         # writes (softmax - onehot) * w; the label's logit is one scalar load, not a gather pass
         row = tl.program_id(0).to(tl.int64)
@@ -737,9 +738,10 @@ def _ce_chunk_triton_unchecked(logits, y, w):
     g = torch.empty_like(logits)
     loss = torch.empty(n, device=logits.device, dtype=torch.float32)
     correct = torch.empty(n, device=logits.device, dtype=torch.bool)
-    with torch.cuda.device(logits.device):    # Triton launches on the CURRENT device's stream
-        _ce_rows_kernel[(n,)](logits, g, y.contiguous(), w.float().contiguous(), loss, correct, V,
-                              logits.stride(0), BLOCK=4096, num_warps=8)
+    # Triton launches on the CURRENT device's stream (a CPU device: the Triton interpreter, in tests)
+    with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
+        _ce_rows_kernel[(n,)](logits, g, y.contiguous(), w.float().contiguous(), loss, correct,
+                              logits.stride(0), V=V, BLOCK=4096, num_warps=8)
     return loss.sum(), correct, g
 
 

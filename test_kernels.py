@@ -1,0 +1,95 @@
+"""The hand-written Triton kernels, tested on CPU by Triton's interpreter (python -m pytest -q test_kernels.py).
+
+On a GPU each kernel is also checked against its torch version on each device's first call; these
+tests run the same kernel code (TRITON_INTERPRET=1 runs it with numpy) against the torch versions on
+the cases a real run meets: ragged last blocks, a vocab smaller than one block, labels that are the
+row maximum or tie with it, zero weights, a clip factor. The interpreter is read when triton is
+imported, so each test runs its checks in a fresh Python process.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+
+
+def run_interpreted(code):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def test_ce_kernel_equals_the_eager_ce_and_its_check_catches_a_wrong_kernel():
+    out = run_interpreted("""
+        import torch
+        import dflash_model as dm
+        assert dm.triton is not None and dm.triton.__version__, "triton must be installed for this test"
+        torch.manual_seed(0)
+        for n, V in [(8, 5000), (6, 1000), (3, 4096)]:       # ragged last block, V < block, V = block
+            logits = (torch.randn(n, V) * 3).to(torch.bfloat16)
+            y = torch.randint(0, V, (n,))
+            y[:2] = logits[:2].float().argmax(-1)             # labels that are the row maximum
+            w = torch.rand(n)
+            w[2] = 0.0                                        # a row that is not scored
+            loss, correct, g = dm._ce_chunk_triton_unchecked(logits, y, w)
+            ref_loss, ref_correct, ref_g = dm._ce_chunk_eager(logits, y, w)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            assert torch.equal(correct, ref_correct) and correct[:2].all(), (correct, ref_correct)
+            assert g.dtype == torch.bfloat16 and g.shape == logits.shape
+            torch.testing.assert_close(g.float(), ref_g.float(), rtol=2 ** -7, atol=1e-6)
+            assert g[2].abs().max() == 0                      # weight 0: no gradient
+            print("case", n, V, "ok")
+        # "correct" = the label's logit is the row max; a tie with an earlier max counts
+        logits = torch.tensor([[0.0, 3.0, 1.0, -2.0], [5.0, 3.0, 1.0, 4.0], [2.0, 2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 9.0]])
+        _, correct, _ = dm._ce_chunk_triton_unchecked(logits, torch.tensor([1, 3, 1, 3]), torch.ones(4))
+        assert correct.tolist() == [True, False, True, True], correct
+        print("ties ok")
+        # the first call on a device runs the check, once
+        logits = (torch.randn(20, 3000) * 3).to(torch.bfloat16)
+        y, w = torch.randint(0, 3000, (20,)), torch.zeros(20)
+        dm.ce_chunk_triton(logits, y, w)
+        assert dm._CE_CHECKED == {torch.device("cpu")}, dm._CE_CHECKED
+        # a kernel that computes a wrong gradient is an error that says so
+        right = dm._ce_chunk_triton_unchecked
+        dm._ce_chunk_triton_unchecked = lambda *a: (lambda r: (r[0], r[1], r[2] * 1.5))(right(*a))
+        try:
+            dm._check_ce_kernel(logits[:16], y[:16], w[:16])
+            raise SystemExit("the check passed a wrong kernel")
+        except RuntimeError as e:
+            assert "the Triton CE kernel disagrees with the eager CE on cpu" in str(e), e
+        print("check ok")
+    """)
+    assert out.split() == ["case", "8", "5000", "ok", "case", "6", "1000", "ok", "case", "3", "4096", "ok",
+                           "ties", "ok", "check", "ok"], out
+
+
+def test_adamw_kernel_equals_the_torch_update_with_a_clip_factor_over_steps():
+    out = run_interpreted("""
+        import math, torch
+        import master_adamw as ma
+        assert ma.triton is not None
+        gen = torch.Generator().manual_seed(0)
+        n = 2 * 1024 + 37                                     # two full blocks and a ragged tail
+        st = {"master": torch.randn(n, generator=gen), "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
+        ref = {k: v.clone() for k, v in st.items()}
+        p, p_ref = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+        for t in range(1, 4):
+            g = torch.randn(n, generator=gen).to(torch.bfloat16)
+            scale = torch.tensor(0.25 * t)
+            args = (0.9, 0.95, 1e-8, 1 - 1e-3 * 0.1, 1e-3 / (1 - 0.9 ** t), math.sqrt(1 - 0.95 ** t))
+            ma._update_triton(p, g, st, scale, *args)
+            ma._update_torch(p_ref, g, ref, scale, *args)
+        for k in st:
+            torch.testing.assert_close(st[k], ref[k], rtol=1e-6, atol=1e-7)
+        # the weights are written from the masters: bf16(master), within one bf16 step (the interpreter
+        # rounds toward zero where a GPU rounds to nearest)
+        assert ((p.float() - st["master"]).abs() <= 2 ** -7 * st["master"].abs()).all()
+        opt = ma.MasterAdamW([torch.nn.Parameter(torch.randn(4))], param_dtype=torch.float32)
+        opt._check_kernel(torch.device("cpu"))                  # the per-device check passes a right kernel
+        print("adamw ok")
+    """)
+    assert out.split() == ["adamw", "ok"], out
