@@ -350,17 +350,16 @@ def optimizer_bench(a, tcfg, spec, dev, log):
     res["matmul_burst_tflops"] = [round(tr.measure_peak_flops(dev) / 1e12, 1) for _ in range(3)]
     log(f"[bench] matmul burst (the trainer's measure_peak_flops): {res['matmul_burst_tflops']} TFLOP/s")
     if dev.type == "cuda":
-        from train_dflash import sync_device
         N = 8192
         x, y = (torch.randn(N, N, device=dev, dtype=torch.bfloat16) for _ in range(2))
         for secs in (1, 3):
-            sync_device(dev)
+            tr.sync_device(dev)
             t0, k = time.perf_counter(), 0
             while time.perf_counter() - t0 < secs:     # the launch queue bounds how far the host runs ahead;
                 for _ in range(50):                    # the final sync ends the timing
                     x @ y
                 k += 50
-            sync_device(dev)
+            tr.sync_device(dev)
             rate = 2 * N ** 3 * k / (time.perf_counter() - t0) / 1e12
             res[f"matmul_sustained_{secs}s_tflops"] = round(rate, 1)
             log(f"[bench] matmul sustained {secs} s: {rate:.0f} TFLOP/s (SM clock, power now: {gpu_clocks(dev)})")
