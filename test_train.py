@@ -566,6 +566,12 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
     assert matmuls == tr.drafter_matmul_flops(cfg, S, A), counts
     ctx = 100.0
     assert tr.drafter_step_flops(cfg, S, A, ctx) == matmuls + 3 * 3 * 4 * A * bs * 64 * (ctx + bs)
+    # the trainer's MFU numerator: per row, attention from that row's VALID anchors only (padding
+    # anchors do not move it), all A anchors and the bucket's S in the matmuls
+    anchors2 = torch.tensor([[10, 30, 0], [50, 0, 0]])
+    valid2 = torch.tensor([[True, True, False], [True, False, False]])
+    assert tr.batch_flops(cfg, S, anchors2, valid2) == (tr.drafter_step_flops(cfg, S, 3, ctx=20.0)
+                                                        + tr.drafter_step_flops(cfg, S, 3, ctx=50.0))
 
 
 # -----------------------------------------------------------------------------

@@ -656,12 +656,13 @@ class Trainer:
             base = self.cursor + (step - self.step) * self.per_step
             items = [buf.take(base + g * R + r) for g in range(G)]
             t0 = time.time()
-            prepared, wsum = [], 0.0
+            prepared, wsum, flops = [], 0.0, 0.0
             for S, sids, ids, lm, lengths, feats in items:
                 A = anchors_for(cfg, S, cfg.block_size)
                 anchors, valid = sample_anchors_for(cfg, sids, lm, lengths, A, cfg.block_size)
                 _, _, _, w = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, self.dcfg.mask_token_id, self.gamma)
                 wsum += float(w[:, :, 1:].sum())
+                flops += batch_flops(self.dcfg, S, anchors, valid)
                 prepared.append((S, ids, lm, feats, anchors, valid))
             wsum = sync.all_sum_scalar(r, wsum)                  # global normaliser over replicas x micro-batches
             loss_sum, hits, counts = 0.0, 0, 0
@@ -682,7 +683,7 @@ class Trainer:
             t1 = time.time()
             n_tok = float(sum(int(it[4].sum()) for it in items))          # real (unpadded) target tokens
             stats = torch.cat([loss_sum.float().view(1), hits.float(), counts.float(),
-                               torch.tensor([n_tok], device=hits.device)]).to(dev)
+                               torch.tensor([n_tok, flops], device=hits.device)]).to(dev)
             gnorm, stats = sync.step(r, self, stats)
             self.d_sync[r] += time.time() - t1
             step += 1
@@ -743,6 +744,7 @@ class Trainer:
         bs = cfg.block_size
         now = time.time()
         self.tokens_done += float(stats[2 * bs - 1])     # summed over replicas and ranks
+        self.flops_done += float(stats[2 * bs])
         loss = float(stats[0])
         hits, counts = stats[1: bs], stats[bs: 2 * bs - 1]
         acc = (hits / counts.clamp(min=1)).tolist()
@@ -759,9 +761,9 @@ class Trainer:
         if step % cfg.log_interval == 0 or step == self.total_steps:
             dt = now - self.t_log
             tok_s = (self.tokens_done - self.tokens_log) / max(dt, 1e-9)
-            self.t_log, self.tokens_log = now, self.tokens_done
+            mfu = (self.flops_done - self.flops_log) / max(dt, 1e-9) / (self.peak_flops * len(self.ddevs) * self.world)
+            self.t_log, self.tokens_log, self.flops_log = now, self.tokens_done, self.flops_done
             self.tok_hist.append(tok_s)
-            mfu = self.mfu(tok_s)
             mem = (f"{torch.cuda.max_memory_allocated(self.ddevs[0]) / 2**30:.1f}GiB"
                    if self.ddevs[0].type == "cuda" else "-")
             eta = (self.total_steps - step) * (now - self.t_start) / max(1, step - self.step)
@@ -792,12 +794,6 @@ class Trainer:
             self.log(f"[run] time budget of {cfg.max_minutes} min reached at step {step}")
             if self.rank == 0 and step % cfg.ckpt_interval:
                 self.save_checkpoint(step)
-
-    def mfu(self, tok_s):
-        """Drafter-side model FLOPs utilisation: analytic FLOPs per target token over the measured peak."""
-        S = self.cfg.max_length
-        per_token = drafter_step_flops(self.dcfg, S, anchors_for(self.cfg, S, self.cfg.block_size)) / S
-        return tok_s * per_token / (self.peak_flops * len(self.ddevs) * self.world)
 
     def check_mfu(self, mfu):
         """An MFU above 100% means the peak measured at the start was too low (the GPU was busy then, as
@@ -876,6 +872,7 @@ class Trainer:
         self.d_sync = [0.0] * len(self.ddevs)
         self.first_loss, self.last, self.finish_at, self.t_sync_last, self.time_frac = None, None, None, 0.0, 0.0
         self.tokens_done = self.tokens_log = 0
+        self.flops_done = self.flops_log = 0.0      # the drafter steps' analytic FLOPs (the MFU's numerator)
         self.tok_hist, self.losses = [], []
         self.t_start = self.t_log = time.time()
         self.load_q = queue.Queue(maxsize=cfg.queue_depth * len(self.tdevs))
@@ -1034,6 +1031,18 @@ def drafter_step_flops(c, S, A, ctx=None):
     its matmuls plus its attention. `ctx`: the mean number of context keys a block sees (= its anchor
     position); default S/2, anchors spread evenly over a full sequence."""
     return drafter_matmul_flops(c, S, A) + drafter_attention_flops(c, A, S / 2 if ctx is None else ctx)
+
+
+def batch_flops(c, S, anchors, valid):
+    """Analytic FLOPs of one drafter step on a (B, S) batch with these (B, A) anchors: the step's
+    shape as it runs (padding included: the MFU is of the device), attention from each row's own
+    anchor positions. A row without any valid anchor still runs at its shape (ctx 0)."""
+    A = anchors.shape[1]
+    total = 0.0
+    for a, v in zip(anchors, valid):
+        ctx = float(a[v].float().mean()) if bool(v.any()) else 0.0
+        total += drafter_step_flops(c, S, A, ctx=ctx)
+    return total
 
 
 def drafter_matmul_flops(c, S, A):
