@@ -460,6 +460,34 @@ def test_replica_check_compares_bytes_and_names_the_diverged_tensor():
         tr_.check_replicas_identical()
 
 
+def test_replica_fingerprints_every_log_interval_catch_a_divergence_at_the_next_step():
+    """The in-run check: fingerprints queued after step k are compared at step k+1; equal replicas
+    pass, and one that differs (even by offsetting +-e, or -0.0 against 0.0) stops the run naming the
+    tensor and the step."""
+    import train_dflash as tr
+    t = tr.Trainer.__new__(tr.Trainer)
+    t.world = 1
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    t.drafters = [a, b]
+    t.check_fingerprints()                   # nothing queued yet: nothing to compare
+    t.queue_fingerprints(10)
+    t.check_fingerprints()
+    with torch.no_grad():
+        b.weight[0, 0] += 0.5
+        b.weight[0, 1] -= 0.5
+    t.queue_fingerprints(20)
+    with pytest.raises(RuntimeError, match=r"diverged by step 20: 1 tensor fingerprint\(s\) differ, first \['replica 1: weight'\]"):
+        t.check_fingerprints()
+    with torch.no_grad():
+        b.weight.copy_(a.weight)
+        a.bias[0], b.bias[0] = 0.0, -0.0
+    t.queue_fingerprints(30)
+    with pytest.raises(RuntimeError, match=r"by step 30: .*replica 1: bias"):
+        t.check_fingerprints()
+
+
 @pytest.mark.parametrize("clip", [1e-3, 1e3])        # the scaling pass runs / is skipped
 def test_a_lone_replica_steps_on_handed_over_grads_and_clips_exactly_like_clip_grad_norm(clip):
     """reduce_and_step for one replica without a flat buffer (MasterAdamW, the clip factor applied
