@@ -29,6 +29,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+T_PROCESS = time.time()       # before torch's import: the start-up line counts from here
+
 import numpy as np
 import torch
 
@@ -848,7 +850,9 @@ class Trainer:
         cfg, log = self.cfg, self.log
         self.compile_cache = warmup.use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"), log)
         dm.set_flex_options(cfg.flex_options)         # before anything compiles (checked by validate)
+        t_setup = time.time()
         self.setup()
+        t_models = time.time()
         self.build_models()
         self.resume()
         if self.step >= self.total_steps:
@@ -869,8 +873,14 @@ class Trainer:
             for flat in self.flat_grads:     # the warm-up's backward passes added into them (the hooks)
                 if flat is not None:
                     flat.zero_()
+        t_peak = time.time()
         self.peak_flops = measure_peak_flops(self.ddevs[0])
         log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s")
+        now = time.time()
+        # where a start's time goes (a slow start is one of the things that "changed")
+        log(f"[run] start-up {now - T_PROCESS:.1f}s: imports + environment report {t_setup - T_PROCESS:.1f}s, "
+            f"setup + data {t_models - t_setup:.1f}s, models + resume {t0 - t_models:.1f}s, warm-up {t_peak - t0:.1f}s, "
+            f"matmul peak {now - t_peak:.1f}s")
         os.makedirs(cfg.out_dir, exist_ok=True)
         self.metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl") if self.rank == 0 else os.devnull, "a")
         self.t_busy = [0.0] * len(self.tdevs)
