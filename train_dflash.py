@@ -1196,12 +1196,22 @@ def param_checksum(model):
 
 
 def fingerprint(tensors):
-    """Per tensor, the int64 sum of its elements' bit patterns, on the tensors' device: bit-identical
-    tensors give equal entries, differing ones almost surely not (unlike a float sum, +e and -e or
-    -0.0 and 0.0 do not cancel). About a millisecond per 1B parameters on an H200: cheap enough for
-    every log interval, where a byte-for-byte comparison needs every tensor on one device."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return torch.stack([t.detach().view(ints[t.element_size()]).sum(dtype=torch.int64) for t in tensors])
+    """Per tensor, the int64 sum (wrapping) of its bytes read as 8-byte words, on the tensors' device:
+    bit-identical tensors give equal entries, differing ones almost surely not (unlike a float sum,
+    +e and -e or -0.0 and 0.0 do not cancel). Whole words, not elements: torch's int64 sum of int64
+    words runs near bandwidth (1.9 ms for a 1B-parameter drafter's bf16 weights + fp32 masters on an
+    H200), a sum of int16 elements into int64 at a sixth of it (11.7 ms)."""
+    sums = []
+    for t in tensors:
+        b = t.detach().reshape(-1).view(torch.uint8)
+        if b.data_ptr() % 8:             # a view at an unaligned offset: its own aligned copy
+            b = b.clone()
+        n = b.numel() // 8 * 8
+        s = b[:n].view(torch.int64).sum()
+        if n < b.numel():                # the last few bytes, weighted by position
+            s = s + (b[n:].to(torch.int64) << (8 * torch.arange(b.numel() - n, device=b.device))).sum()
+        sums.append(s)
+    return torch.stack(sums)
 
 
 def as_bytes(t):
