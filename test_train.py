@@ -771,6 +771,15 @@ def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_t
     with torch.no_grad():
         rows, log = warm(shapes[:1] + [(1, 384, 8)], workers=2)
     assert "were compiled into this cache before" not in log and "precompiled 2 pairs in" in log, log
+    # listed pairs and new ones: the listed ones are warmed (loaded) WHILE the children compile the
+    # new ones, not after; the table keeps the shapes' order
+    more = shapes + [(1, 384, 8), (1, 512, 8)]
+    rows, log = warm(more, workers=2)
+    assert "2 of 4 (device, shape) pairs were compiled into this cache before" in log, log
+    first_child = log.index("[warmup] precompiled cpu")
+    for B, S, A in shapes:
+        assert log.index(f"[warmup] cpu      B={B:<3d} S={S:<5d}") < first_child, log
+    assert [(r[1], r[3]) for r in rows] == [(s, "cache hit") for s in more], log
 
     os.remove(tmp_path / "compile_cache" / warmup.WARM_LIST)     # below: both pairs go to workers
     lines = []
@@ -798,6 +807,22 @@ def test_precompile_schedule_is_longest_first_interleaved_and_capped_per_device(
                           head_dim=16, vocab_size=64, num_target_layers=4, num_draft_layers=1, block_size=16,
                           mask_token_id=63)
     assert warmup.auto_workers([dm.DFlashDrafter(cfg, embed_weight=torch.randn(64, 32))], n_pairs=5) == 0
+
+
+def test_the_parent_warms_during_precompile_only_where_memory_covers_it_and_its_children(monkeypatch):
+    """While children compile, the parent loads a ready shape on a GPU only if the free memory covers
+    its own warm-up plus every child running on that GPU at its peak (CHILD_GIB each); other GPUs'
+    children do not count; on CPU there is no such limit."""
+    import warmup
+    free = {}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[str(d)], 141 * 2**30))
+    gib = warmup.CHILD_GIB * 2**30
+    free["cuda:1"] = 2 * gib
+    assert warmup.room_to_warm(torch.device("cuda:1"), ["cuda:1", "cuda:0", "cuda:0"])
+    assert not warmup.room_to_warm(torch.device("cuda:1"), ["cuda:1", "cuda:1"])
+    free["cuda:1"] = 2 * gib - 1
+    assert not warmup.room_to_warm(torch.device("cuda:1"), ["cuda:1"])
+    assert warmup.room_to_warm(torch.device("cpu"), ["cpu"] * 8)
 
 
 def test_bench_tiny_reports_every_figure_its_profile_and_a_two_replica_layout(tmp_path):

@@ -11,8 +11,10 @@ second start hits it; the table says which shapes were cache hits and which were
 The same options as train_dflash.py are accepted (only the model/shape ones matter here).
 
 --warmup-workers N (N > 0, flex): the cache is first filled by up to N child processes at once, one
-(drafter device, shape) pair each, longest sequences first (see precompile()); the serial warm-up then
-finds cache hits. -1 (the default) = auto_workers(): by free GPU memory and CPU cores, 0 on CPU.
+(drafter device, shape) pair each, longest sequences first (see precompile()); meanwhile this process
+warms each pair that is ready (on the warm list, or compiled by a child) where memory allows, and
+after them the rest, all cache hits. -1 (the default) = auto_workers(): by free GPU memory and CPU
+cores, 0 on CPU.
 """
 import dataclasses
 import functools
@@ -164,18 +166,65 @@ def autocast(dev):
 
 def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error", log=print,
             compile_scope="trunk", workers=0):
-    """Warm every (replica, shape) serially, size the recompile limit, then mark the gate warm.
+    """Warm every (replica, shape), size the recompile limit, then mark the gate warm.
     workers > 0: first cold-compile the shapes in up to that many child processes (precompile());
-    workers < 0: as many as auto_workers() finds room for (0 on CPU).
+    workers < 0: as many as auto_workers() finds room for (0 on CPU). While the children compile,
+    this process warms (loads from the cache) every pair that is ready - on the warm list, or just
+    compiled by a child - where its GPU has memory to spare (room_to_warm): it would idle otherwise.
+    Whatever is left is warmed after the children, in order. Every warm-up in this process is serial.
 
-    Returns the table rows [(device, shape, seconds, 'cache hit' | 'cold compile' | 'eager')].
+    Returns the table rows [(device, shape, seconds, 'cache hit' | 'cold compile' | 'eager')], in
+    replica and shape order.
     """
     gate = dm.GATE
     # Each replica (= device) and shape is its own dynamo cache entry of each compiled function.
     limit = len(drafters) * len(shapes) * dm.ENTRIES_PER_SHAPE[compile_scope] + 2
     # One spec per device (its replicas are identical): what the workers rebuild, and what the warm
     # list's keys hash - so a listed pair is exactly what a worker would have compiled.
-    specs, keys, known, precompiled = {}, {}, set(), set()
+    specs, keys, known, from_workers, ready = {}, {}, set(), set(), []
+    gate.set_recompile_limit(limit)
+    gate.on_unwarmed = on_unwarmed
+    done = {}                    # (replica index, shape) -> its table row
+
+    def warm(i, shape):
+        drafter = drafters[i]
+        dev = drafter.fc.weight.device
+        before, phases = _cache_counters(), compile_phases()
+        t0 = time.time()
+        warm_shape(drafter, shape, gamma, attn, chunk_rows, compile_scope)
+        dt = time.time() - t0
+        aot_hit, fx_hit, fx_miss = (a - b for a, b in zip(_cache_counters(), before))
+        # no miss and no hit: dynamo reused a graph this process already holds (same shape on
+        # another replica of the same device)
+        kind = "eager (sdpa)" if attn != "flex" else (
+            "cold compile" if fx_miss else "cache hit" if (aot_hit or fx_hit) else "reused (in process)")
+        done[(i, tuple(shape))] = (str(dev), shape, dt, kind)
+        log(f"[warmup] {str(dev):8s} B={shape[0]:<3d} S={shape[1]:<5d} anchors={shape[2]:<4d} "
+            f"{dt:7.1f}s  {kind}")
+        if kind != "eager (sdpa)" and dt >= 2.0:     # where a slow load or cold compile spent its time
+            log(f"[warmup]   compile phases: {format_phases(phases, compile_phases())}")
+        if kind == "cold compile" and (str(dev), tuple(shape)) in from_workers:
+            log(f"[warmup] NOTICE: {dev} {tuple(shape)} was precompiled by a worker but compiled cold "
+                "again here: the worker's graph differed from this process's (its compile was wasted)")
+        elif kind == "cold compile" and keys.get((str(dev), tuple(shape))) in known:
+            log(f"[warmup] NOTICE: {dev} {tuple(shape)} is listed in {WARM_LIST} but compiled cold: "
+                "the cache lost its entries (evicted, or partly deleted)")
+
+    def warm_one_ready(running):
+        """precompile()'s idle hook: warm one ready pair whose GPU has room; False if none."""
+        for pair in list(ready):
+            dev, shape = pair
+            if not room_to_warm(torch.device(dev), running):
+                continue
+            ready.remove(pair)
+            if keys[pair] not in known:
+                from_workers.add(pair)
+            for i, drafter in enumerate(drafters):    # every replica on that device
+                if str(drafter.fc.weight.device) == dev:
+                    warm(i, shape)
+            return True
+        return False
+
     if attn == "flex":
         for drafter in drafters:
             specs.setdefault(str(drafter.fc.weight.device),
@@ -190,37 +239,27 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
             if len(todo) < len(keys):
                 log(f"[warmup] {len(keys) - len(todo)} of {len(keys)} (device, shape) pairs were compiled into "
                     f"this cache before ({WARM_LIST}): no worker for them")
-            precompiled = precompile(specs, todo, workers, log)
-    gate.set_recompile_limit(limit)
-    gate.on_unwarmed = on_unwarmed
-    rows = []
-    for drafter in drafters:
-        dev = drafter.fc.weight.device
+            ready += [pair for pair in keys if keys[pair] in known]    # cache hits: warm them meanwhile
+            from_workers.update(precompile(specs, todo, workers, log, ready=ready, on_idle=warm_one_ready))
+    for i in range(len(drafters)):       # the rest, in order: all of it without workers
         for shape in shapes:
-            before, phases = _cache_counters(), compile_phases()
-            t0 = time.time()
-            warm_shape(drafter, shape, gamma, attn, chunk_rows, compile_scope)
-            dt = time.time() - t0
-            aot_hit, fx_hit, fx_miss = (a - b for a, b in zip(_cache_counters(), before))
-            # no miss and no hit: dynamo reused a graph this process already holds (same shape on
-            # another replica of the same device)
-            kind = "eager (sdpa)" if attn != "flex" else (
-                "cold compile" if fx_miss else "cache hit" if (aot_hit or fx_hit) else "reused (in process)")
-            rows.append((str(dev), shape, dt, kind))
-            log(f"[warmup] {str(dev):8s} B={shape[0]:<3d} S={shape[1]:<5d} anchors={shape[2]:<4d} "
-                f"{dt:7.1f}s  {kind}")
-            if kind != "eager (sdpa)" and dt >= 2.0:     # where a slow load or cold compile spent its time
-                log(f"[warmup]   compile phases: {format_phases(phases, compile_phases())}")
-            if kind == "cold compile" and (str(dev), tuple(shape)) in precompiled:
-                log(f"[warmup] NOTICE: {dev} {tuple(shape)} was precompiled by a worker but compiled cold "
-                    "again here: the worker's graph differed from this process's (its compile was wasted)")
-            elif kind == "cold compile" and keys[(str(dev), tuple(shape))] in known:
-                log(f"[warmup] NOTICE: {dev} {tuple(shape)} is listed in {WARM_LIST} but compiled cold: "
-                    "the cache lost its entries (evicted, or partly deleted)")
+            if (i, tuple(shape)) not in done:
+                warm(i, shape)
     gate.mark_warm()
+    rows = [done[(i, tuple(shape))] for i in range(len(drafters)) for shape in shapes]
     if attn == "flex":
         add_to_warm_list([keys[(dev, tuple(shape))] for dev, shape, _, _ in rows])
     return rows
+
+
+def room_to_warm(dev, running):
+    """May this process warm a shape on `dev` while children compile? On a GPU only if its free memory
+    covers this warm-up and every child running there reaching its peak (CHILD_GIB each, whatever
+    they hold now): a child out of memory costs its whole compile again, this process one a fatal
+    error. `running`: the devices of the running children, one entry per child."""
+    if dev.type != "cuda":
+        return True
+    return torch.cuda.mem_get_info(dev)[0] >= CHILD_GIB * 2**30 * (1 + running.count(str(dev)))
 
 
 # -----------------------------------------------------------------------------
@@ -233,15 +272,18 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
 # index, so each drafter GPU is precompiled by jobs of its own.
 
 
-def precompile(specs, jobs, workers, log=print):
+def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None):
     """Compile each (drafter device, shape) of `jobs` once, in child processes, `workers` at a time, in
     the jobs' order; `specs[device]` = worker_spec() of a drafter on that device.
 
     The compiled artefacts are cached per device index, so every drafter GPU is a job of its own (and
     the children's memory spreads over the GPUs). A child that fails (out of memory: N too high) is
     reported with the end of its output and skipped: the serial warm-up then compiles that shape
-    itself, and raises any real error. Returns the (device, shape) pairs the children compiled."""
+    itself, and raises any real error. Each pair a child compiled is appended to `ready`; while it
+    waits, on_idle(devices of the running children) may do other work (True if it did: no sleep then).
+    Returns the (device, shape) pairs the children compiled."""
     jobs = list(jobs)
+    ready = [] if ready is None else ready
     if len(jobs) < 2:      # one pair compiles no faster in a child than in the serial warm-up
         return set()
     per_device = max(1, -(-workers // len(specs)))       # children's memory lands on their own GPU
@@ -269,7 +311,8 @@ def precompile(specs, jobs, workers, log=print):
                                               spec_paths[dev], *map(str, shape)], stdout=out, stderr=subprocess.STDOUT,
                                              env=env)
                     running.append((p, dev, shape, out_path, time.time()))
-                time.sleep(0.2)
+                if not (on_idle and on_idle([r[1] for r in running])):
+                    time.sleep(0.2)
                 for job in [j for j in running if j[0].poll() is not None]:
                     running.remove(job)
                     p, dev, (B, S, A), out_path, t0 = job
@@ -277,6 +320,7 @@ def precompile(specs, jobs, workers, log=print):
                         lines = f.readlines()
                     if p.returncode == 0:
                         done.add((dev, (B, S, A)))
+                        ready.append((dev, (B, S, A)))
                         phases = [ln.strip() for ln in lines if ln.startswith("[warmup]   compile phases")]
                         log(f"[warmup] precompiled {dev} B={B} S={S} A={A} in {time.time() - t0:.1f}s (worker)"
                             + (f"\n{phases[-1]}" if phases else ""))
