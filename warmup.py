@@ -222,6 +222,9 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
             for i, drafter in enumerate(drafters):    # every replica on that device
                 if str(drafter.fc.weight.device) == dev:
                     warm(i, shape)
+            if torch.device(dev).type == "cuda":      # hand its activations' blocks back: children
+                with torch.cuda.device(dev):          # started later were sized without them
+                    torch.cuda.empty_cache()
             return True
         return False
 
