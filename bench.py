@@ -185,8 +185,9 @@ def main(argv=None):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t_ours = timed("drafter_ms", step)
-    # the attention term from this run's anchors: a block sees its anchor's position in context keys
-    flops = tr.drafter_step_flops(dcfg, S, A, ctx=float(anchors[valid].float().mean()))
+    # the trainer's count of a step: attention from this run's anchors (a block sees its anchor's
+    # position in context keys)
+    flops = tr.batch_flops(dcfg, S, anchors, valid)
     res.update(drafter_ms=1e3 * t_ours, drafter_samples_s=1 / t_ours, drafter_tok_s=S / t_ours,
                drafter_mfu=flops / t_ours / peak, drafter_tflop_per_step=flops / 1e12,
                drafter_peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None)

@@ -928,12 +928,11 @@ class Trainer:
     def replica_tensors(self, r):
         """(names, tensors) of replica r: its weights and, where its optimiser holds them, the fp32
         masters (bf16 weights can hide a master that differs below their rounding)."""
-        names = [n for n, _ in self.drafters[r].named_parameters()]
-        tensors = [p for _, p in self.drafters[r].named_parameters()]
-        opt = getattr(self, "opts", None)
-        if opt is not None:
+        names, tensors = map(list, zip(*self.drafters[r].named_parameters()))
+        opts = getattr(self, "opts", None)
+        if opts is not None:
             names += [n + " (master)" for n in names]
-            tensors += opt[r].masters()
+            tensors += opts[r].masters()
         return names, tensors
 
     def queue_fingerprints(self, step):
@@ -1203,7 +1202,7 @@ def fingerprint(tensors):
     H200), a sum of int16 elements into int64 at a sixth of it (11.7 ms)."""
     sums = []
     for t in tensors:
-        b = t.detach().reshape(-1).view(torch.uint8)
+        b = as_bytes(t)
         if b.data_ptr() % 8:             # a view at an unaligned offset: its own aligned copy
             b = b.clone()
         n = b.numel() // 8 * 8

@@ -217,8 +217,6 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
             if not room_to_warm(torch.device(dev), running):
                 continue
             ready.remove(pair)
-            if keys[pair] not in known:
-                from_workers.add(pair)
             for i, drafter in enumerate(drafters):    # every replica on that device
                 if str(drafter.fc.weight.device) == dev:
                     warm(i, shape)
@@ -243,7 +241,7 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
                 log(f"[warmup] {len(keys) - len(todo)} of {len(keys)} (device, shape) pairs were compiled into "
                     f"this cache before ({WARM_LIST}): no worker for them")
             ready += [pair for pair in keys if keys[pair] in known]    # cache hits: warm them meanwhile
-            from_workers.update(precompile(specs, todo, workers, log, ready=ready, on_idle=warm_one_ready))
+            precompile(specs, todo, workers, log, ready=ready, on_idle=warm_one_ready, done=from_workers)
     for i in range(len(drafters)):       # the rest, in order: all of it without workers
         for shape in shapes:
             if (i, tuple(shape)) not in done:
@@ -275,7 +273,7 @@ def room_to_warm(dev, running):
 # index, so each drafter GPU is precompiled by jobs of its own.
 
 
-def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None):
+def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None, done=None):
     """Compile each (drafter device, shape) of `jobs` once, in child processes, `workers` at a time, in
     the jobs' order; `specs[device]` = worker_spec() of a drafter on that device.
 
@@ -284,16 +282,18 @@ def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None):
     reported with the end of its output and skipped: the serial warm-up then compiles that shape
     itself, and raises any real error. Each pair a child compiled is appended to `ready`; while it
     waits, on_idle(devices of the running children) may do other work (True if it did: no sleep then).
-    Returns the (device, shape) pairs the children compiled."""
+    Returns the (device, shape) pairs the children compiled: the set `done`, if given, filled as they
+    finish (so on_idle already sees them)."""
     jobs = list(jobs)
     ready = [] if ready is None else ready
+    done = set() if done is None else done
     if len(jobs) < 2:      # one pair compiles no faster in a child than in the serial warm-up
-        return set()
+        return done
     per_device = max(1, -(-workers // len(specs)))       # children's memory lands on their own GPU
     env = dict(os.environ, DFLASH_PRECOMPILE_PARENT=str(os.getpid()))   # + the cache folders use_compile_cache() set
     log(f"[warmup] precompiling {len(jobs)} (device, shape) pairs in up to {workers} worker processes "
         f"(at most {per_device} per device, longest sequences first)")
-    t_all, done, running = time.time(), set(), []
+    t_all, running = time.time(), []
     with tempfile.TemporaryDirectory(prefix="dflash_precompile_") as tmp:
         spec_paths = {}
         for i, (dev, spec) in enumerate(specs.items()):
