@@ -726,6 +726,43 @@ def test_warmup_cli_prints_the_table_and_records_the_build(llama, tmp_path):
     assert info["torch"] == torch.__version__ and info["torch_git"] == torch.version.git_version
 
 
+def test_shared_compile_cache_files_survive_concurrent_writers_and_damage(tmp_path, monkeypatch):
+    """Ranks and warm-up children share one compile cache. Its build-info file is replaced whole (a
+    reader never sees a half-written one: the torchrun test once failed on an empty file), a damaged
+    one is a notice, not a crash, and warm-list additions made at once are all kept."""
+    import warmup
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
+        monkeypatch.delenv(k, raising=False)      # use_compile_cache sets them; restored after the test
+    cache = tmp_path / "compile_cache"
+    cache.mkdir()
+    info = cache / "dflash_cache_info.json"
+    info.write_text("")                           # what a reader of a half-written file used to see
+    lines = []
+    warmup.use_compile_cache(str(cache), log=lines.append)
+    assert len(lines) == 1 and "NOTICE" in lines[0] and "unreadable" in lines[0], lines
+    assert json.loads(info.read_text())["torch"] == torch.__version__
+
+    errors, keys = [], [[f"t{t}-k{i}" for i in range(40)] for t in range(4)]
+
+    def hammer(mine):
+        try:
+            for k in mine:
+                warmup.use_compile_cache(str(cache), log=errors.append)    # a notice here is an error too
+                warmup.add_to_warm_list([k])
+        except Exception as e:                    # noqa: BLE001 - the test reports it below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=hammer, args=(mine,)) for mine in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert warmup.read_warm_list() == {k for mine in keys for k in mine}
+    assert sorted(p.name for p in cache.iterdir()) == ["dflash_cache_info.json", "dflash_warm_pairs.json",
+                                                       "dflash_warm_pairs.json.lock"]    # no temporaries left
+
+
 def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_the_cache(tmp_path, monkeypatch):
     """warm_up(workers=2): each flex shape cold-compiles in its own process into the shared cache, the
     in-process warm-up then only loads it; a failing child is reported (its shape and output) and the

@@ -17,6 +17,7 @@ after them the rest, all cache hits. -1 (the default) = auto_workers(): by free 
 cores, 0 on CPU.
 """
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -46,14 +48,25 @@ def use_compile_cache(cache_dir, log=print):
              "cuda": torch.version.cuda, "triton": _triton_version(),
              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     if os.path.exists(info_path):
-        with open(info_path) as f:
-            old = json.load(f)
+        try:
+            with open(info_path) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as e:     # only the notice below depends on it: say so, go on
+            old = {"unreadable": f"{type(e).__name__}: {e}"}
         if {k: old.get(k) for k in build} != build:
             log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
                 "its entries will not match (expect cold compiles)")
-    with open(info_path, "w") as f:
-        json.dump({**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
+    # Several processes share one cache (torchrun ranks, warm-up children): each writes its own
+    # temporary file and renames it over the old one, so a reader sees a whole file, never a half one.
+    _write_json_atomic(info_path, {**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return cache_dir
+
+
+def _write_json_atomic(path, obj):
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _triton_version():
@@ -106,10 +119,11 @@ def add_to_warm_list(keys):
     if not cache or not keys:
         return
     path = os.path.join(cache, WARM_LIST)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(sorted(read_warm_list() | set(keys)), f)
-    os.replace(tmp, path)               # atomic: a reader sees the old list or the new one
+    # Read-modify-write under an exclusive lock, so two ranks adding at once both keep their pairs;
+    # the rename keeps readers (who take no lock) from seeing a half-written list.
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _write_json_atomic(path, sorted(read_warm_list() | set(keys)))
 
 
 def _cache_counters():
