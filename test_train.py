@@ -259,6 +259,42 @@ def test_resume_on_a_larger_dataset_continues_with_a_notice(llama, sharegpt, cac
     assert [r["step"] for r in metrics(tmp_path / "out")] == [1, 2, 3, 4]
 
 
+def test_resume_refuses_a_checkpoint_whose_weights_differ_from_its_saved_fingerprint(llama, sharegpt, cache_dir,
+                                                                                   tmp_path):
+    """state.pt records the replicas' fingerprint (weights + fp32 masters). A checkpoint that still loads
+    but whose masters changed by one ulp is refused on resume, naming the checkpoint; one without a
+    fingerprint (an older trainer) resumes with a NOTICE."""
+    import shutil
+    common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 12,
+              "--ckpt-interval", 2]
+    good = tmp_path / "good"
+    assert_ok(train(*common, "--max-steps", 2, "--out-dir", good))
+    state = load_state(good / "step_000002")
+    assert len(state["replica_fingerprints"]) == 1 and re.fullmatch(r"[0-9a-f]{16}", state["replica_fingerprints"][0])
+
+    def variant(name, edit):
+        out = tmp_path / name
+        shutil.copytree(good, out)
+        st = load_state(out / "step_000002")
+        edit(st)
+        torch.save(st, out / "step_000002" / "state.pt")
+        return train(*common, "--max-steps", 3, "--out-dir", out, "--resume")
+
+    def nudge(st):                 # one master weight, one ulp up: loads fine, trains fine, is not what was saved
+        m = st["optimizer"]["master"][0].view(-1)      # the fp32 masters the optimiser resumes from
+        m[0] = torch.nextafter(m[0], torch.tensor(math.inf))
+
+    p = variant("nudged", nudge)
+    assert p.rc != 0
+    assert "do not match the fingerprint saved with them" in p.out and "step_000002" in p.out, p.tail()
+    assert checkpoints(tmp_path / "nudged") == ["step_000002"]          # nothing trained on the wrong weights
+
+    p = variant("older", lambda st: st.pop("replica_fingerprints"))
+    assert_ok(p)
+    assert "[resume] NOTICE: " in p.out and "has no replica fingerprint" in p.out, p.tail()
+    assert [r["step"] for r in metrics(tmp_path / "older")] == [1, 2, 3]
+
+
 # -----------------------------------------------------------------------------
 # 2. replicas
 
@@ -297,8 +333,8 @@ def test_two_replicas_equal_one_replica_on_the_concatenated_batch(qwen3, cache_d
     for step in (1, 2, 3):
         name = f"step_{step:06d}"
         s2, s1 = load_state(two / name), load_state(one / name)
-        sums = s2["replica_checksums"]
-        assert len(sums) == 2 and sums[0] == sums[1], sums
+        fps = s2["replica_fingerprints"]
+        assert len(fps) == 2 and fps[0] == fps[1], fps
         assert s2["step"] == s1["step"] == step
         # fp32 master weights after the step
         for k in s1["master_weights"]:
@@ -607,9 +643,9 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
 
 
 def test_nccl_rank_sets_its_gpu_before_the_process_group_starts(monkeypatch):
-    """On GPUs (NCCL) each torchrun rank must select cuda:LOCAL_RANK before init_process_group: else
-    every rank's collectives run on cuda:0 and NCCL fails ("invalid usage", seen on 2 H200s). CPU CI
-    has no NCCL, so the calls are recorded instead of made."""
+    """On GPUs (NCCL) each torchrun rank must select cuda:LOCAL_RANK before init_process_group, and name
+    it as the group's device: else every rank's collectives run on cuda:0 and NCCL fails ("invalid
+    usage", seen on 2 H200s). CPU CI has no NCCL, so the calls are recorded instead of made."""
     import torch.distributed as dist
     import train_dflash as tr
     calls = []
@@ -617,8 +653,8 @@ def test_nccl_rank_sets_its_gpu_before_the_process_group_starts(monkeypatch):
     class Started(Exception):
         pass
 
-    def init_process_group(backend):
-        calls.append(("init_process_group", backend))
+    def init_process_group(backend, **kw):
+        calls.append(("init_process_group", backend, kw))
         raise Started
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -629,7 +665,7 @@ def test_nccl_rank_sets_its_gpu_before_the_process_group_starts(monkeypatch):
     trainer = tr.Trainer(tr.parse_config([]), log=lambda m: None)
     with pytest.raises(Started):
         trainer.setup()
-    assert calls == [("set_device", 1), ("init_process_group", "nccl")]
+    assert calls == [("set_device", 1), ("init_process_group", "nccl", {"device_id": torch.device("cuda", 1)})]
 
 
 def test_torchrun_two_processes_keep_identical_replicas(llama, cache_dir, tmp_path):
@@ -648,12 +684,11 @@ def test_torchrun_two_processes_keep_identical_replicas(llama, cache_dir, tmp_pa
     assert "[dist] rank 1/2" not in p.out
     assert re.search(r"\[data\] 3 samples on this node, 3 batches/epoch.*, 6 steps planned", p.out), p.out
     assert re.search(r"\[data\] 2 samples on this node, 2 batches/epoch.*, 6 steps planned", rank1), rank1
-    m = re.search(r"\[replicas\] 1 replica\(s\) x 2 rank\(s\) bit-identical after step 6 .*checksum (\S+)\)",
+    m = re.search(r"\[replicas\] 1 replica\(s\) x 2 rank\(s\) bit-identical after step 6 .*fingerprint (\w+)\)",
                   p.out)
     assert m, p.tail()
-    # the checksum is that of the saved final weights
-    sums = load_state(out / "step_000006")["replica_checksums"]
-    assert float(m.group(1)) == sums[0]
+    # the fingerprint is that of the saved final weights and masters
+    assert m.group(1) == load_state(out / "step_000006")["replica_fingerprints"][0]
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]       # rank 0 only writes metrics
     assert checkpoints(out) == ["step_000003", "step_000006"]
 

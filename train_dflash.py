@@ -16,6 +16,7 @@ Any exception in any thread stops the run within seconds, prints its traceback, 
 checkpoints are written atomically, so the last one stays intact.
 """
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -473,9 +474,12 @@ class Trainer:
         if self.world > 1:
             import torch.distributed as dist
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            bind = {}
             if backend == "nccl":   # before any collective: else every rank's NCCL runs on cuda:0 ("invalid usage")
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
+                local = int(os.environ.get("LOCAL_RANK", 0))
+                torch.cuda.set_device(local)
+                bind["device_id"] = torch.device("cuda", local)   # the group's GPU, stated (barrier() warns otherwise)
+            dist.init_process_group(backend, **bind)
             log(f"[dist] rank {self.rank}/{self.world} backend {backend}")
         self.tdevs, self.ddevs = resolve_devices(cfg)
         self.attn = resolve_attn(cfg, self.ddevs[0])
@@ -605,6 +609,16 @@ class Trainer:
             except ValueError as e:
                 raise RuntimeError(f"{path}/state.pt: cannot resume its optimiser state: {e}") from None
             sched.load_state_dict(state["scheduler"])
+        # The weights and masters now in memory must be, bit for bit, those that were saved: this catches
+        # a damaged state.pt that still loads and any resume path that rounds or skips a tensor.
+        saved = state.get("replica_fingerprints")
+        if saved is None:
+            self.log(f"[resume] NOTICE: {path} has no replica fingerprint (an older trainer): "
+                     "the loaded weights are not checked against it")
+        elif (now := self.replica_fingerprints()[0]) != saved[0]:
+            raise RuntimeError(f"{path}: the weights and fp32 masters loaded from it do not match the "
+                               f"fingerprint saved with them ({now} != {saved[0]}): "
+                               "the checkpoint is damaged or was edited; resume from an earlier one")
         self.step = state["step"]
         nb_old, cur = state["batches_per_epoch"], state["cursor"]
         if nb_old != self.stream.nb:
@@ -826,7 +840,7 @@ class Trainer:
                     "batches_per_epoch": self.stream.nb, "optimizer": self.opts[0].state_dict(),
                     "scheduler": self.scheds[0].state_dict(), "config": dataclasses.asdict(cfg),
                     "master_weights": master_state_dict(dr, self.opts[0]),
-                    "replica_checksums": self.replica_checksums()},
+                    "replica_fingerprints": self.replica_fingerprints()},
                    os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "env.json"), "w") as f:
             json.dump(diagnose.collect_env(self.compile_cache), f, indent=1, default=str)
@@ -839,11 +853,16 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
         self.log(f"[ckpt] {final}")
 
-    def replica_checksums(self):
-        sums = [param_checksum(dr) for dr in self.drafters]
-        if len(set(sums)) > 1:
-            raise RuntimeError(f"drafter replicas diverged: parameter checksums {sums}")
-        return sums
+    def replica_fingerprints(self):
+        """Each replica's digest() (weights + fp32 masters, exact), saved with a checkpoint: replicas that
+        differ are an error naming the tensors; on resume, the loaded state must give replica 0's."""
+        fps = [fingerprint(self.replica_tensors(r)[1]).cpu() for r in range(len(self.drafters))]
+        names = self.replica_tensors(0)[0]
+        bad = [f"replica {r}: {names[i]}" for r in range(1, len(fps)) for i in (fps[r] != fps[0]).nonzero()[:, 0]]
+        if bad:
+            raise RuntimeError(f"drafter replicas diverged by step {self.last_step()}: {len(bad)} tensor "
+                               f"fingerprint(s) differ, first {bad[:5]}")
+        return [digest(fp) for fp in fps]
 
     # --- main --------------------------------------------------------------------------------
     def train(self):
@@ -983,6 +1002,7 @@ class Trainer:
         rank 0: each parameter's bytes are compared (a checksum could hide offsetting differences)."""
         tensors = [list(zip(*self.replica_tensors(r))) for r in range(len(self.drafters))]
         ref = tensors[0]
+        ref_tensors = [p for _, p in ref]
         n_params = sum(p.numel() for _, p in self.drafters[0].named_parameters())
         bad = []
         for r, mine in enumerate(tensors[1:], 1):
@@ -1004,8 +1024,8 @@ class Trainer:
             raise RuntimeError(f"drafter replicas diverged after step {self.last_step()}: {len(bad)} parameter "
                                f"tensor(s) differ, first {bad[:5]}")
         self.log(f"[replicas] {len(self.drafters)} replica(s) x {self.world} rank(s) bit-identical after step "
-                 f"{self.last_step()} ({n_params:,} parameters each, compared byte for byte; checksum "
-                 f"{param_checksum(self.drafters[0])!r})")      # the others are byte-equal to it
+                 f"{self.last_step()} ({n_params:,} parameters each, compared byte for byte; fingerprint "
+                 f"{digest(fingerprint(ref_tensors))})")      # the others are byte-equal to it
 
     def last_step(self):
         return self.last["step"] if self.last else self.step
@@ -1189,11 +1209,6 @@ def master_state_dict(model, opt):
     return {k: masters.get(k, v).detach().cpu() for k, v in model.state_dict().items()}
 
 
-def param_checksum(model):
-    """float64 sum of every parameter: a cheap fingerprint for logs and checkpoints."""
-    return float(sum(p.detach().double().sum() for p in model.parameters()))
-
-
 def fingerprint(tensors):
     """Per tensor, the int64 sum (wrapping) of its bytes read as 8-byte words, on the tensors' device:
     bit-identical tensors give equal entries, differing ones almost surely not (unlike a float sum,
@@ -1211,6 +1226,12 @@ def fingerprint(tensors):
             s = s + (b[n:].to(torch.int64) << (8 * torch.arange(b.numel() - n, device=b.device))).sum()
         sums.append(s)
     return torch.stack(sums)
+
+
+def digest(fp):
+    """A fingerprint() as 16 hex digits, for logs and checkpoints. Integer sums do not depend on the
+    order of addition, so the same bytes give the same digest on any device."""
+    return hashlib.sha256(fp.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def as_bytes(t):
