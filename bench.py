@@ -180,7 +180,8 @@ def main(argv=None):
             dm.GATE.run("naive_bwd", dev, (1, S, A), loss.backward)
         else:
             dm.backward(loss, dev, (1, S, A), attn)
-        opt.step()
+        # the trainer's lone-replica step: clip to the default 1.0 (its norm read by the host), then the update
+        tr.clip_and_step(opt, [p.grad for p in drafter.parameters()], tr.TrainConfig.clip)
         opt.zero_grad(set_to_none=True)       # as the trainer's lone replica: the next backward's grads are handed over
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
