@@ -735,6 +735,26 @@ def test_start_training_sh_embedded_default_end_to_end(embedded, tmp_path):
             (REPO / logfile.group(1)).unlink()        # our run's copy of the log in logs/
 
 
+def test_ranks_preparing_the_embedded_default_at_once_all_get_the_same_complete_split(embedded, tmp_path):
+    """torchrun ranks on one node each call embedded_default() on the same cache folder: the
+    train/held-out split is written by each into its own temporary file and renamed, so every rank
+    starts, and the files hold every line once (held-out: the last 200)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "SmolLM2-135M-Instruct").symlink_to(Path(embedded[0]).resolve())
+    (cache / "sharegpt_v3.jsonl").symlink_to(Path(embedded[1]).resolve())
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); import train_dflash as tr; print(tr.embedded_default({str(cache)!r}))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    assert len({o.strip().splitlines()[-1] for o in outs}) == 1, outs
+    lines = Path(embedded[1]).read_text().splitlines(keepends=True)
+    assert (cache / "sharegpt_v3.heldout.jsonl").read_text() == "".join(lines[-200:])
+    assert (cache / "sharegpt_v3.train.jsonl").read_text() == "".join(lines[:-200])
+    assert sorted(p.name for p in cache.iterdir() if "tmp" in p.name) == []
+
+
 def test_device_lists_auto_split_and_local_rank(monkeypatch):
     """auto = the original 5 target + 3 drafter split on 8 GPUs; cuda:local = this torchrun process's GPU."""
     import torch

@@ -247,9 +247,10 @@ def embedded_default(cache_dir):
         with open(data) as f:
             lines = f.readlines()
         for path, part in ((held, lines[-HELDOUT:]), (train, lines[:-HELDOUT])):
-            with open(path + ".tmp", "w") as f:
+            tmp = f"{path}.tmp{os.getpid()}"       # its own: torchrun ranks may split at the same time
+            with open(tmp, "w") as f:
                 f.writelines(part)
-            os.replace(path + ".tmp", path)
+            os.replace(tmp, path)
     return target, train, held
 
 
