@@ -259,18 +259,18 @@ def test_resume_on_a_larger_dataset_continues_with_a_notice(llama, sharegpt, cac
     assert [r["step"] for r in metrics(tmp_path / "out")] == [1, 2, 3, 4]
 
 
-def test_resume_refuses_a_checkpoint_whose_weights_differ_from_its_saved_fingerprint(llama, sharegpt, cache_dir,
+def test_resume_refuses_a_checkpoint_whose_optimiser_state_differs_from_its_saved_fingerprint(llama, sharegpt, cache_dir,
                                                                                    tmp_path):
-    """state.pt records the replicas' fingerprint (weights + fp32 masters). A checkpoint that still loads
-    but whose masters changed by one ulp is refused on resume, naming the checkpoint; one without a
-    fingerprint (an older trainer) resumes with a NOTICE."""
+    """state.pt records a fingerprint of the optimiser state a resume restores (fp32 masters, moments). A
+    checkpoint that still loads but whose masters or moments changed by one ulp is refused on resume,
+    naming the checkpoint; one without a fingerprint (an older trainer) resumes with a NOTICE."""
     import shutil
     common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 12,
               "--ckpt-interval", 2]
     good = tmp_path / "good"
     assert_ok(train(*common, "--max-steps", 2, "--out-dir", good))
     state = load_state(good / "step_000002")
-    assert len(state["replica_fingerprints"]) == 1 and re.fullmatch(r"[0-9a-f]{16}", state["replica_fingerprints"][0])
+    assert re.fullmatch(r"[0-9a-f]{16}", state["resume_fingerprint"]), state["resume_fingerprint"]
 
     def variant(name, edit):
         out = tmp_path / name
@@ -280,18 +280,21 @@ def test_resume_refuses_a_checkpoint_whose_weights_differ_from_its_saved_fingerp
         torch.save(st, out / "step_000002" / "state.pt")
         return train(*common, "--max-steps", 3, "--out-dir", out, "--resume")
 
-    def nudge(st):                 # one master weight, one ulp up: loads fine, trains fine, is not what was saved
-        m = st["optimizer"]["master"][0].view(-1)      # the fp32 masters the optimiser resumes from
-        m[0] = torch.nextafter(m[0], torch.tensor(math.inf))
+    def nudge(key, i):             # one value, one ulp up: loads fine, trains fine, is not what was saved
+        def edit(st):
+            t = st["optimizer"][key][i].view(-1)       # what the optimiser resumes from
+            t[-1] = torch.nextafter(t[-1], torch.tensor(math.inf))
+        return edit
 
-    p = variant("nudged", nudge)
-    assert p.rc != 0
-    assert "do not match the fingerprint saved with them" in p.out and "step_000002" in p.out, p.tail()
-    assert checkpoints(tmp_path / "nudged") == ["step_000002"]          # nothing trained on the wrong weights
+    for name, key, i in (("master", "master", 0), ("moment", "exp_avg_sq", -1)):
+        p = variant(name, nudge(key, i))
+        assert p.rc != 0
+        assert "do not match the fingerprint saved with them" in p.out and "step_000002" in p.out, p.tail()
+        assert checkpoints(tmp_path / name) == ["step_000002"]          # nothing trained on the wrong state
 
-    p = variant("older", lambda st: st.pop("replica_fingerprints"))
+    p = variant("older", lambda st: st.pop("resume_fingerprint"))
     assert_ok(p)
-    assert "[resume] NOTICE: " in p.out and "has no replica fingerprint" in p.out, p.tail()
+    assert "[resume] NOTICE: " in p.out and "has no resume fingerprint" in p.out, p.tail()
     assert [r["step"] for r in metrics(tmp_path / "older")] == [1, 2, 3]
 
 

@@ -610,15 +610,15 @@ class Trainer:
             except ValueError as e:
                 raise RuntimeError(f"{path}/state.pt: cannot resume its optimiser state: {e}") from None
             sched.load_state_dict(state["scheduler"])
-        # The weights and masters now in memory must be, bit for bit, those that were saved: this catches
+        # The masters and moments now in memory must be, bit for bit, those that were saved: this catches
         # a damaged state.pt that still loads and any resume path that rounds or skips a tensor.
-        saved = state.get("replica_fingerprints")
+        saved = state.get("resume_fingerprint")
         if saved is None:
-            self.log(f"[resume] NOTICE: {path} has no replica fingerprint (an older trainer): "
-                     "the loaded weights are not checked against it")
-        elif (now := self.replica_fingerprints()[0]) != saved[0]:
-            raise RuntimeError(f"{path}: the weights and fp32 masters loaded from it do not match the "
-                               f"fingerprint saved with them ({now} != {saved[0]}): "
+            self.log(f"[resume] NOTICE: {path} has no resume fingerprint (an older trainer): "
+                     "the loaded optimiser state is not checked against it")
+        elif (now := self.resume_fingerprint()) != saved:
+            raise RuntimeError(f"{path}: the fp32 masters and moments loaded from it do not match the "
+                               f"fingerprint saved with them ({now} != {saved}): "
                                "the checkpoint is damaged or was edited; resume from an earlier one")
         self.step = state["step"]
         nb_old, cur = state["batches_per_epoch"], state["cursor"]
@@ -841,7 +841,8 @@ class Trainer:
                     "batches_per_epoch": self.stream.nb, "optimizer": self.opts[0].state_dict(),
                     "scheduler": self.scheds[0].state_dict(), "config": dataclasses.asdict(cfg),
                     "master_weights": master_state_dict(dr, self.opts[0]),
-                    "replica_fingerprints": self.replica_fingerprints()},
+                    "replica_fingerprints": self.replica_fingerprints(),
+                    "resume_fingerprint": self.resume_fingerprint()},
                    os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "env.json"), "w") as f:
             json.dump(diagnose.collect_env(self.compile_cache), f, indent=1, default=str)
@@ -854,9 +855,16 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
         self.log(f"[ckpt] {final}")
 
+    def resume_fingerprint(self):
+        """digest() of what a resume restores byte for byte: replica 0's fp32 masters and both moments.
+        (Its bf16 weights are derived from the masters: rounded by torch on load, by the optimiser's
+        kernel after a step; both round to nearest even, but only the masters are the saved truth.)"""
+        opt = self.opts[0]
+        return digest(fingerprint([opt.state[p][k] for k in ("master", "exp_avg", "exp_avg_sq") for p in opt.params()]))
+
     def replica_fingerprints(self):
         """Each replica's digest() (weights + fp32 masters, exact), saved with a checkpoint: replicas that
-        differ are an error naming the tensors; on resume, the loaded state must give replica 0's."""
+        differ are an error naming the tensors."""
         fps = [fingerprint(self.replica_tensors(r)[1]).cpu() for r in range(len(self.drafters))]
         names = self.replica_tensors(0)[0]
         bad = [f"replica {r}: {names[i]}" for r in range(1, len(fps)) for i in (fps[r] != fps[0]).nonzero()[:, 0]]
