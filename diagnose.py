@@ -23,6 +23,7 @@ Sections: 1. environment fingerprint  2. diff + report  3. FX-flag recorder  4. 
 import argparse
 import datetime
 import functools
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -45,7 +46,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FX_ERROR = "Detected that you are using FX to symbolically trace"
 CACHE_INFO_FILE = "dflash_cache_info.json"   # written by warmup.py into the cache it filled
 ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TORCHDYNAMO_", "TRITON_", "CUDA_VISIBLE_DEVICES", "NCCL_",
-                "PYTORCH_", "OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING")
+                "PYTORCH_", "OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "HF_")
+# Outside those prefixes but able to change speed or numerics (TF32, cuBLAS workspace, stream count,
+# a preloaded or differently found library, other code on the import path): recorded by exact name.
+ENV_NAMES = {"LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "NVIDIA_TF32_OVERRIDE",
+             "CUBLAS_WORKSPACE_CONFIG", "CUDA_MODULE_LOADING", "MKL_NUM_THREADS"}
+# env.json goes into every checkpoint and the fingerprint into every log, which people share: a
+# credential (HF_TOKEN, ...) is recorded as set, never by value.
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+SECRET_VALUE = "<set>"
+NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total")
+# 2: the diff hash and untracked names of the project, ENV_NAMES and HF_ variables. An env.json
+# without it predates them, and --against does not list them as new (see _predates).
+FINGERPRINT_VERSION = 2
 
 # -----------------------------------------------------------------------------
 # 1. Environment fingerprint
@@ -94,20 +107,31 @@ def _gpus():
     except Exception as e:
         g["error"] = f"{type(e).__name__}: {e}"
     if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-            lines = [l.strip() for l in out.stdout.splitlines() if l.strip()]
-            g["nvidia_smi"] = lines
-            if lines:
-                g["driver"] = lines[0].split(",")[2].strip()
-        except Exception as e:
-            g["nvidia_smi"] = [f"error: {type(e).__name__}: {e}"]
+        g.update(_nvidia_smi())
     return g
 
 
+def _nvidia_smi():
+    """nvidia-smi's GPU lines and driver; on a failure its own message (a driver/library mismatch, no
+    device) is the diagnosis, so it is kept, raw and truncated, instead of a parse error."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(NVIDIA_SMI_FIELDS), "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+    except Exception as e:
+        return {"nvidia_smi": [f"error: {type(e).__name__}: {e}"]}
+    lines = [l.strip() for l in r.stdout.splitlines() if l.strip()]
+    fields = [[x.strip() for x in l.split(",")] for l in lines]
+    if r.returncode == 0 and lines and all(len(f) == len(NVIDIA_SMI_FIELDS) for f in fields):
+        return {"nvidia_smi": lines, "driver": fields[0][2]}
+    first = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[0][:200]
+    why = f"exit {r.returncode}" if r.returncode != 0 else "unexpected output"
+    return {"nvidia_smi": [f"error: {why}: {first}"],
+            "nvidia_smi_raw": {"returncode": r.returncode, "stdout": r.stdout[:1000], "stderr": r.stderr[:1000]}}
+
+
 def _env_vars():
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    env = {k: (SECRET_VALUE if any(m in k.upper() for m in SECRET_MARKERS) else v)
+           for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
     # importing torch._dynamo exports inductor's default cache dir into this variable: that is not a
     # choice anyone made, and whether it is there depends on import order, so leave it out
     if os.path.abspath(env.get("TORCHINDUCTOR_CACHE_DIR", "-")) == _default_cache_dir():
@@ -170,22 +194,45 @@ def _cache_state(cache_dir=None):
 
 
 def _git_state(path=HERE):
-    def git(*args):
-        return subprocess.run(["git", "-C", path, *args], capture_output=True, text=True, timeout=30)
-    g = {"dir": path, "commit": None, "dirty": None, "dirty_files": []}
-    try:
-        r = git("rev-parse", "HEAD")
+    """Commit, dirty files, a hash of the uncommitted diff, untracked names. A git command that fails
+    leaves its fields None (unknown) and says so in "error": a failure must not read as a clean tree."""
+    failed = []
+
+    def git(*args, text=True):
+        r = subprocess.run(["git", "-C", path, *args], capture_output=True, text=text, timeout=30)
         if r.returncode != 0:
-            g["error"] = (r.stderr.strip().splitlines() or ["not a git repository"])[0][:200]
+            err = r.stderr.decode(errors="replace") if isinstance(r.stderr, bytes) else r.stderr
+            msg = (err.strip().splitlines() or [f"exit {r.returncode}"])[0][:200]
+            failed.append(f"git {args[0]}: {msg}")
+            return None
+        return r.stdout
+    g = {"dir": path, "commit": None, "dirty": None, "dirty_files": [], "diff_sha256": None,
+         "untracked_files": None, "untracked_count": None}
+    try:
+        out = git("rev-parse", "HEAD")
+        if out is None:
+            g["error"] = failed[0]
             return g
-        g["commit"] = r.stdout.strip()
-        # untracked files (logs, out/, other people's new scripts) are not a change of the code that ran
-        r = git("status", "--porcelain", "--untracked-files=no")
-        files = [l[3:] for l in r.stdout.splitlines() if l.strip()]
-        g["dirty"] = bool(files)
-        g["dirty_files"] = files[:20]
+        g["commit"] = out.strip()
+        out = git("status", "--porcelain", "--untracked-files=no")
+        if out is not None:
+            files = [l[3:] for l in out.splitlines() if l.strip()]
+            g["dirty"] = bool(files)
+            g["dirty_files"] = files[:20]
+        # file names alone miss a further edit of a file that was already dirty: hash the diff itself
+        # (binary too; no external diff or textconv, which a user's git config could switch on)
+        out = git("diff", "HEAD", "--binary", "--no-ext-diff", "--no-textconv", "--no-color", text=False)
+        if out is not None:
+            g["diff_sha256"] = hashlib.sha256(out).hexdigest()
+        # untracked, not ignored: a new module the code may import (out/, logs are in .gitignore)
+        out = git("ls-files", "--others", "--exclude-standard")
+        if out is not None:
+            names = sorted(l for l in out.splitlines() if l.strip())
+            g["untracked_files"], g["untracked_count"] = names[:50], len(names)
     except Exception as e:
-        g["error"] = f"{type(e).__name__}: {e}"
+        failed.append(f"{type(e).__name__}: {e}")
+    if failed:
+        g["error"] = "; ".join(failed)
     return g
 
 
@@ -271,10 +318,29 @@ def _probes():
     return dict(_PROBES)
 
 
+# Packages whose own files people overwrite in place (a copied build, a patched torch/__init__.py,
+# an editable-install swap) without touching dist-info: their top-level files' mtimes count too.
+# Top-level files only, no .pyc and no folders (a folder's mtime moves when Python writes __pycache__):
+# one scandir each, a few ms.
+PACKAGE_DIRS = {"torch": "torch", "triton": "triton", "pytorch-triton": "triton", "transformers": "transformers"}
+
+
+def _newest_file_mtime(folder):
+    newest = 0.0
+    try:
+        for e in os.scandir(folder):
+            if e.is_file(follow_symlinks=False) and not e.name.endswith(".pyc"):
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    except OSError:
+        pass   # no such folder (a namespace or renamed package): dist-info alone decides
+    return newest
+
+
 def installed_packages():
     """[(name, version, mtime)] of every installed distribution, newest first.
 
-    mtime is the dist-info folder's: pip creates it (and so stamps it) when it installs or upgrades."""
+    mtime is the dist-info folder's: pip creates it (and so stamps it) when it installs or upgrades;
+    for PACKAGE_DIRS the newest of that and the package's top-level files."""
     rows, seen = [], set()
     for d in importlib.metadata.distributions():
         try:
@@ -294,6 +360,8 @@ def installed_packages():
             mtime = os.path.getmtime(path) if path is not None else 0.0
         except OSError:
             mtime = 0.0
+        if path is not None and name.lower() in PACKAGE_DIRS:
+            mtime = max(mtime, _newest_file_mtime(Path(path).parent / PACKAGE_DIRS[name.lower()]))
         rows.append((name, d.version, mtime))
     rows.sort(key=lambda r: -r[2])
     return rows
@@ -319,7 +387,7 @@ def collect_env(cache_dir=None):
     """Everything that decides whether a run reproduces: versions, GPUs, compile cache, code. Never raises."""
     now = time.time()
     env = {"time": datetime.datetime.fromtimestamp(now).astimezone().isoformat(timespec="seconds"),
-           "time_unix": now}
+           "time_unix": now, "fingerprint_version": FINGERPRINT_VERSION}
     parts = {"hostname": socket.gethostname, "platform": platform.platform, "cpu_count": os.cpu_count,
              "python_executable": lambda: os.path.realpath(sys.executable), "versions": _versions, "gpus": _gpus,
              "env_vars": _env_vars, "compile_cache": lambda: _cache_state(cache_dir),
@@ -355,10 +423,22 @@ def _flatten(d, prefix=""):
     return out
 
 
-# Variables warmup.use_compile_cache() sets inside the training process (from the cache path, which is
+# Variables warmup.use_compile_cache() sets inside the training process from the cache path (which is
 # compared on its own): their presence in a checkpoint's env.json and absence in a shell is no change.
-TRAINER_SET_VARS = {"env_vars.TORCHINDUCTOR_FX_GRAPH_CACHE", "env_vars.TORCHINDUCTOR_AUTOGRAD_CACHE",
-                    "env_vars.TRITON_CACHE_DIR"}
+TRAINER_SET_VARS = {"env_vars.TRITON_CACHE_DIR"}
+# Variables it only defaults (os.environ.setdefault): absent on one side and the default on the other
+# is no change, but a user's own value (FX graph / autograd cache off: "0") takes effect and is one.
+TRAINER_DEFAULT_VARS = {"env_vars.TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "env_vars.TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+
+
+def _predates(key, old_flat):
+    """Is key a field that old's fingerprint version did not record (so "(missing)" there is no change)?
+    The fingerprint_version row itself still says that the old side recorded less."""
+    if old_flat.get("fingerprint_version", 1) >= 2:
+        return False
+    name = key[len("env_vars."):] if key.startswith("env_vars.") else None
+    return key in ("project.diff_sha256", "project.untracked_files", "project.untracked_count") or (
+        name is not None and (name in ENV_NAMES or name.startswith("HF_")))
 
 
 def diff_env(old, new):
@@ -376,6 +456,10 @@ def diff_env(old, new):
         if k in TRAINER_SET_VARS and same_cache:
             continue   # warmup.use_compile_cache sets these for the run itself: not the user's environment
         a, b = fo.get(k, MISSING), fn.get(k, MISSING)
+        if k in TRAINER_DEFAULT_VARS and {a, b} == {MISSING, TRAINER_DEFAULT_VARS[k]}:
+            continue   # the trainer's own default on one side, nothing (so that default) on the other
+        if a is MISSING and _predates(k, fo):
+            continue
         if (a is None and b is MISSING and any(x.startswith(k + ".") for x in fn)) or \
                 (b is None and a is MISSING and any(x.startswith(k + ".") for x in fo)):
             continue   # None on one side, a dict on the other (cache info appeared): its keys say it
@@ -435,8 +519,16 @@ def format_report(env):
     else:
         lines.append(f"  GPUs: none visible to torch (CUDA available: {g.get('cuda_available')})"
                      + (f"; nvidia-smi: {g['nvidia_smi']}" if g.get("nvidia_smi") else ""))
-    dirty = "" if not p.get("dirty") else f"  DIRTY: {', '.join(p.get('dirty_files', []))}"
+    dirty = "" if not p.get("dirty") else (f"  DIRTY: {', '.join(p.get('dirty_files', []))} "
+                                           f"(diff sha256 {str(p.get('diff_sha256'))[:12]})")
+    if p.get("commit") and p.get("dirty") is None:
+        dirty = "  dirty: unknown"
     lines.append(f"  project {p.get('dir')}  commit {p.get('commit') or p.get('error')}{dirty}")
+    if p.get("commit") and p.get("error"):
+        lines.append(f"    git error: {p['error']}")
+    if p.get("untracked_count"):
+        lines.append(f"    untracked: {', '.join(p.get('untracked_files') or [])}"
+                     + (f" (+{p['untracked_count'] - 50} more)" if p["untracked_count"] > 50 else ""))
     if c.get("exists"):
         lines.append(f"  compile cache {c.get('path')} ({c.get('source')}): {_fmt_bytes(c.get('size_bytes', 0))} "
                      f"in {c.get('file_count')} files, oldest {_fmt_time(c.get('oldest_mtime'))}, "
@@ -462,7 +554,7 @@ def format_report(env):
         lines.append(f"    probe error: {env['probe_error']}")
     lines.append(f"  natural compile race expected: {env.get('natural_race_expected')}")
     ev = env.get("env_vars") or {}
-    lines.append("  env: " + ("  ".join(f"{k}={x}" for k, x in ev.items()) if ev else "(no compile-related variables)"))
+    lines.append("  env: " + ("  ".join(f"{k}={x}" for k, x in ev.items()) if ev else "(none of the recorded variables)"))
     return "\n".join(lines)
 
 

@@ -161,3 +161,168 @@ def test_race_test_structure_and_gate_has_no_fx_errors(slow_runs):
     assert gate["gate_stats"]["exclusive"] >= 2
     if diagnose.torch.__version__.startswith(("2.12", "2.13")):      # masked here: no natural error
         assert modes["nogate"]["fx_errors"] == 0
+
+
+# --- compile-cache switches, git diff hash, recorded variables, nvidia-smi failures, package mtimes
+
+def _env(cache="/c", **env_vars):
+    return {"fingerprint_version": diagnose.FINGERPRINT_VERSION, "compile_cache": {"path": cache},
+            "env_vars": env_vars}
+
+
+def test_diff_reports_fx_graph_and_autograd_cache_turned_off():
+    """The trainer only setdefaults these to "1": a user's "0" takes effect and is a change, while
+    absent on one side and "1" on the other (the trainer's default) is none, whatever the cache path."""
+    fx, ag = "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"
+    ckpt = _env(**{fx: "1", ag: "1"})
+    assert diagnose.diff_env(ckpt, _env()) == []                              # a shell: the default
+    assert diagnose.diff_env(_env(), ckpt) == []
+    assert diagnose.diff_env(ckpt, _env("/other")) == [("compile_cache.path", "/c", "/other")]
+    assert diagnose.diff_env(ckpt, _env(**{fx: "0"})) == [(f"env_vars.{fx}", "1", "0")]
+    assert diagnose.diff_env(ckpt, _env(**{fx: "1", ag: "0"})) == [(f"env_vars.{ag}", "1", "0")]
+    assert diagnose.diff_env(_env(), _env(**{ag: "0"})) == [(f"env_vars.{ag}", diagnose.MISSING, "0")]
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
+                    *args], check=True, capture_output=True)
+
+
+def test_git_state_hashes_the_diff_and_against_reports_a_further_edit(tmp_path, monkeypatch, capsys):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "model.py").write_text("x = 1\n")
+    _git(repo, "add", "model.py")
+    _git(repo, "commit", "-q", "-m", "init")
+    clean = diagnose._git_state(str(repo))
+    assert clean["dirty"] is False and clean["diff_sha256"] and "error" not in clean
+    (repo / "model.py").write_text("x = 2\n")
+    first = diagnose._git_state(str(repo))
+    (repo / "model.py").write_text("x = 3\n")                   # a further edit of the same dirty file
+    (repo / "new_module.py").write_text("y = 1\n")
+    second = diagnose._git_state(str(repo))
+    assert first["dirty_files"] == second["dirty_files"] == ["model.py"]
+    assert len({clean["diff_sha256"], first["diff_sha256"], second["diff_sha256"]}) == 3
+    assert first["untracked_files"] == [] and second["untracked_files"] == ["new_module.py"]
+    assert second["untracked_count"] == 1
+
+    # --against, in-process, with this repo as the project: the hash row names the edit
+    (repo / "model.py").write_text("x = 2\n")
+    (repo / "new_module.py").unlink()
+    monkeypatch.setattr(diagnose, "_git_state", lambda path=str(repo), real=diagnose._git_state: real(path))
+    cache = str(tmp_path / "cache")
+    old = diagnose.collect_env(cache_dir=cache)
+    assert old["project"]["diff_sha256"] == first["diff_sha256"]
+    ckpt = tmp_path / "step_000001"
+    ckpt.mkdir()
+    (ckpt / "env.json").write_text(json.dumps(old))
+    (repo / "model.py").write_text("x = 3\n")
+    assert diagnose.main(["--against", str(ckpt), "--cache-dir", cache, "--json"]) == 0
+    by = {d["field"]: d for d in json.loads(capsys.readouterr().out)["differences"]}
+    assert by["project.diff_sha256"]["old"] == first["diff_sha256"]
+    assert by["project.diff_sha256"]["new"] != first["diff_sha256"]
+    assert "project.dirty_files" not in by                        # names alone would have missed it
+
+
+def test_git_state_failing_command_is_unknown_not_clean(tmp_path, monkeypatch):
+    """A git whose status fails (corrupt index, lock, ...) must not read as a clean tree."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "git"
+    fake.write_text('#!/bin/sh\ncase "$*" in *rev-parse*) echo 0123abcd; exit 0;; esac\n'
+                    'echo "fatal: index file corrupt" >&2\nexit 128\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + os.environ["PATH"])
+    g = diagnose._git_state(str(tmp_path))
+    assert g["commit"] == "0123abcd"
+    assert g["dirty"] is None and g["diff_sha256"] is None and g["untracked_files"] is None
+    assert "git status: fatal: index file corrupt" in g["error"] and "git diff" in g["error"]
+    text = diagnose.format_report({"project": g})
+    assert "dirty: unknown" in text and "index file corrupt" in text
+
+
+def test_env_vars_records_more_names_and_never_a_secret(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith(diagnose.ENV_PREFIXES) or k in diagnose.ENV_NAMES:
+            monkeypatch.delenv(k)
+    recorded = {"LD_PRELOAD": "/x/libfoo.so", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "PYTHONPATH": "/src",
+                "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                "CUDA_MODULE_LOADING": "LAZY", "MKL_NUM_THREADS": "4", "HF_HOME": "/hf", "TORCH_LOGS": "recompiles"}
+    secrets = {"HF_TOKEN": "hf_sEcReT1", "HF_API_KEY": "sEcReT2", "TORCH_SECRET_X": "sEcReT3",
+               "NCCL_PASSWORD": "sEcReT4", "hf_hub_token": "sEcReT5"}
+    for k, v in {**recorded, **secrets, "UNRELATED_VAR": "1", "AWS_SECRET_ACCESS_KEY": "sEcReT6"}.items():
+        monkeypatch.setenv(k, v)
+    env = diagnose._env_vars()
+    assert env == {**recorded, **{k: "<set>" for k in secrets if k.startswith(diagnose.ENV_PREFIXES)}}
+    assert env["HF_TOKEN"] == env["HF_API_KEY"] == "<set>"
+    assert "sEcReT" not in json.dumps(env) + diagnose.format_report({"env_vars": env})
+
+
+def test_against_old_fingerprint_does_not_list_newly_recorded_fields():
+    """An env.json written before LD_LIBRARY_PATH, HF_* and the diff hash were recorded lacks them: no rows
+    for those (the fingerprint_version row says it recorded less); a current one does get them."""
+    new = _env(LD_LIBRARY_PATH="/cuda", HF_HOME="/hf", TORCH_LOGS="x")
+    new["project"] = {"commit": "a", "diff_sha256": "h", "untracked_files": [], "untracked_count": 0}
+    old = {"compile_cache": {"path": "/c"}, "env_vars": {}, "project": {"commit": "a"}}
+    assert diagnose.diff_env(old, new) == [("env_vars.TORCH_LOGS", diagnose.MISSING, "x"),
+                                           ("fingerprint_version", diagnose.MISSING, diagnose.FINGERPRINT_VERSION)]
+    old["fingerprint_version"] = diagnose.FINGERPRINT_VERSION
+    fields = [f for f, _, _ in diagnose.diff_env(old, new)]
+    assert fields == ["env_vars.HF_HOME", "env_vars.LD_LIBRARY_PATH", "env_vars.TORCH_LOGS", "project.diff_sha256",
+                      "project.untracked_count", "project.untracked_files"]
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, stdout, rc):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "out.txt").write_text(stdout)
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text(f'#!/bin/sh\ncat "{bin_dir / "out.txt"}"\nexit {rc}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + os.environ["PATH"])
+    monkeypatch.setattr(diagnose.torch.cuda, "is_available", lambda: False)
+
+
+def test_gpus_keep_nvidia_smi_failure_message(tmp_path, monkeypatch):
+    msg = "Failed to initialize NVML: Driver/library version mismatch"
+    _fake_nvidia_smi(tmp_path, monkeypatch, msg + "\nNVML library version: 570.86\n", 18)
+    g = diagnose._gpus()
+    assert g["nvidia_smi"] == [f"error: exit 18: {msg}"] and g["driver"] is None
+    assert g["nvidia_smi_raw"]["returncode"] == 18 and msg in g["nvidia_smi_raw"]["stdout"]
+    assert msg in diagnose.format_report({"gpus": g})
+
+
+def test_gpus_nvidia_smi_unexpected_output_and_truncation(tmp_path, monkeypatch):
+    _fake_nvidia_smi(tmp_path, monkeypatch, "No devices were found\n" + "z" * 5000 + "\n", 0)
+    g = diagnose._gpus()
+    assert g["nvidia_smi"] == ["error: unexpected output: No devices were found"] and g["driver"] is None
+    assert 0 < len(g["nvidia_smi_raw"]["stdout"]) <= 1000
+
+
+def test_gpus_nvidia_smi_normal_output(tmp_path, monkeypatch):
+    lines = ["0, NVIDIA H200, 570.86.15, 143771 MiB", "1, NVIDIA H200, 570.86.15, 143771 MiB"]
+    _fake_nvidia_smi(tmp_path, monkeypatch, "\n".join(lines) + "\n", 0)
+    g = diagnose._gpus()
+    assert g["nvidia_smi"] == lines and g["driver"] == "570.86.15" and "nvidia_smi_raw" not in g
+
+
+def test_installed_packages_count_torch_files_changed_in_place(monkeypatch, tmp_path):
+    """A torch whose own files were overwritten after its dist-info (a copied build) counts as modified
+    then; a newer .pyc or __pycache__ folder (written by any import) does not, nor does numpy's own folder."""
+    from types import SimpleNamespace
+    site = tmp_path / "site-packages"
+    fake = []
+    for name in ("torch", "numpy"):
+        info = site / f"{name}-1.0.dist-info"
+        info.mkdir(parents=True)
+        (site / name / "__pycache__").mkdir(parents=True)
+        (site / name / "__init__.py").write_text("")
+        (site / name / "stale.pyc").write_text("")
+        os.utime(info, (1000.0, 1000.0))
+        os.utime(site / name / "__init__.py", (2000.0, 2000.0))
+        os.utime(site / name / "stale.pyc", (3000.0, 3000.0))
+        os.utime(site / name / "__pycache__", (3000.0, 3000.0))
+        fake.append(SimpleNamespace(metadata={"Name": name}, version="1.0", _path=info))
+    monkeypatch.setattr(diagnose.importlib.metadata, "distributions", lambda: fake)
+    assert [(n, t) for n, _, t in diagnose.installed_packages()] == [("torch", 2000.0), ("numpy", 1000.0)]
