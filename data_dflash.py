@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -36,11 +37,12 @@ CHATML_TEMPLATE = (
 )
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
          "assistant": "assistant", "system": "system"}
-CACHE_VERSION = 1  # bump when tokenisation/masking changes, so old .npz caches are not reused
+CACHE_VERSION = 2  # bump when tokenisation/masking changes, so old .npz caches are not reused
 
 
 class ChatTemplateError(ValueError):
-    """The chat template renders earlier turns differently once later turns are added."""
+    """The chat template renders earlier turns differently once later turns are added, in a way
+    the reply cannot be found in the whole render."""
 
 
 # -----------------------------------------------------------------------------
@@ -59,20 +61,22 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20):
     """Yield the complete records of a top-level JSON list, even if the file is cut off.
 
     json.load would need the whole file and fails on a truncated tail; raw_decode walks the list
-    one record at a time, so a cut-off last record costs only itself. If `info` is a dict it gets
-    info["tail_bytes"]: bytes dropped after the last complete record (0 if the list closes).
-    A malformed record mid-file ends the scan the same way (everything after it is "tail").
+    one record at a time, so a cut-off last record costs only itself. A malformed record mid-file
+    (a missing comma, a stray quote) is skipped by bracket depth and the scan goes on; a record
+    holding bytes that are not UTF-8 is skipped too. If `info` is a dict it gets
+    info["tail_bytes"] (bytes dropped after the last complete record: 0 if the list closes),
+    info["malformed"] and info["invalid_utf8"] (records skipped mid-file).
     """
     decoder = json.JSONDecoder()
+    counts = {"tail_bytes": 0, "malformed": 0, "invalid_utf8": 0}
     # surrogateescape: a multi-byte character split by the cut must not raise, and must count as
-    # the bytes it was when we measure the dropped tail
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    # the bytes it was when we measure the dropped tail; utf-8-sig: a byte-order mark is not text
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         buf, eof = f.read(chunk_chars), False
         pos = len(buf) - len(buf.lstrip())
         if not buf[pos:pos + 1] == "[":
             raise ValueError(f"{path}: not a JSON list (first character {buf[pos:pos + 1]!r})")
         pos += 1
-        tail = 0
         while True:
             while pos < len(buf) and buf[pos] in " \t\r\n,":  # separators between records
                 pos += 1
@@ -82,18 +86,56 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20):
                 if pos == len(buf):
                     raise ValueError("need more text")
                 record, end = decoder.raw_decode(buf, pos)
-            except ValueError:  # JSONDecodeError included: the record runs past the buffer
+            except ValueError:  # JSONDecodeError included: malformed, or runs past the buffer
+                end = _value_end(buf, pos)
+                if end is not None:          # a whole record by its brackets, yet not JSON: skip it
+                    counts["malformed"] += 1
+                    pos = end
+                    continue
                 if eof:
-                    tail = len(buf[pos:].encode("utf-8", "surrogateescape"))
+                    counts["tail_bytes"] = len(buf[pos:].encode("utf-8", "surrogateescape"))
                     break
                 chunk = f.read(chunk_chars)
                 eof = not chunk
                 buf, pos = buf[pos:] + chunk, 0
                 continue
-            yield record
+            if _NOT_UTF8.search(buf, pos, end):   # raw bytes that were not UTF-8 (JSON's own \u escapes are ASCII)
+                counts["invalid_utf8"] += 1
+            else:
+                yield record
             pos = end
     if info is not None:
-        info["tail_bytes"] = tail
+        info.update(counts)
+
+
+_JSON_SYNTAX = re.compile(r'[{}\[\]"\\]')
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")       # what surrogateescape makes of a byte that is not UTF-8
+
+
+def _value_end(buf, pos):
+    """End of the JSON object or list opening at buf[pos], by bracket depth outside strings; None if
+    the buffer ends first (or buf[pos] opens neither)."""
+    if buf[pos:pos + 1] not in ("{", "["):
+        return None
+    depth, in_string, skip = 0, False, -1
+    for m in _JSON_SYNTAX.finditer(buf, pos):
+        i, c = m.start(), m.group()
+        if i < skip:                         # the character a backslash escapes
+            continue
+        if in_string:
+            if c == "\\":
+                skip = i + 2
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 def _dir_bytes(path):
@@ -281,16 +323,20 @@ def _is_local(name):
 def _scan_local(path, skipped):
     """JSON records of a local file, counting what cannot be parsed instead of failing on it."""
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()     # a byte-order mark is not JSON
     if head.startswith(b"["):  # one JSON list (ShareGPT's own format), possibly cut off
         info = {}
         yield from iter_json_array(path, info)
-        if info["tail_bytes"]:
-            skipped["malformed record"] += 1  # the cut-off last record
+        skipped["malformed record"] += info["malformed"] + bool(info["tail_bytes"])   # + the cut-off last one
+        skipped["invalid UTF-8"] += info["invalid_utf8"]
         return
-    # JSONL: datasets aborts on the first bad line, so parse each line here first
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+    with open(path, "rb") as f:        # JSONL: one record per line, each parsed (and counted) on its own
+        for n, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8-sig" if n == 0 else "utf-8")
+            except UnicodeDecodeError:
+                skipped["invalid UTF-8"] += 1
+                continue
             if not line.strip():
                 continue
             try:
@@ -303,44 +349,29 @@ def _import_datasets():
     try:
         import datasets
     except ImportError as e:
-        raise ImportError("load_conversations needs the `datasets` package: pip install datasets "
+        raise ImportError("reading a hub data set needs the `datasets` package: pip install datasets "
                           "(on the GPU machine, carry it or install it there)") from e
     datasets.disable_progress_bars()
     return datasets
 
 
 def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
-    """Normalised conversations from ShareGPT/chat JSON(L) files or hub names, and skip counts."""
+    """Normalised conversations from ShareGPT/chat JSON(L) files or hub names, and skip counts.
+
+    Local files are parsed record by record and each record is checked as it is (_normalise), not
+    through a `datasets` table: its schema inference would turn one oddly typed record into quoted
+    strings for the records read with it, or fail the whole file."""
     if isinstance(files, str):
         files = [files]
     for name in files:  # fail before any slow loading
         if _is_local(name) and not os.path.isfile(os.path.expanduser(name)):
             raise FileNotFoundError(f"data file not found: {name}")
-    datasets = _import_datasets()
     conversations, skipped = [], Counter()
     for name in files:
         if _is_local(name):
-            path = os.path.expanduser(name)
-            with tempfile.TemporaryDirectory() as tmp:
-                good, n_good = os.path.join(tmp, "good.jsonl"), 0
-                with open(good, "w", encoding="utf-8") as f:
-                    for record in _scan_local(path, skipped):
-                        if not isinstance(record, dict):
-                            skipped["malformed record"] += 1
-                            continue
-                        # only the conversation columns: stray fields of mixed types (ids, scores)
-                        # would make datasets' schema inference fail for the whole file
-                        keep = {k: record[k] for k in ("conversations", "messages") if k in record}
-                        f.write(json.dumps(keep) + "\n")
-                        n_good += 1
-                records = []
-                if n_good:  # datasets cannot infer a schema from an empty file
-                    try:  # cache_dir inside tmp: arrow files of a throwaway JSONL need not pile up
-                        ds = datasets.load_dataset("json", data_files=good, split="train", cache_dir=tmp)
-                        records = ds.to_list()
-                    except Exception as e:
-                        raise ValueError(f"datasets could not read {name}: {e}") from e
+            records = _scan_local(os.path.expanduser(name), skipped)
         else:  # a hub data set, where the hub is reachable
+            datasets = _import_datasets()
             ds = datasets.load_dataset(name)
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
@@ -351,7 +382,7 @@ def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
                 skipped[reason] += 1
             else:
                 conversations.append(messages)
-    return conversations, skipped
+    return conversations, +skipped         # + drops zero counts
 
 
 # -----------------------------------------------------------------------------
@@ -373,6 +404,10 @@ def _assistant_spans(tokenizer, messages, text, max_chars=None):
     Works without {% generation %} markers: the render up to turn i with the generation prompt
     ends where the reply starts, and the render including turn i ends where it stops. Both must be
     string prefixes of the longer renders, or the positions would not carry over to `text`.
+    Some templates render a reply differently once a later turn follows (Qwen3 gives only the last
+    reply an empty think block): for such a turn the reply is found in `text` itself, its content
+    right after the generation prompt (template-added text such as that block may come between),
+    then the template's end-of-turn marker.
     Spans starting at or after max_chars (the end of the truncated text) are not rendered.
     """
     spans = []
@@ -382,21 +417,43 @@ def _assistant_spans(tokenizer, messages, text, max_chars=None):
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
         if max_chars is not None and len(before) >= max_chars:
             break
+        if not text.startswith(before):
+            raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i}] + generation prompt", before, text))
         upto = _render(tokenizer, messages[:i + 1])
-        for short, long, what in ((before, upto, f"messages[:{i}] + generation prompt"),
-                                  (upto, text, f"messages[:{i + 1}]")):
-            if not long.startswith(short):
-                template = tokenizer.chat_template
-                raise ChatTemplateError(
-                    f"chat template of {tokenizer.name_or_path!r} is not prefix-consistent: the "
-                    f"render of {what} is not a prefix of the longer render, "
-                    f"{_first_difference(short, long)}. Template starts {str(template)[:120]!r}. "
-                    "Templates that rewrite earlier turns need {% generation %} markers.")
-        # the reply is content + end-of-turn token (<|im_end|>, <|eot_id|>, ...); whitespace the
-        # template puts after that token is never generated (decoding stops at the token)
-        reply = upto[len(before):].rstrip()
-        spans.append((len(before), len(before) + len(reply)))
+        if upto.startswith(before) and text.startswith(upto):
+            # the reply is content + end-of-turn token (<|im_end|>, <|eot_id|>, ...); whitespace the
+            # template puts after that token is never generated (decoding stops at the token)
+            reply = upto[len(before):].rstrip()
+            spans.append((len(before), len(before) + len(reply)))
+            continue
+        content, eot = m["content"].strip(), _end_of_turn(tokenizer)
+        k = text.find(content, len(before))
+        if not content or not eot or k < 0 or eot in text[len(before):k]:   # not within this turn
+            raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i + 1}]", upto, text))
+        end = k + len(content)
+        spans.append((len(before), end + len(eot) if text.startswith(eot, end) else end))
     return spans
+
+
+def _template_message(tokenizer, what, short, long):
+    return (f"chat template of {tokenizer.name_or_path!r} is not prefix-consistent: the render of {what} is "
+            f"not a prefix of the whole conversation's render, {_first_difference(short, long)}, and the "
+            f"reply could not be found in it either. Template starts {str(tokenizer.chat_template)[:120]!r}.")
+
+
+_EOT = {}
+
+
+def _end_of_turn(tokenizer):
+    """What the template writes right after a reply's content (<|im_end|>, <|eot_id|>, </s>; '' if
+    nothing): the token that ends a generated turn, which the drafter learns to predict too."""
+    key = (tokenizer.name_or_path, str(tokenizer.chat_template))
+    if key not in _EOT:
+        probe = "Zq7Xw3Vk"
+        text = _render(tokenizer, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": probe}])
+        rest = text[text.index(probe) + len(probe):].strip() if probe in text else ""
+        _EOT[key] = rest.split()[0] if rest else ""
+    return _EOT[key]
 
 
 def _mask_from_offsets(offsets, spans):
@@ -409,8 +466,10 @@ def _mask_from_offsets(offsets, spans):
     return mask
 
 
-def _encode(tokenizer, conversations, max_length, skipped=None):
-    """[(ids int32, mask uint8, truncated)] or None per conversation, tokenised in one batch call."""
+def _encode(tokenizer, conversations, max_length, skipped=None, errors=None):
+    """[(ids int32, mask uint8, truncated)] or None per conversation, tokenised in one batch call.
+    With `skipped`, conversations the template cannot render or mask are counted there (and the
+    first such error's text appended to `errors`) instead of raising."""
     import jinja2
     texts = []
     for messages in conversations:
@@ -435,7 +494,16 @@ def _encode(tokenizer, conversations, max_length, skipped=None):
         j += 1
         truncated = len(ids) > max_length
         max_chars = offsets[max_length - 1][1] if truncated else None
-        spans = _assistant_spans(tokenizer, messages, text, max_chars)
+        try:
+            spans = _assistant_spans(tokenizer, messages, text, max_chars)
+        except ChatTemplateError as e:
+            if skipped is None:
+                raise
+            skipped["chat template not prefix-consistent"] += 1
+            if errors is not None and not errors:
+                errors.append(str(e))
+            out.append(None)
+            continue
         mask = _mask_from_offsets(offsets[:max_length], spans)
         out.append((np.asarray(ids[:max_length], dtype=np.int32), mask, truncated))
     return out
@@ -450,8 +518,11 @@ def tokenize_conversation(tokenizer, messages, max_length) -> tuple[list[int], l
 def _cache_key(tokenizer, files, max_length, block_size, min_supervised):
     backend = getattr(tokenizer, "backend_tokenizer", None)  # vocab + merges + normalisers
     vocab = backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items())
+    # the special tokens' strings too: templates render bos/eos by name, and a converted tokenizer
+    # may get a new eos (the embedded default's does) with the same vocab and template
     parts = [CACHE_VERSION, type(tokenizer).__name__, tokenizer.name_or_path, vocab,
-             tokenizer.chat_template, max_length, block_size, min_supervised]
+             tokenizer.chat_template, getattr(tokenizer, "special_tokens_map", None), max_length,
+             block_size, min_supervised]
     for name in files:
         path = os.path.expanduser(name)
         if os.path.isfile(path):
@@ -464,7 +535,9 @@ def _cache_key(tokenizer, files, max_length, block_size, min_supervised):
 
 def _summary(stats):
     skips = ", ".join(f"{k}={v}" for k, v in sorted(stats["skipped"].items())) or "none"
-    return (f"data: {stats['conversations']} conversations -> {stats['samples']} samples, "
+    used, usable = stats.get("used", 0), stats.get("usable", 0)
+    first = f" (the first {used} of {usable} readable ones tokenised)" if used < usable else ""
+    return (f"data: {stats['conversations']} conversations{first} -> {stats['samples']} samples, "
             f"{stats['tokens'] / 1e6:.2f}M tokens ({stats['supervised_tokens'] / 1e6:.2f}M supervised), "
             f"{stats['truncated']} truncated to {stats['max_length']} | skipped: {skips}")
 
@@ -490,12 +563,13 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
     else:
         t0 = time.time()
         conversations, skipped = load_conversations(files)
+        n_records = len(conversations) + sum(skipped.values())    # the skip counts are over all of them
+        n_usable = len(conversations)
         if max_conversations:
             conversations = conversations[:max_conversations]
-        n_records = len(conversations) + sum(skipped.values())
-        samples, n_truncated = [], 0
+        samples, n_truncated, errors = [], 0, []
         for start in range(0, len(conversations), 512):
-            for item in _encode(tokenizer, conversations[start:start + 512], max_length, skipped):
+            for item in _encode(tokenizer, conversations[start:start + 512], max_length, skipped, errors):
                 if item is None:
                     continue
                 n_truncated += item[2]
@@ -503,11 +577,14 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
                     skipped["too few supervised tokens"] += 1
                 else:
                     samples.append(item)
+        if errors:
+            log(f"data: WARNING: {skipped['chat template not prefix-consistent']} conversation(s) skipped, the "
+                f"first because: {errors[0]}")
         lengths = np.array([len(s[0]) for s in samples], dtype=np.int64)
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         ids = np.concatenate([s[0] for s in samples] or [np.zeros(0, np.int32)])
         mask = np.concatenate([s[1] for s in samples] or [np.zeros(0, np.uint8)])
-        stats = {"conversations": n_records, "samples": len(samples), "tokens": int(lengths.sum()),
+        stats = {"conversations": n_records, "usable": n_usable, "used": len(conversations), "samples": len(samples), "tokens": int(lengths.sum()),
                  "supervised_tokens": int(mask.sum()), "truncated": int(n_truncated),
                  "max_length": max_length, "min_supervised": min_sup, "skipped": dict(skipped),
                  "seconds": round(time.time() - t0, 1)}
@@ -545,10 +622,13 @@ def bucket_length(n: int, buckets: list[int]) -> int:
 
 
 def make_batches(lengths, buckets, tokens_per_batch, seed, epoch) -> list[tuple[int, list[int]]]:
-    """[(bucket_len, sample indices)] covering every sample once, in an order fixed by (seed, epoch).
+    """[(bucket_len, sample indices)] covering every sample at least once, in an order fixed by
+    (seed, epoch).
 
-    Samples only share a batch with samples of the same bucket, and a batch holds about
-    tokens_per_batch padded tokens, so long and short batches cost about the same.
+    Samples only share a batch with samples of the same bucket, and a batch of bucket b holds
+    exactly max(1, tokens_per_batch // b) rows, so long and short batches cost about the same, and
+    every batch of a bucket has the one shape the drafter was compiled and warmed for: a bucket's
+    short last batch is filled up with the first samples of this epoch's order of the bucket again.
     """
     rng = np.random.default_rng([seed, epoch])
     by_bucket = {}
@@ -558,6 +638,7 @@ def make_batches(lengths, buckets, tokens_per_batch, seed, epoch) -> list[tuple[
     for b in sorted(by_bucket):
         idx = rng.permutation(by_bucket[b])
         size = max(1, tokens_per_batch // b)
+        idx = np.concatenate([idx, np.resize(idx, -len(idx) % size)])    # np.resize repeats cyclically
         batches += [(b, idx[k:k + size].tolist()) for k in range(0, len(idx), size)]
     order = rng.permutation(len(batches))
     return [batches[k] for k in order]

@@ -151,11 +151,30 @@ def test_mask_truncated(qwen_tok):
     assert ids == ids_full[:first_reply] and mask == mask_full[:first_reply]
 
 
-def test_non_prefix_template_is_a_clear_error():
+def test_template_that_marks_only_the_last_reply_masks_every_reply():
+    """Qwen3-like: an empty think block only in the last reply, so an earlier reply's own render is
+    not a prefix of the whole conversation's. Each reply is then found in the whole render: masked are
+    exactly its content + <|im_end|> (the last one with its think block, which the target generates)."""
     tok = _tiny_tokenizer(THINK_TEMPLATE)
-    D.tokenize_conversation(tok, CONV[:2], 512)  # one reply: consistent
-    with pytest.raises(D.ChatTemplateError, match="not prefix-consistent.*think"):
+    ids, mask = D.tokenize_conversation(tok, CONV, 512)
+    assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(CONV, tokenize=False)
+    assert _masked_runs(tok, ids, mask) == [CONV[1]["content"] + "<|im_end|>",
+                                            "<think>\n\n</think>\n\n" + CONV[3]["content"] + "<|im_end|>"]
+
+
+# a template that rewrites earlier turns (a turn count in the header): no reply can be placed
+COUNTING_TEMPLATE = "{{- messages|length }} turns\n" + QWEN_TEMPLATE
+
+
+def test_inconsistent_template_is_a_clear_error_or_a_counted_skip(tmp_path):
+    tok = _tiny_tokenizer(COUNTING_TEMPLATE)
+    with pytest.raises(D.ChatTemplateError, match="not prefix-consistent.*4 turns"):
         D.tokenize_conversation(tok, CONV, 512)
+    path = _write_jsonl(tmp_path / "d.jsonl", [_sharegpt(CONV)] * 3)
+    logs = []
+    data = D.build_dataset(tok, [path], 128, 4, str(tmp_path / "cache"), log=logs.append)
+    assert data["stats"]["samples"] == 0 and data["stats"]["skipped"] == {"chat template not prefix-consistent": 3}
+    assert sum("not prefix-consistent: the render of" in line for line in logs) == 1, logs   # the first, in full
 
 
 # -----------------------------------------------------------------------------
@@ -282,10 +301,14 @@ def test_make_batches_deterministic_and_complete():
     assert a == D.make_batches(lengths, buckets, 256, seed=1, epoch=0)
     assert a != D.make_batches(lengths, buckets, 256, seed=1, epoch=1)
     assert a != D.make_batches(lengths, buckets, 256, seed=2, epoch=0)
-    assert sorted(i for _, idx in a for i in idx) == list(range(300))
+    assert set(i for _, idx in a for i in idx) == set(range(300))
     for b, idx in a:
-        assert 1 <= len(idx) <= max(1, 256 // b)
+        assert len(idx) == max(1, 256 // b)     # full batches only: the one warmed shape per bucket
         assert all(D.bucket_length(int(lengths[i]), buckets) == b for i in idx)
+    extra = sum(len(idx) for _, idx in a) - 300
+    assert 0 < extra < sum(max(1, 256 // b) for b in buckets)     # each bucket's last batch filled up, no more
+    tiny = D.make_batches([10, 12, 30], buckets, 256, seed=0, epoch=0)     # fewer samples than one batch's rows
+    assert sorted(len(idx) for _, idx in tiny) == [256 // 32, 256 // 16] and {i for _, idx in tiny for i in idx} == {0, 1, 2}
     waste = D.padding_waste(lengths, a)
     assert 0 < waste < 0.5
     assert D.padding_waste([16, 16], [(16, [0, 1])]) == 0.0
