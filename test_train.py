@@ -298,6 +298,50 @@ def test_resume_refuses_a_checkpoint_whose_optimiser_state_differs_from_its_save
     assert [r["step"] for r in metrics(tmp_path / "older")] == [1, 2, 3]
 
 
+def test_a_nan_gradient_stops_the_run_before_stepping_and_keeps_the_checkpoints(llama, sharegpt, cache_dir, tmp_path):
+    """--lr 1e30: step 1 is finite, the weights then overflow and step 2's gradient norm is not:
+    the run stops with an error naming the step, steps nothing, and the step-1 checkpoint stays."""
+    out = tmp_path / "out"
+    p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 12,
+              "--max-steps", 5, "--ckpt-interval", 1, "--keep-last", 1, "--warmup-frac", 0, "--lr", 1e30,
+              "--out-dir", out)
+    assert p.rc != 0
+    assert re.search(r"FloatingPointError: step 2: the gradient norm is (nan|inf)", p.out), p.tail()
+    assert "stopped without stepping" in p.out
+    assert checkpoints(out) == ["step_000001"] and [r["step"] for r in metrics(out)] == [1]
+    assert all(torch.isfinite(w).all() for w in load_state(out / "step_000001")["master_weights"].values())
+
+
+def test_an_out_dir_with_checkpoints_needs_resume_and_resume_keeps_lr_budget_and_metrics(llama, sharegpt, cache_dir,
+                                                                                          tmp_path):
+    """Without --resume, an out dir holding checkpoints is an error before any work (a new run would
+    interleave its checkpoints with the old ones). With it: a different --lr is an error (the
+    optimiser's settings come from the checkpoint), the --max-minutes budget counts the time the
+    resumed runs used, and metrics.jsonl loses the records of steps after the checkpoint."""
+    common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 12,
+              "--ckpt-interval", 2, "--out-dir", tmp_path / "out"]
+    assert_ok(train(*common, "--max-steps", 2))
+    state = load_state(tmp_path / "out" / "step_000002")
+    assert state["train_seconds"] > 0 and state["batches_per_epoch_by_rank"] == [state["batches_per_epoch"]]
+
+    p = train(*common, "--max-steps", 4, timeout=60)
+    assert p.rc != 0 and "holds checkpoints of an earlier run" in p.out and "--resume" in p.out, p.tail()
+    assert "[data]" not in p.out                          # refused before the data or the models
+    p = train(*common, "--max-steps", 4, "--resume", "--lr", 1e-5)
+    assert p.rc != 0 and "--lr 1e-05 (checkpoint: 0.0006)" in p.out, p.tail()
+
+    with open(tmp_path / "out" / "metrics.jsonl", "a") as f:     # a killed run's steps after the checkpoint
+        f.write(json.dumps({"step": 3, "loss": 1.0}) + "\n" + '{"step": 4, "lo')
+    state["train_seconds"] = 90.0                          # this run had used 1.5 of a 1-minute budget
+    torch.save(state, tmp_path / "out" / "step_000002" / "state.pt")
+    p = train(*common, "--max-steps", 4, "--resume", "--max-minutes", 1)
+    assert_ok(p)
+    assert "min budget (--max-minutes, resumes included) was used up by step 2: nothing to do" in p.out, p.tail()
+    p = train(*common, "--max-steps", 4, "--resume")
+    assert_ok(p)
+    assert [r["step"] for r in metrics(tmp_path / "out")] == [1, 2, 3, 4]
+
+
 # -----------------------------------------------------------------------------
 # 2. replicas
 
@@ -421,7 +465,12 @@ def test_unknown_or_mistyped_option_and_bad_value_are_errors(tmp_path):
                          (["--data", "/no/such/file.jsonl"], "data file not found"),
                          (["max-steps", "3"], "unexpected argument 'max-steps'"),
                          (["--num_anchors_x", "3"], "unknown option --num_anchors_x"),
-                         (["--flex-options", '{"BLOCK_Q": 64}'], "--flex-options: unknown flex kernel option")]:
+                         (["--flex-options", '{"BLOCK_Q": 64}'], "--flex-options: unknown flex kernel option"),
+                         (["--clip", "0"], "--clip must be > 0"),
+                         (["--queue-depth", "0"], "--queue-depth must be >= 1"),
+                         (["--lr", "-1e-4"], "need lr > 0"),
+                         (["--buckets", "1024,4096"], "max_length] = [32, 3072], got 1024,4096"),
+                         (["--buckets", "1k"], "--buckets must be comma-separated integers")]:
         with pytest.raises(SystemExit) as e:
             tr.parse_config(argv)
         assert needle in str(e.value), (argv, str(e.value))
@@ -694,6 +743,20 @@ def test_torchrun_two_processes_keep_identical_replicas(llama, cache_dir, tmp_pa
     assert m.group(1) == load_state(out / "step_000006")["replica_fingerprints"][0]
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]       # rank 0 only writes metrics
     assert checkpoints(out) == ["step_000003", "step_000006"]
+
+    # Resume both ranks from step 3: each reads its data position against its own shard (rank 1 has
+    # 2 batches/epoch, rank 0 3), so the resumed run ends on the straight run's weights.
+    import shutil
+    again = tmp_path / "again"
+    shutil.copytree(out, again, ignore=shutil.ignore_patterns("step_000006", "compile_cache"))
+    p2 = run_cmd([str(c) for c in cmd[:-1]] + [str(again), "--resume"], timeout=180)
+    assert_ok(p2)
+    rank1 = (again / "train.rank1.log").read_text()
+    assert "step_000003: step 3, batch cursor 3" in p2.out and "step_000003: step 3, batch cursor 3" in rank1, rank1
+    assert "data set changed" not in p2.out + rank1
+    m2 = re.search(r"bit-identical after step 6 .*fingerprint (\w+)\)", p2.out)
+    assert m2 and m2.group(1) == m.group(1), p2.tail()
+    assert [r["step"] for r in metrics(again)] == [1, 2, 3, 4, 5, 6]
 
 
 # -----------------------------------------------------------------------------

@@ -139,6 +139,21 @@ def validate(cfg):
         errs.append("need block_size >= 2, num_anchors >= 1, max_length >= 2*block_size")
     if cfg.grad_accum < 1 or cfg.keep_last < 1 or cfg.log_interval < 1 or cfg.ckpt_interval < 1:
         errs.append("grad_accum, keep_last, log_interval, ckpt_interval must be >= 1")
+    if cfg.queue_depth < 1:     # 0 would be an unbounded load queue, < 0 a reorder buffer that never takes
+        errs.append(f"--queue-depth must be >= 1, got {cfg.queue_depth}")
+    if not cfg.clip > 0:        # the clip factor clip/norm: 0 freezes the weights, < 0 steps uphill
+        errs.append(f"--clip must be > 0, got {cfg.clip}")
+    if not cfg.lr > 0 or cfg.weight_decay < 0 or cfg.epochs <= 0 or cfg.max_steps < 0 or cfg.max_minutes < 0:
+        errs.append("need lr > 0, weight_decay >= 0, epochs > 0, max_steps >= 0, max_minutes >= 0")
+    if cfg.buckets:
+        try:
+            b = [int(x) for x in cfg.buckets.split(",")]
+        except ValueError:
+            b = None
+            errs.append(f"--buckets must be comma-separated integers, got {cfg.buckets!r}")
+        if b and not all(2 * cfg.block_size <= x <= cfg.max_length for x in b):
+            errs.append(f"--buckets must lie in [2*block_size, max_length] = [{2 * cfg.block_size}, "
+                        f"{cfg.max_length}], got {cfg.buckets}")
     try:
         dm.parse_flex_options(cfg.flex_options)
     except ValueError as e:
@@ -525,6 +540,9 @@ class Trainer:
             t = torch.tensor([self.total_steps], device="cuda" if dist.get_backend() == "nccl" else "cpu")
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             self.total_steps = int(t)
+        # every rank's batches per epoch go into the checkpoint: a rank's data position on resume is
+        # read against its own shard's count, not rank 0's
+        self.nb_by_rank = self.gather_ints(self.stream.nb)
         self.shapes = shape_plan(cfg, cfg.block_size)
         if self.attn == "flex" and any(S % 128 for _, S, _ in self.shapes):
             raise SystemExit(f"error: flex attention needs bucket lengths that are multiples of 128, got "
@@ -533,6 +551,16 @@ class Trainer:
             f"buckets {self.stream.buckets}, shapes (B,S,A) {self.shapes}, "
             f"padding waste {100 * self.stream.padding_waste:.1f}%, {steps_per_epoch} steps/epoch, "
             f"{self.total_steps} steps planned")
+
+    def gather_ints(self, value):
+        """[value of rank 0, value of rank 1, ...] (a collective: every rank calls it at the same point)."""
+        if self.world == 1:
+            return [int(value)]
+        import torch.distributed as dist
+        t = torch.zeros(self.world, dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        t[self.rank] = int(value)
+        dist.all_reduce(t)
+        return t.tolist()
 
     def build_models(self):
         cfg, log = self.cfg, self.log
@@ -582,8 +610,9 @@ class Trainer:
         return min(1.0, max((s + 0.5) / self.total_steps, getattr(self, "time_frac", 0.0)))
 
     def resume(self):
-        """Newest complete checkpoint -> weights, optimiser, schedule, step, data position."""
-        self.step, self.cursor = 0, 0
+        """Newest complete checkpoint -> weights, optimiser, schedule, step, data position, the time
+        used of a --max-minutes budget."""
+        self.step, self.cursor, self.seconds_before = 0, 0, 0.0
         if not self.cfg.resume:
             return
         ckpts = list_checkpoints(self.cfg.out_dir)
@@ -592,6 +621,14 @@ class Trainer:
             return
         path = ckpts[-1]
         state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+        # the optimiser's settings come back from the checkpoint: a different --lr / --weight-decay
+        # would be silently ignored, so it is an error
+        old_cfg = state.get("config", {})
+        changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {old_cfg[k]})"
+                   for k in ("lr", "weight_decay") if k in old_cfg and old_cfg[k] != getattr(self.cfg, k)]
+        if changed:
+            raise SystemExit(f"error: {path} continues with its own optimiser settings, but {', '.join(changed)}: "
+                             "drop the option(s) or start a new run")
         # the fp32 master weights, not the bf16 serving copy: resuming from that would silently
         # round every weight
         master = state.get("master_weights")
@@ -621,7 +658,10 @@ class Trainer:
                                f"fingerprint saved with them ({now} != {saved}): "
                                "the checkpoint is damaged or was edited; resume from an earlier one")
         self.step = state["step"]
-        nb_old, cur = state["batches_per_epoch"], state["cursor"]
+        self.seconds_before = float(state.get("train_seconds", 0.0))
+        by_rank = state.get("batches_per_epoch_by_rank")
+        nb_old = by_rank[self.rank] if by_rank and len(by_rank) == self.world else state["batches_per_epoch"]
+        cur = state["cursor"]
         if nb_old != self.stream.nb:
             self.log(f"[resume] NOTICE: the data set changed ({nb_old} -> {self.stream.nb} batches/epoch); "
                      "continuing at the same epoch and position within it")
@@ -734,7 +774,7 @@ class Trainer:
         self.t_sync_last = time.time() - t0
         if self.cfg.max_minutes:
             # The budget clock must be the same on every rank (same lr, same stopping step).
-            frac = torch.tensor([(time.time() - self.t_start) / (60 * self.cfg.max_minutes)], dtype=torch.float64)
+            frac = torch.tensor([self.train_seconds() / (60 * self.cfg.max_minutes)], dtype=torch.float64)
             if self.world > 1:
                 import torch.distributed as dist
                 frac = frac.to(flats[0].device) if dist.get_backend() == "nccl" else frac
@@ -747,8 +787,13 @@ class Trainer:
         stats = stats.to("cpu")
         gnorms = []
         for dr, opt, sched, flat, grads in zip(self.drafters, self.opts, self.scheds, flats, self.grads):
-            gnorms.append(clip_and_step(opt, grads if grads is not None else [p.grad for p in dr.parameters()],
-                                        self.cfg.clip))
+            try:
+                gnorms.append(clip_and_step(opt, grads if grads is not None else [p.grad for p in dr.parameters()],
+                                            self.cfg.clip))
+            except FloatingPointError as e:   # before any replica stepped: the weights are the last step's
+                raise FloatingPointError(f"step {self.last_step() + 1}: {e} (loss {float(stats[0]):.4g}); stopped "
+                                         "without stepping, the checkpoints are intact. Usual causes: too high "
+                                         "--lr, or a bad batch / target feature") from None
             sched.step()
             if flat is None:
                 opt.zero_grad(set_to_none=True)
@@ -784,14 +829,14 @@ class Trainer:
         if step % cfg.log_interval == 0 or step == self.total_steps:
             dt = now - self.t_log
             tok_s = (self.tokens_done - self.tokens_log) / max(dt, 1e-9)
-            mfu = (self.flops_done - self.flops_log) / max(dt, 1e-9) / (self.peak_flops * len(self.ddevs) * self.world)
+            mfu = (self.flops_done - self.flops_log) / max(dt, 1e-9) / (self.peak_flops * len(set(self.ddevs)) * self.world)
             self.t_log, self.tokens_log, self.flops_log = now, self.tokens_done, self.flops_done
             self.tok_hist.append(tok_s)
             mem = (f"{torch.cuda.max_memory_allocated(self.ddevs[0]) / 2**30:.1f}GiB"
                    if self.ddevs[0].type == "cuda" else "-")
             eta = (self.total_steps - step) * (now - self.t_start) / max(1, step - self.step)
             if cfg.max_minutes:
-                eta = min(eta, 60 * cfg.max_minutes - (now - self.t_start))
+                eta = min(eta, 60 * cfg.max_minutes - self.train_seconds())
             line = (f"step {step}/{self.total_steps} | loss {loss:.4f} | acc@1 {acc[0]:.3f} acc@{bs - 1} {acc[-1]:.3f} "
                     f"| sim_tau {tau:.2f} | lr {rec['lr']:.2e} | gnorm {gnorm:.2f} | {tok_s:,.0f} tok/s "
                     f"| MFU drafter {mfu:.1%} | queues load {self.load_q.qsize()} feat {len(self.buf)} "
@@ -818,6 +863,10 @@ class Trainer:
             if self.rank == 0 and step % cfg.ckpt_interval:
                 self.save_checkpoint(step)
 
+    def train_seconds(self):
+        """Training time of the whole run, the runs it resumed included: what --max-minutes budgets."""
+        return self.seconds_before + time.time() - self.t_start
+
     def check_mfu(self, mfu):
         """An MFU above 100% means the peak measured at the start was too low (the GPU was busy then, as
         on a GPU shared with another job): say so once, instead of printing impossible figures silently."""
@@ -831,6 +880,9 @@ class Trainer:
     def save_checkpoint(self, step):
         import diagnose
         cfg = self.cfg
+        if getattr(self, "saved_step", None) == step:    # (the budget's stop at a step that was just saved)
+            return
+        self.saved_step = step
         final = os.path.join(cfg.out_dir, f"step_{step:06d}")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -838,7 +890,8 @@ class Trainer:
         dr = self.drafters[0]
         dm.save_drafter(dr, os.path.join(tmp, "drafter"))
         torch.save({"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
-                    "batches_per_epoch": self.stream.nb, "optimizer": self.opts[0].state_dict(),
+                    "batches_per_epoch": self.stream.nb, "batches_per_epoch_by_rank": self.nb_by_rank,
+                    "train_seconds": self.train_seconds(), "optimizer": self.opts[0].state_dict(),
                     "scheduler": self.scheds[0].state_dict(), "config": dataclasses.asdict(cfg),
                     "master_weights": master_state_dict(dr, self.opts[0]),
                     "replica_fingerprints": self.replica_fingerprints(),
@@ -876,6 +929,10 @@ class Trainer:
     # --- main --------------------------------------------------------------------------------
     def train(self):
         cfg, log = self.cfg, self.log
+        old = list_checkpoints(cfg.out_dir)
+        if old and not cfg.resume:   # training on would interleave two runs' checkpoints (and prune the new ones)
+            raise SystemExit(f"error: {cfg.out_dir} holds checkpoints of an earlier run (newest {old[-1]}): "
+                             "pass --resume to continue it, or use another --out-dir")
         self.compile_cache = warmup.use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"), log)
         dm.set_flex_options(cfg.flex_options)         # before anything compiles (checked by validate)
         t_setup = time.time()
@@ -883,8 +940,16 @@ class Trainer:
         t_models = time.time()
         self.build_models()
         self.resume()
+        steps = self.gather_ints(self.step)
+        if len(set(steps)) > 1:
+            raise SystemExit(f"error: the ranks resumed at different steps {steps} (rank order): every rank "
+                             "must see the same --out-dir (a file system all nodes share)")
         if self.step >= self.total_steps:
             log(f"[run] already at step {self.step} of {self.total_steps}: nothing to do")
+            return 0
+        if cfg.max_minutes and self.seconds_before >= 60 * cfg.max_minutes:
+            log(f"[run] the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
+                f"{self.step}: nothing to do (a larger --max-minutes continues)")
             return 0
         dm.GATE.log = log
         t0 = time.time()
@@ -910,7 +975,10 @@ class Trainer:
             f"setup + data {t_models - t_setup:.1f}s, models + resume {t0 - t_models:.1f}s, warm-up {t_peak - t0:.1f}s, "
             f"matmul peak {now - t_peak:.1f}s")
         os.makedirs(cfg.out_dir, exist_ok=True)
-        self.metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl") if self.rank == 0 else os.devnull, "a")
+        metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
+        if self.rank == 0 and os.path.exists(metrics):    # a resume: the killed run's steps after the checkpoint go
+            keep_metrics_upto(metrics, self.step)
+        self.metrics = open(metrics if self.rank == 0 else os.devnull, "a")
         self.t_busy = [0.0] * len(self.tdevs)
         self.d_busy = [0.0] * len(self.ddevs)
         self.d_sync = [0.0] * len(self.ddevs)
@@ -1166,10 +1234,13 @@ def clip_and_step(opt, grads, clip):
     clip_grad_norm_'s factor, min(1, clip / (norm + 1e-6)), stays on the device and the optimiser's
     pass multiplies the gradients by it (MasterAdamW's grad_scale): no scaling pass over 1B gradients
     and no wait for the norm before the step. The host reads the norm (for the log) before it queues
-    the step, so it does not wait for the step either."""
+    the step, so it does not wait for the step either. A nan/inf norm raises FloatingPointError
+    before anything is stepped."""
     norm = total_norm(grads)
     scale = (clip / (norm + 1e-6)).clamp(max=1.0)
     value = float(norm)
+    if not math.isfinite(value):      # a nan/inf step would poison every weight and every later checkpoint
+        raise FloatingPointError(f"the gradient norm is {value}")
     opt.step(grads=grads, grad_scale=scale)
     return value
 
@@ -1209,6 +1280,20 @@ def measure_peak_flops(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return 2 * n ** 3 * reps / (time.time() - t0)
+
+
+def keep_metrics_upto(path, step):
+    """Drop the records of steps after `step` (run again after a resume), atomically."""
+    def upto(line):
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):    # a line cut by a kill mid-write
+            return False
+    with open(path) as f:
+        keep = [line for line in f if upto(line)]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
 
 
 def master_state_dict(model, opt):
