@@ -225,8 +225,8 @@ def _require_compiled(what):
     # Inside a compiled region dynamo folds this check away. If the code ever runs eagerly (a dynamo
     # fallback, a bypass), it raises instead of quietly running the dense math path.
     if not torch.compiler.is_dynamo_compiling():
-        raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x H x Q x KV "
-                           "scores). Every flex call must go through the compiled functions and GATE.")
+        raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x Q x KV mask, "
+                           "B x H x Q x KV scores). Every flex call must go through the compiled functions and GATE.")
 
 
 # -----------------------------------------------------------------------------
@@ -513,6 +513,7 @@ def dense_dflash_mask(anchors, S, bs):
 
 
 def _block_mask_impl(anchors, S, bs):
+    _require_compiled("create_block_mask")      # eager, it evaluates the mask densely over B x Q x KV
     B, A = anchors.shape
     return create_block_mask(make_mask_mod(anchors, S, bs), B, None, A * bs, S + A * bs,
                              device=anchors.device)

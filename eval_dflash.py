@@ -72,7 +72,7 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(a.target)
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=dtype).to(a.device).eval()
     drafter = dm.load_drafter(a.drafter, target, device=a.device, dtype=dtype).eval()
-    stops = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0]
+    stops = stop_token_ids(tok, target)
     prompts, _ = prompts_from(a.prompts, tok, a.num_prompts, a.skip, a.max_prompt_tokens)
     if not prompts:
         raise SystemExit("error: no usable prompts")
@@ -108,17 +108,14 @@ def main(argv=None):
         if not torch.equal(ref, out):
             mismatches.append(describe_mismatch(target, x, ref, out, k))
         if (k + 1) % 10 == 0:
-            print(f"[eval] {k + 1}/{len(prompts)} prompts: tau so far {sum(taus) / len(taus):.2f}, "
+            print(f"[eval] {k + 1}/{len(prompts)} prompts: tau so far {sum(taus) / max(1, len(taus)):.2f}, "
                   f"speed-up so far {(n_spec / t_spec) / (n_ref / t_ref):.2f}x", flush=True)
             if a.json:   # partial results survive a run that is stopped early
                 write_json(a.json, summarise(k + 1, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a))
     res = summarise(done, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a)
     bs = drafter.config.block_size
     print(f"\nmean acceptance length tau = {res['mean_tau']:.3f} over {res['rounds']} rounds (block {bs})")
-    print("histogram of acceptance lengths:")
-    for L in range(1, bs + 1):
-        c = hist.get(L, 0)
-        print(f"  {L:2d} {c:7d} {'#' * int(60 * c / max(1, max(hist.values())))}")
+    print("histogram of acceptance lengths:\n" + format_histogram(hist, bs))
     print(f"target-only greedy: {res['target_tok_s']:8.1f} tok/s\nDFlash speculative: {res['dflash_tok_s']:8.1f} "
           f"tok/s\nspeed-up: {res['speedup']:.2f}x")
     print(f"lossless: {res['lossless']}/{done} prompts identical to target greedy"
@@ -129,6 +126,24 @@ def main(argv=None):
         print(f"ERROR: prompt {m['prompt']}: speculative output differs from target greedy at new token "
               f"{m['at']} (target logit margin there {m['margin']:.2e})")
     return 1 if mismatches else 0
+
+
+def stop_token_ids(tok, target):
+    """Sorted ids that end generation: the target's generation_config eos (an int or a list: Llama-3.1
+    lists <|eot_id|> there, which ends each assistant turn), the tokenizer's eos and <|im_end|> where
+    the vocabulary has it (looked up in it: convert_tokens_to_ids would give the unk id for a miss)."""
+    gen = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    ids = set(gen if isinstance(gen, (list, tuple)) else [gen])
+    ids |= {tok.eos_token_id, tok.get_vocab().get("<|im_end|>")}
+    return sorted(t for t in ids if isinstance(t, int) and t >= 0)
+
+
+def format_histogram(hist, bs):
+    """One bar per acceptance length 1..bs; all zero when no prompt ran a drafting round (each ended at
+    its first token: a stop id or --max-new-tokens 1)."""
+    top = max(hist.values(), default=0)
+    return "\n".join(f"  {L:2d} {hist.get(L, 0):7d} {'#' * int(60 * hist.get(L, 0) / max(1, top))}"
+                     for L in range(1, bs + 1))
 
 
 def summarise(n_prompts, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a):

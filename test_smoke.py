@@ -4,7 +4,9 @@ What is covered, in file order:
   layer ids, config from HF target configs, the training mask (flex vs dense vs a naive loop),
   compiled flex == SDPA, blocks/labels/weights/loss/gradient, anchor sampling, lossless greedy
   speculative decoding (vs target_greedy and HF generate), an overfit run that proves mask, labels
-  and inference agree, save/load in the serving format, and the compile gate.
+  and inference agree, save/load in the serving format, the compile gate, and: warmup.py builds the
+  trainer's drafter (same warm-list inputs), the compiled block mask refuses to run eagerly,
+  eval_dflash's stop ids and histogram.
 
 Compiles are expensive on this CPU (7-40 s each), so every flex test shares ONE shape set through
 the module-scoped `flex_case` fixture, and all flex calls run under torch.no_grad (grad mode is a
@@ -898,3 +900,91 @@ def test_generate_refuses_positions_beyond_the_rope_table(targets):
     n = drafter.config.max_position_embeddings
     with pytest.raises(ValueError, match="exceed the .* positions of the drafter's rotary table"):
         dm.dflash_generate(drafter, target, torch.zeros(1, 8, dtype=torch.long), max_new_tokens=n)
+
+
+# -----------------------------------------------------------------------------
+# 11. what warmup.py builds, the block-mask guard, eval_dflash's stop ids and histogram
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
+    """Compiled graphs and warm-list keys depend on the drafter's config (mask token included), weight
+    dtype and the embedding/LM head tensors (dtype, layout, tying): `python warmup.py` must fill the
+    entries the trainer then uses, so its drafters must give the trainer's worker_spec and pair_key."""
+    import train_dflash as tr
+    import warmup
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    num_hidden_layers=4, vocab_size=512, max_position_embeddings=512,
+                                    tie_word_embeddings=tied)))
+    cfg = tr.parse_config(["--target", f"random:{path}", "--data", "synthetic:4", "--max-length", "256",
+                           "--num-anchors", "32", "--block-size", "8", "--num-draft-layers", "2",
+                           "--target-devices", "cpu", "--drafter-devices", "cpu", "--out-dir", str(tmp_path)])
+    trainer = tr.Trainer(cfg, log=lambda m: None)
+    trainer.setup()
+    trainer.build_models()
+    dcfg, drafters = warmup.build_drafters(cfg)
+    assert dcfg == trainer.dcfg and len(drafters) == len(trainer.drafters) == 1
+
+    def spec(dr):
+        return warmup.worker_spec(dr, 7.0, "sdpa", 2048, "trunk", 8)
+    want, got = spec(trainer.drafters[0]), spec(drafters[0])
+    assert got == want
+    assert got["tied"] is tied and got["embed_weight"]["dtype"] == got["lm_head_weight"]["dtype"] == "torch.float32"
+    assert got["config"]["mask_token_id"] == 511                  # the trainer's pick for a tokenizer-less target
+    shape = trainer.shapes[0]
+    assert warmup.pair_key(got, shape) == warmup.pair_key(want, shape)
+
+
+def test_compiled_block_mask_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
+    """TORCHDYNAMO_DISABLE=1 turns every torch.compile into the plain function: create_block_mask would
+    then evaluate the mask densely (B x Q x KV), silently. The guard makes it an error. (A subprocess:
+    in this one, a dynamo skip of the code object would stick for every later test.)"""
+    import subprocess
+    import sys
+    code = ("import torch, dflash_model as dm\n"
+            "anchors = torch.tensor([[0, 40, 100, 200, 0, 0, 0, 0]])\n"
+            "with torch.no_grad():\n"
+            "    dm.create_dflash_block_mask(anchors, 256, 16)\n")
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0, "the block mask was built eagerly without an error"
+    assert "RuntimeError: create_block_mask ran uncompiled" in p.stderr, p.stderr[-3000:]
+
+
+def _word_tokenizer(words, eos):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token=eos)
+
+
+def test_eval_stop_ids_take_the_generation_config_eos_list():
+    """Llama-3.1: the tokenizer's eos is <|end_of_text|>, but a chat turn ends with <|eot_id|>, which
+    only generation_config.eos_token_id (a list) names. No <|im_end|> in the vocabulary: the unk id
+    (what convert_tokens_to_ids returns for it) must not become a stop id."""
+    import eval_dflash
+    llama_tok = _word_tokenizer(["<unk>", "hi", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], "<|end_of_text|>")
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = [2, 3, 4]
+    assert eval_dflash.stop_token_ids(llama_tok, target) == [2, 3, 4]
+    target.generation_config.eos_token_id = 4                    # an int, not in the tokenizer's eos
+    assert eval_dflash.stop_token_ids(llama_tok, target) == [2, 4]
+    target.generation_config.eos_token_id = None
+    assert eval_dflash.stop_token_ids(llama_tok, target) == [2]
+    # a ChatML tokenizer: <|im_end|> joins its eos
+    chatml_tok = _word_tokenizer(["<unk>", "<|endoftext|>", "hi", "<|im_end|>"], "<|endoftext|>")
+    target.generation_config.eos_token_id = 1
+    assert eval_dflash.stop_token_ids(chatml_tok, target) == [1, 3]
+
+
+def test_eval_histogram_without_drafting_rounds():
+    import collections
+    import eval_dflash
+    empty = eval_dflash.format_histogram(collections.Counter(), 4).splitlines()    # used to raise ValueError
+    assert [line.split() for line in empty] == [["1", "0"], ["2", "0"], ["3", "0"], ["4", "0"]]
+    bars = eval_dflash.format_histogram(collections.Counter({1: 2, 3: 4}), 4).splitlines()
+    assert [line.count("#") for line in bars] == [30, 0, 60, 0]

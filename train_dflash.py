@@ -273,6 +273,27 @@ def target_path(cfg):
     return cfg.target or embedded_default(cfg.cache_dir)[0]
 
 
+def mask_token_for(cfg, tok, vocab):
+    """--mask-token-id, else the tokenizer's best spare token; a random:<config> target (no tokenizer):
+    the last row."""
+    if cfg.mask_token_id >= 0:
+        return cfg.mask_token_id
+    return vocab - 1 if tok is None else dm.choose_mask_token_id(tok, vocab)
+
+
+def new_drafter(dcfg, emb, head, dev, tdtype, seed):
+    """One drafter replica on `dev` reading the target's embedding and LM head (copied there in the
+    target's dtype; a tensor already there is kept, so a tied pair stays one storage). warmup.py builds
+    its drafters with this too: compiled graphs key on these tensors' dtype, layout and aliasing."""
+    torch.manual_seed(seed)
+    dr = dm.DFlashDrafter(dcfg)
+    dr.embed_weight, dr.lm_head_weight = emb, head
+    dr = dr.to(dev)
+    dr.embed_weight = emb.to(dev, tdtype)
+    dr.lm_head_weight = head.to(dev, tdtype)
+    return dr
+
+
 def make_drafter_config(cfg, tcfg, mask_token_id):
     ids = [int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids else None
     dcfg = dm.DFlashConfig.from_target_config(tcfg, cfg.num_draft_layers, cfg.block_size,
@@ -509,10 +530,10 @@ class Trainer:
             data_files = data_files or [train_file]
         tcfg, self.tok = load_target_config(self.tpath)
         vocab = getattr(tcfg, "text_config", tcfg).vocab_size
+        mask_id = mask_token_for(cfg, self.tok, vocab)
         if self.tok is None:     # random target from a config: synthetic data, ids picked by hand
-            mask_id, self.pad_id, mask_name = (cfg.mask_token_id if cfg.mask_token_id >= 0 else vocab - 1), 0, "-"
+            self.pad_id, mask_name = 0, "-"
         else:
-            mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else dm.choose_mask_token_id(self.tok, vocab)
             self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
             mask_name = self.tok.convert_ids_to_tokens(mask_id)
         self.dcfg = make_drafter_config(cfg, tcfg, mask_id)
@@ -574,12 +595,7 @@ class Trainer:
         # per replica holds them, so one collective per step sums them and micro-batches add in fp32.
         summed = len(self.ddevs) > 1 or self.world > 1 or cfg.grad_accum > 1
         for d in self.ddevs:
-            torch.manual_seed(cfg.seed)               # identical initial replicas
-            dr = dm.DFlashDrafter(self.dcfg)
-            dr.embed_weight, dr.lm_head_weight = emb, head
-            dr = dr.to(d)
-            dr.embed_weight = emb.to(d, tdtype)
-            dr.lm_head_weight = head.to(d, tdtype)
+            dr = new_drafter(self.dcfg, emb, head, d, tdtype, cfg.seed)   # identical initial replicas
             params = list(dr.parameters())
             # The optimiser keeps the fp32 masters and moments; the model's weights become bf16 on a GPU
             # (what the matmuls read: no casts in the step) and its update writes both in one pass.

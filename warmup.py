@@ -405,6 +405,9 @@ def worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, recompile_limit
             "param_dtype": str(next(drafter.parameters()).dtype),
             "embed_weight": layout(drafter.embed_weight), "lm_head_weight": layout(drafter.lm_head_weight),
             "tied": drafter.lm_head_weight.data_ptr() == drafter.embed_weight.data_ptr(),
+            # tied as one tensor object, or as two views of one storage (the trainer's tied target):
+            # dynamo tells them apart, so the child must build the same kind
+            "same_object": drafter.lm_head_weight is drafter.embed_weight,
             "frozen": [n for n, p in drafter.named_parameters() if not p.requires_grad],
             "grad_enabled": torch.is_grad_enabled(), "recompile_limit": recompile_limit,
             "num_threads": torch.get_num_threads(),   # CPU kernels are generated for a thread count
@@ -430,7 +433,11 @@ def precompile_one(spec_path, shape):
         drafter = dm.DFlashDrafter(dm.DFlashConfig(**spec["config"]), embed_weight=torch.empty(0))
     cast_weights(drafter.parameters(), dtype(spec["param_dtype"]))     # as the parent's (rope tables stay fp32)
     drafter.embed_weight = buffer(spec["embed_weight"])
-    drafter.lm_head_weight = drafter.embed_weight if spec["tied"] else buffer(spec["lm_head_weight"])
+    if spec["tied"]:
+        e = drafter.embed_weight
+        drafter.lm_head_weight = e if spec.get("same_object", True) else e.detach()
+    else:
+        drafter.lm_head_weight = buffer(spec["lm_head_weight"])
     for name, p in drafter.named_parameters():
         p.requires_grad_(name not in spec["frozen"])
     torch.set_grad_enabled(spec["grad_enabled"])
@@ -450,6 +457,35 @@ def format_table(rows):
     return "\n".join(lines)
 
 
+def build_drafters(cfg):
+    """The drafter replicas train_dflash.Trainer builds for `cfg`, one per drafter device. A compiled
+    graph and the warm list key on the drafter's config (mask token included), its weight dtype and
+    the dtype, device, layout and tying of the embedding and LM head it reads, so each is made with
+    the trainer's own functions (mask_token_for, new_drafter). The
+    target's weights are not loaded: its model on the meta device gives the shapes and whether
+    embedding and head are one tensor, and empty tensors stand in (a compile never reads values)."""
+    import train_dflash as tr
+    from transformers import AutoModelForCausalLM
+    tcfg, tok = tr.load_target_config(tr.target_path(cfg))
+    tdevs, ddevs = tr.resolve_devices(cfg)
+    vocab = getattr(tcfg, "text_config", tcfg).vocab_size
+    dcfg = tr.make_drafter_config(cfg, tcfg, tr.mask_token_for(cfg, tok, vocab))
+    tdtype = torch.bfloat16 if tdevs[0].type == "cuda" else torch.float32      # build_models' target dtype
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tcfg, dtype=tdtype)
+    m_emb, m_head = meta.get_input_embeddings().weight, meta.get_output_embeddings().weight
+    emb = torch.empty(m_emb.shape, dtype=tdtype, device=tdevs[0])     # the target's, on its first device
+    # Tied: build_models' two .detach() calls give two tensor objects over one storage (dynamo treats
+    # one object seen twice apart from two aliases), so a second view here too, not the same object.
+    head = emb.detach() if m_head is m_emb else torch.empty(m_head.shape, dtype=tdtype, device=tdevs[0])
+    drafters = []
+    for d in ddevs:
+        dr = tr.new_drafter(dcfg, emb, head, d, tdtype, cfg.seed)
+        cast_weights(dr.parameters(), tr.param_dtype(d))     # the trainer's weight dtype (its optimiser casts them so)
+        drafters.append(dr)
+    return dcfg, drafters
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--precompile-one"]:      # a child of precompile(): SPEC B S A
@@ -458,17 +494,9 @@ def main(argv=None):
     cfg = tr.parse_config(argv)
     use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
     dm.set_flex_options(cfg.flex_options)
-    tcfg, _ = tr.load_target_config(tr.target_path(cfg))
-    drafter_devs = tr.resolve_devices(cfg)[1]
-    attn = tr.resolve_attn(cfg, drafter_devs[0])
-    dcfg = tr.make_drafter_config(cfg, tcfg, mask_token_id=max(cfg.mask_token_id, 0))
+    attn = tr.resolve_attn(cfg, tr.resolve_devices(cfg)[1][0])
+    dcfg, drafters = build_drafters(cfg)
     shapes = tr.shape_plan(cfg, dcfg.block_size)
-    drafters = []
-    for d in drafter_devs:
-        torch.manual_seed(cfg.seed)
-        dr = dm.DFlashDrafter(dcfg).to(d)
-        cast_weights(dr.parameters(), tr.param_dtype(d))     # the trainer's weight dtype (its optimiser casts them so)
-        drafters.append(dr)
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, attention={attn}")
     rows = warm_up(drafters, shapes, cfg.gamma or tr.default_gamma(dcfg.block_size), attn, cfg.chunk_rows,
                    cfg.on_unwarmed, compile_scope=cfg.compile_scope, workers=cfg.warmup_workers)
