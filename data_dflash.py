@@ -621,12 +621,12 @@ def bucket_length(n: int, buckets: list[int]) -> int:
     raise ValueError(f"length {n} is longer than the largest bucket {buckets[-1]}")
 
 
-def make_batches(lengths, buckets, tokens_per_batch, seed, epoch) -> list[tuple[int, list[int]]]:
+def make_batches(lengths, buckets, rows, seed, epoch) -> list[tuple[int, list[int]]]:
     """[(bucket_len, sample indices)] covering every sample at least once, in an order fixed by
     (seed, epoch).
 
     Samples only share a batch with samples of the same bucket, and a batch of bucket b holds
-    exactly max(1, tokens_per_batch // b) rows, so long and short batches cost about the same, and
+    exactly rows[b] rows (rows: {bucket: rows}, or an int of tokens per batch: max(1, rows // b)), so
     every batch of a bucket has the one shape the drafter was compiled and warmed for: a bucket's
     short last batch is filled up with the first samples of this epoch's order of the bucket again.
     """
@@ -637,7 +637,7 @@ def make_batches(lengths, buckets, tokens_per_batch, seed, epoch) -> list[tuple[
     batches = []
     for b in sorted(by_bucket):
         idx = rng.permutation(by_bucket[b])
-        size = max(1, tokens_per_batch // b)
+        size = rows[b] if isinstance(rows, dict) else max(1, rows // b)
         idx = np.concatenate([idx, np.resize(idx, -len(idx) % size)])    # np.resize repeats cyclically
         batches += [(b, idx[k:k + size].tolist()) for k in range(0, len(idx), size)]
     order = rng.permutation(len(batches))

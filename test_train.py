@@ -836,13 +836,28 @@ def test_device_lists_auto_split_and_local_rank(monkeypatch):
         tr.resolve_devices(tr.parse_config(["--target-devices", "cuda:9"]))
 
 
+def test_anchors_per_sequence_capped_by_length_and_rows_by_the_block_budget():
+    """The spec's recipe (512 anchors per sequence, fewer only where a sequence has fewer start
+    positions), with each batch holding no more blocks than a max_length batch (one step costs the
+    drafter about the same in every bucket); --anchor-density length keeps the anchors per token."""
+    import train_dflash as tr
+    cfg = tr.parse_config([])
+    assert tr.shape_plan(cfg, 16) == [(2, 256, 248), (1, 512, 504), (1, 1024, 512), (1, 2048, 512), (1, 3072, 512)]
+    cfg = tr.parse_config(["--tokens-per-batch", "6144"])          # two max_length rows per batch
+    assert tr.shape_plan(cfg, 16) == [(4, 256, 248), (2, 512, 504), (2, 1024, 512), (2, 2048, 512), (2, 3072, 512)]
+    cfg = tr.parse_config(["--anchor-density", "length"])
+    assert tr.shape_plan(cfg, 16) == [(12, 256, 48), (6, 512, 88), (3, 1024, 176), (1, 2048, 344), (1, 3072, 512)]
+    with pytest.raises(SystemExit, match="--anchor-density must be sequence|length"):
+        tr.parse_config(["--anchor-density", "token"])
+
+
 def test_warmup_cli_prints_the_table_and_records_the_build(llama, tmp_path):
     """warmup.py: every (device, shape) in a table; the cache folder says which build filled it."""
     p = run_cmd([sys.executable, str(REPO / "warmup.py"), *TINY, "--target", llama, "--drafter-devices", "cpu,cpu",
                  "--out-dir", str(tmp_path / "out")])
     assert_ok(p)
     rows = re.findall(r"^cpu\s+\((\d+), (\d+), (\d+)\)\s+[\d.]+\s+eager \(sdpa\)$", p.out, re.M)
-    assert [(int(s), int(a)) for _, s, a in rows] == [(64, 16), (128, 16), (256, 32)] * 2, p.out
+    assert [tuple(map(int, r)) for r in rows] == [(1, 64, 32), (1, 128, 32), (1, 256, 32)] * 2, p.out
     info = json.loads((tmp_path / "out" / "compile_cache" / "dflash_cache_info.json").read_text())
     assert info["torch"] == torch.__version__ and info["torch_git"] == torch.version.git_version
 

@@ -52,7 +52,8 @@ class TrainConfig:
     max_samples: int = 0                # 0 = all; else only the first N conversations are tokenised
     num_draft_layers: int = 5
     block_size: int = 16
-    num_anchors: int = 512              # per sequence of max_length; shorter buckets get proportionally fewer
+    num_anchors: int = 512              # per sequence (see anchor_density)
+    anchor_density: str = "sequence"    # sequence: num_anchors per sequence, capped by its length (the spec) | length: per max_length tokens
     gamma: float = 0.0                  # 0 = by block size: 7 (16), 5 (10), 4 (8)
     mask_token_id: int = -1             # -1 = <|MASK|>, a spare embedding row, or an unused special token
     target_layer_ids: str = ""          # "" = spec formula; else "1,9,17,25,33"
@@ -133,6 +134,8 @@ def validate(cfg):
         errs.append(f"--attn must be auto|flex|sdpa, got {cfg.attn}")
     if cfg.compile_scope not in dm.COMPILE_SCOPES:
         errs.append(f"--compile-scope must be one of {'|'.join(dm.COMPILE_SCOPES)}, got {cfg.compile_scope}")
+    if cfg.anchor_density not in ("sequence", "length"):
+        errs.append(f"--anchor-density must be sequence|length, got {cfg.anchor_density}")
     if cfg.on_unwarmed not in ("error", "compile"):
         errs.append(f"--on-unwarmed must be error|compile, got {cfg.on_unwarmed}")
     if cfg.block_size < 2 or cfg.num_anchors < 1 or cfg.max_length < 2 * cfg.block_size:
@@ -224,20 +227,33 @@ def bucket_list(cfg):
 
 
 def anchors_for(cfg, S, block_size):
-    """Anchors per sequence for bucket S: the recipe's density (num_anchors per max_length), rounded
-    up so that anchors*block is a multiple of 128 (flex tiles)."""
+    """Anchors per sequence of bucket S, rounded up so that anchors*block is a multiple of 128 (flex
+    tiles). --anchor-density sequence (the spec's recipe): num_anchors per sequence, capped by the
+    S - block + 1 positions a block can start at (a short sample still gets a block at nearly every
+    supervised position); length: num_anchors per max_length tokens, a shorter bucket proportionally
+    fewer (more samples per step, less signal from each)."""
     m = 128 // math.gcd(block_size, 128)
-    a = math.ceil(cfg.num_anchors * S / cfg.max_length)
+    if cfg.anchor_density == "length":
+        a = math.ceil(cfg.num_anchors * S / cfg.max_length)
+    else:
+        a = min(cfg.num_anchors, S - block_size + 1)
     return max(m, math.ceil(a / m) * m)
 
 
-def batch_size_for(cfg, S):
-    return max(1, (cfg.tokens_per_batch or cfg.max_length) // S)
+def batch_size_for(cfg, S, block_size):
+    """Rows per batch of bucket S: tokens_per_batch // S; with the sequence density also no more blocks
+    than a batch of max_length sequences holds, so every step costs the drafter about the same."""
+    tokens = cfg.tokens_per_batch or cfg.max_length
+    rows = max(1, tokens // S)
+    if cfg.anchor_density == "sequence":
+        blocks = max(1, tokens // cfg.max_length) * anchors_for(cfg, cfg.max_length, block_size)
+        rows = max(1, min(rows, blocks // anchors_for(cfg, S, block_size)))
+    return rows
 
 
 def shape_plan(cfg, block_size):
     """Every (B, S, A) the drafter can see: one per bucket. This is what warm-up compiles."""
-    return [(batch_size_for(cfg, S), S, anchors_for(cfg, S, block_size)) for S in bucket_list(cfg)]
+    return [(batch_size_for(cfg, S, block_size), S, anchors_for(cfg, S, block_size)) for S in bucket_list(cfg)]
 
 
 def load_target_config(path):
@@ -470,9 +486,8 @@ class BatchStream:
     def _epoch_batches(self, epoch):
         import data_dflash
         if epoch not in self.per_epoch:
-            self.per_epoch = {epoch: data_dflash.make_batches(
-                self.lengths, self.buckets, self.cfg.tokens_per_batch or self.cfg.max_length,
-                self.cfg.seed, epoch)}
+            rows = {S: batch_size_for(self.cfg, S, self.cfg.block_size) for S in self.buckets}   # = shape_plan's
+            self.per_epoch = {epoch: data_dflash.make_batches(self.lengths, self.buckets, rows, self.cfg.seed, epoch)}
         return self.per_epoch[epoch]
 
     def batch(self, j):
