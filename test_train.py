@@ -836,6 +836,29 @@ def test_device_lists_auto_split_and_local_rank(monkeypatch):
         tr.resolve_devices(tr.parse_config(["--target-devices", "cuda:9"]))
 
 
+def test_checkpoints_record_the_start_environment_and_what_changed_during_the_run(tmp_path, monkeypatch):
+    """A checkpoint's env.json is the environment the run started in (what --against compares with),
+    the compile cache as it is at the save, and the fields that changed since the start, announced
+    once."""
+    import diagnose
+    import train_dflash as tr
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    logged = []
+    trainer = tr.Trainer(tr.parse_config(["--out-dir", str(tmp_path)]), log=logged.append)
+    trainer.compile_cache = str(tmp_path / "compile_cache")
+    trainer.env_at_start = diagnose.collect_env(trainer.compile_cache)
+    assert trainer.checkpoint_env()["changed_during_run"] == [] and logged == []
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")           # e.g. set for a later run in the same shell
+    (tmp_path / "compile_cache").mkdir()
+    (tmp_path / "compile_cache" / "entry").write_text("x")
+    for _ in range(2):
+        env = trainer.checkpoint_env()
+    assert env["changed_during_run"] == [["env_vars.NCCL_DEBUG", "(missing)", "INFO"]]
+    assert "NCCL_DEBUG" not in env["env_vars"]                        # the start's environment
+    assert env["compile_cache"]["file_count"] == 1                     # the cache as it is now
+    assert len(logged) == 1 and logged[0].startswith("WARNING: the environment changed while this run was going")
+
+
 def test_anchors_per_sequence_capped_by_length_and_rows_by_the_block_budget():
     """The spec's recipe (512 anchors per sequence, fewer only where a sequence has fewer start
     positions), with each batch holding no more blocks than a max_length batch (one step costs the

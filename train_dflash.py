@@ -894,6 +894,23 @@ class Trainer:
             if self.rank == 0 and step % cfg.ckpt_interval:
                 self.save_checkpoint(step)
 
+    def checkpoint_env(self):
+        """env.json: the environment this run STARTED in (its code and packages were loaded then: a
+        commit or a pip install during the run is not what it ran), with the compile cache as it is
+        now, and under changed_during_run what differs now (announced once, as a WARNING)."""
+        import diagnose
+        now = diagnose.collect_env(self.compile_cache)
+        start = getattr(self, "env_at_start", None)
+        if start is None:
+            return now
+        changed = [r for r in diagnose.diff_env(start, now) if not r[0].startswith("compile_cache.")]
+        if changed and not getattr(self, "env_change_logged", False):
+            self.env_change_logged = True
+            self.log(f"WARNING: the environment changed while this run was going ({len(changed)} field(s): "
+                     + "; ".join(f"{k} {a} -> {b}" for k, a, b in changed[:3])[:300] + "). Checkpoints keep "
+                     "the environment the run started with, and these changes under changed_during_run")
+        return {**start, "compile_cache": now["compile_cache"], "changed_during_run": [list(r) for r in changed]}
+
     def train_seconds(self):
         """Training time of the whole run, the runs it resumed included: what --max-minutes budgets."""
         return self.seconds_before + time.time() - self.t_start
@@ -929,7 +946,7 @@ class Trainer:
                     "resume_fingerprint": self.resume_fingerprint()},
                    os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "env.json"), "w") as f:
-            json.dump(diagnose.collect_env(self.compile_cache), f, indent=1, default=str)
+            json.dump(self.checkpoint_env(), f, indent=1, default=str)
         with open(tmp + "/DONE", "w") as f:
             f.write(time.strftime("%Y-%m-%dT%H:%M:%S"))
         if os.path.exists(final):
@@ -1400,9 +1417,12 @@ def main(argv=None):
     log = Logger(cfg.out_dir, int(os.environ.get("RANK", 0)))
     import diagnose
     log("=" * 72)
-    log(diagnose.format_report(diagnose.collect_env(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))))
+    env = diagnose.collect_env(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
+    log(diagnose.format_report(env))
     log("[config] " + json.dumps(dataclasses.asdict(cfg)))
-    rc = Trainer(cfg, log).train()
+    trainer = Trainer(cfg, log)
+    trainer.env_at_start = env        # what every checkpoint's env.json records (checkpoint_env)
+    rc = trainer.train()
     sys.stdout.flush()
     if rc:
         os._exit(rc)          # do not wait for threads stuck in device work: stop within seconds
