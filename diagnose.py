@@ -408,7 +408,8 @@ def collect_env(cache_dir=None):
 
 # Fields that change on every call or grow during any run: comparing them says nothing.
 ALWAYS_CHANGE = {"time", "time_unix", "compile_cache.size_bytes", "compile_cache.file_count",
-                 "compile_cache.oldest_mtime", "compile_cache.newest_mtime"}
+                 "compile_cache.oldest_mtime", "compile_cache.newest_mtime",
+                 "changed_during_run"}    # a checkpoint's own note (train_dflash), reported on its own
 MISSING = "(missing)"
 
 
@@ -1024,13 +1025,18 @@ def main(argv=None):
         t_old = _env_time(old)
         diffs = diff_env(old, env)
         newer = [r for r in installed_packages() if t_old is None or r[2] > t_old]
-        text = [f"Changes since {a.against} (env.json written {old.get('time')}, on {old.get('hostname')}):"]
+        text = [f"Changes since {a.against} (its env.json: the environment of the run that wrote it, recorded "
+                f"{old.get('time')} on {old.get('hostname')}):"]
         w = max([len(k) for k, _, _ in diffs] + [10])
         text += [f"  {k:<{w}}  {json.dumps(o, default=str)}  ->  {json.dumps(n, default=str)}" for k, o, n in diffs]
         if not diffs:
             text.append("  no field differs")
+        during = old.get("changed_during_run") or []
+        if during:   # the run kept what it had loaded at its start (the left side above)
+            text.append(f"While that run was going, {len(during)} field(s) changed (the run kept the first value):")
+            text += [f"  {k}  {json.dumps(o, default=str)}  ->  {json.dumps(n, default=str)}" for k, o, n in during]
         text.append(format_packages(newer, f"Packages installed or modified after the checkpoint ({len(newer)}):"))
-        emit({"checkpoint": a.against, "checkpoint_time": old.get("time"),
+        emit({"checkpoint": a.against, "checkpoint_time": old.get("time"), "changed_during_run": during,
               "differences": [{"field": k, "old": o, "new": n} for k, o, n in diffs],
               "packages_after": [{"name": n, "version": v, "mtime": t, "time": _fmt_time(t)} for n, v, t in newer]},
              "\n".join(text))

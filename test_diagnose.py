@@ -98,6 +98,21 @@ def test_against_reports_exactly_the_changed_fields(tmp_path, capsys):
     assert "versions.torch" in text and "2.0.0+fake" in text and "installed or modified after" in text
 
 
+def test_against_lists_what_changed_while_the_checkpointed_run_was_going(tmp_path, capsys):
+    """train_dflash records the start environment plus changed_during_run: --against shows those rows
+    apart, and does not count the note itself as a difference."""
+    cache = str(tmp_path / "cache")
+    old = diagnose.collect_env(cache_dir=cache)
+    old["changed_during_run"] = [["versions.transformers", "5.16.0", "5.17.0"]]
+    ckpt = tmp_path / "step_000010"
+    ckpt.mkdir()
+    (ckpt / "env.json").write_text(json.dumps(old))
+    assert diagnose.main(["--against", str(ckpt), "--cache-dir", cache]) == 0
+    text = capsys.readouterr().out
+    assert "While that run was going, 1 field(s) changed" in text and '"5.16.0"  ->  "5.17.0"' in text
+    assert not any(line.strip().startswith("changed_during_run") for line in text.splitlines())
+
+
 def test_installed_packages_skip_vendored_copies(monkeypatch, tmp_path):
     """Once setuptools is imported (inductor's CPU compiler does), its _vendor folder is on sys.path
     and importlib lists the copies bundled there; they are not installed, and a report written after

@@ -918,6 +918,9 @@ def test_shared_compile_cache_files_survive_concurrent_writers_and_damage(tmp_pa
         t.join()
     assert errors == []
     assert warmup.read_warm_list() == {k for mine in keys for k in mine}
+    before = info.read_text()
+    warmup.use_compile_cache(str(cache), log=errors.append)     # the same build again: the record stays
+    assert info.read_text() == before and errors == []
     assert sorted(p.name for p in cache.iterdir()) == ["dflash_cache_info.json", "dflash_warm_pairs.json",
                                                        "dflash_warm_pairs.json.lock"]    # no temporaries left
 

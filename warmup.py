@@ -47,6 +47,7 @@ def use_compile_cache(cache_dir, log=print):
     build = {"torch": torch.__version__, "torch_git": torch.version.git_version,
              "cuda": torch.version.cuda, "triton": _triton_version(),
              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    old = None
     if os.path.exists(info_path):
         try:
             with open(info_path) as f:
@@ -56,9 +57,11 @@ def use_compile_cache(cache_dir, log=print):
         if {k: old.get(k) for k in build} != build:
             log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
                 "its entries will not match (expect cold compiles)")
-    # Several processes share one cache (torchrun ranks, warm-up children): each writes its own
-    # temporary file and renames it over the old one, so a reader sees a whole file, never a half one.
-    _write_json_atomic(info_path, {**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    if old is None or {k: old.get(k) for k in build} != build:
+        # (re)written only when this build starts filling it: filled_at is when, and the file's age is
+        # the cache's. Several processes share one cache (torchrun ranks, warm-up children): each writes
+        # its own temporary file and renames it over the old one, so a reader never sees half a file.
+        _write_json_atomic(info_path, {**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return cache_dir
 
 
