@@ -884,7 +884,9 @@ class Trainer:
         if self.rank == 0 and (step % cfg.ckpt_interval == 0 or step == self.total_steps or
                                (self.finish_at is not None and step >= self.finish_at)):
             self.save_checkpoint(step)
-        if cfg.debug_fail.startswith("kill:") and int(cfg.debug_fail.split(":")[1]) == step:
+        # rank 0 only: it writes the checkpoints, and its death ends the others (torchrun stops them);
+        # every rank killing itself at once could stop rank 0 inside its save
+        if cfg.debug_fail.startswith("kill:") and int(cfg.debug_fail.split(":")[1]) == step and self.rank == 0:
             self.log(f"[debug] SIGKILL after step {step}")
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
