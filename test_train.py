@@ -298,6 +298,19 @@ def test_resume_refuses_a_checkpoint_whose_optimiser_state_differs_from_its_save
     assert [r["step"] for r in metrics(tmp_path / "older")] == [1, 2, 3]
 
 
+def test_every_batch_has_its_buckets_warmed_shape_even_the_last_of_an_epoch(llama, sharegpt, cache_dir, tmp_path):
+    """--anchor-density length gives several rows per batch in the short buckets (B 4 / 2 / 1 at S 64 /
+    128 / 256), and 30 real chats leave each bucket a short last batch per epoch: those are filled up
+    to the planned rows (a ragged batch is a shape warm-up never compiled: an UnwarmedShapeError on
+    a GPU, and on every path the trainer's own check)."""
+    p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 30,
+              "--anchor-density", "length", "--epochs", 2, "--ckpt-interval", 1000, "--out-dir", tmp_path / "out")
+    assert_ok(p)
+    m = re.search(r"shapes \(B,S,A\) (\[.*?\]), ", p.out)
+    assert m and m.group(1) == "[(4, 64, 16), (2, 128, 16), (1, 256, 32)]", p.tail()
+    assert "not in the warmed shape plan" not in p.out
+
+
 def test_a_nan_gradient_stops_the_run_before_stepping_and_keeps_the_checkpoints(llama, sharegpt, cache_dir, tmp_path):
     """--lr 1e30: step 1 is finite, the weights then overflow and step 2's gradient norm is not:
     the run stops with an error naming the step, steps nothing, and the step-1 checkpoint stays."""

@@ -580,6 +580,7 @@ class Trainer:
         # read against its own shard's count, not rank 0's
         self.nb_by_rank = self.gather_ints(self.stream.nb)
         self.shapes = shape_plan(cfg, cfg.block_size)
+        self.shape_set = set(self.shapes)
         if self.attn == "flex" and any(S % 128 for _, S, _ in self.shapes):
             raise SystemExit(f"error: flex attention needs bucket lengths that are multiples of 128, got "
                              f"{[S for _, S, _ in self.shapes]} (set --buckets / --max-length)")
@@ -758,6 +759,8 @@ class Trainer:
                 x, m = dm.to_device(ids, dev), dm.to_device(lm, dev)
                 f = feats.to(dev, non_blocking=True)
                 shape = (x.shape[0], S, anchors.shape[1])
+                if shape not in self.shape_set:     # on every path, not only the gate's: CPU tests see it too
+                    raise RuntimeError(f"batch shape {shape} is not in the warmed shape plan {self.shapes}")
                 with warmup.autocast(dev):
                     loss, acc, cnt = dm.drafter_forward_loss(dr, f, x, m, anchors, valid, self.gamma, attn=self.attn,
                                                              chunk_rows=cfg.chunk_rows, weight_sum=wsum,
