@@ -57,15 +57,15 @@ def _package_dir(module, pip_name):
     return list(spec.submodule_search_locations)[0]
 
 
-def iter_json_array(path, info=None, chunk_chars=1 << 20):
+def iter_json_array(path, info=None, chunk_chars=1 << 20, max_record_chars=64 << 20):
     """Yield the complete records of a top-level JSON list, even if the file is cut off.
 
     json.load would need the whole file and fails on a truncated tail; raw_decode walks the list
     one record at a time, so a cut-off last record costs only itself. A malformed record mid-file
-    (a missing comma, a stray quote) is skipped by bracket depth and the scan goes on; a record
-    holding bytes that are not UTF-8 is skipped too. If `info` is a dict it gets
-    info["tail_bytes"] (bytes dropped after the last complete record: 0 if the list closes),
-    info["malformed"] and info["invalid_utf8"] (records skipped mid-file).
+    (a missing comma, a stray quote) is skipped: the scan resumes at the next place a run of whole
+    records starts (_next_record); a record holding bytes that are not UTF-8 is skipped too. If
+    `info` is a dict it gets info["tail_bytes"] (bytes dropped after the last complete record: 0 if
+    the list closes), info["malformed"] (skipped mid-file, once per resumption), info["invalid_utf8"].
     """
     decoder = json.JSONDecoder()
     counts = {"tail_bytes": 0, "malformed": 0, "invalid_utf8": 0}
@@ -73,6 +73,7 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20):
     # the bytes it was when we measure the dropped tail; utf-8-sig: a byte-order mark is not text
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         buf, eof = f.read(chunk_chars), False
+        bad_bytes = _NOT_UTF8.search(buf) is not None     # checked per record only where the buffer has any
         pos = len(buf) - len(buf.lstrip())
         if not buf[pos:pos + 1] == "[":
             raise ValueError(f"{path}: not a JSON list (first character {buf[pos:pos + 1]!r})")
@@ -80,26 +81,38 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20):
         while True:
             while pos < len(buf) and buf[pos] in " \t\r\n,":  # separators between records
                 pos += 1
-            if buf[pos:pos + 1] == "]":
+            if buf[pos:pos + 1] == "]" and not buf[pos + 1:pos + 65].strip():   # the list's end
                 break
             try:
                 if pos == len(buf):
                     raise ValueError("need more text")
                 record, end = decoder.raw_decode(buf, pos)
-            except ValueError:  # JSONDecodeError included: malformed, or runs past the buffer
-                end = _value_end(buf, pos)
-                if end is not None:          # a whole record by its brackets, yet not JSON: skip it
-                    counts["malformed"] += 1
-                    pos = end
+            except ValueError as e:  # JSONDecodeError included: malformed, or runs past the buffer
+                # judge it only with the next chunk in the buffer too (a record under a chunk is then
+                # whole), or at the end of the file, or when it has grown past any real record
+                if not eof and len(buf) - pos < 2 * chunk_chars:
+                    chunk = f.read(chunk_chars)
+                    eof = not chunk
+                    buf, pos = buf[pos:] + chunk, 0
+                    bad_bytes = bad_bytes or _NOT_UTF8.search(chunk) is not None
                     continue
+                too_long = len(buf) - pos > max_record_chars
+                at = getattr(e, "pos", len(buf))
+                if eof or too_long or (at < len(buf) and not e.args[0].startswith("Unterminated string")):
+                    nxt = _next_record(buf, pos + 1, eof)
+                    if nxt is not None:
+                        counts["malformed"] += 1
+                        pos = nxt
+                        continue
                 if eof:
                     counts["tail_bytes"] = len(buf[pos:].encode("utf-8", "surrogateescape"))
                     break
                 chunk = f.read(chunk_chars)
                 eof = not chunk
                 buf, pos = buf[pos:] + chunk, 0
+                bad_bytes = bad_bytes or _NOT_UTF8.search(chunk) is not None
                 continue
-            if _NOT_UTF8.search(buf, pos, end):   # raw bytes that were not UTF-8 (JSON's own \u escapes are ASCII)
+            if bad_bytes and _NOT_UTF8.search(buf, pos, end):   # raw bytes that were not UTF-8 (JSON's \u escapes are ASCII)
                 counts["invalid_utf8"] += 1
             else:
                 yield record
@@ -108,34 +121,44 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20):
         info.update(counts)
 
 
-_JSON_SYNTAX = re.compile(r'[{}\[\]"\\]')
-_NOT_UTF8 = re.compile("[\udc80-\udcff]")       # what surrogateescape makes of a byte that is not UTF-8
+_RECORD_START = re.compile(r",\s*\{")                # where the next record of a list can begin
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")            # what surrogateescape makes of a byte that is not UTF-8
 
 
-def _value_end(buf, pos):
-    """End of the JSON object or list opening at buf[pos], by bracket depth outside strings; None if
-    the buffer ends first (or buf[pos] opens neither)."""
-    if buf[pos:pos + 1] not in ("{", "["):
-        return None
-    depth, in_string, skip = 0, False, -1
-    for m in _JSON_SYNTAX.finditer(buf, pos):
-        i, c = m.start(), m.group()
-        if i < skip:                         # the character a backslash escapes
-            continue
-        if in_string:
-            if c == "\\":
-                skip = i + 2
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+def _next_record(buf, start, eof):
+    """Position of the first '{' after `start` that follows a comma and starts a run of whole records
+    (_records_from): a '{' inside the bad record's text, such as one of its turns, decodes too but is
+    followed by the record's own closing brackets, and is passed over. None if none qualifies."""
+    for m in _RECORD_START.finditer(buf, start):
+        if _records_from(buf, m.end() - 1, eof):
+            return m.end() - 1
     return None
+
+
+def _records_from(buf, p, eof):
+    """Does buf[p:] hold a whole record followed by the list's closing ']', or by a comma and the next
+    record's '{' (then that one is judged too)? A later element that is itself bad, or cut by the
+    buffer, still counts as a yes: the first was a list element. Cut by the end of the file: no. (A
+    turn inside a record also decodes, but its run ends at the record's own ']' + '}': no.)"""
+    decoder, first = json.JSONDecoder(), True
+    while True:
+        try:
+            _, p = decoder.raw_decode(buf, p)
+        except ValueError as e:
+            at_end = getattr(e, "pos", len(buf)) >= len(buf) or e.args[0].startswith("Unterminated string")
+            return not first and not (at_end and eof)
+        first = False
+        rest = buf[p:p + 64].lstrip()
+        if not rest:
+            return not eof
+        if rest[0] == "]":
+            return not buf[p:].lstrip()[1:65].strip()   # the list's end: only whitespace after it
+        if rest[0] != ",":
+            return False
+        p = len(buf) - len(buf[p:].lstrip()) + 1
+        p = len(buf) - len(buf[p:].lstrip())
+        if p < len(buf) and buf[p] != "{":
+            return True         # a comma, then something bad: the main loop skips that in turn
 
 
 def _dir_bytes(path):
@@ -431,7 +454,8 @@ def _assistant_spans(tokenizer, messages, text, max_chars=None):
         if not content or not eot or k < 0 or eot in text[len(before):k]:   # not within this turn
             raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i + 1}]", upto, text))
         end = k + len(content)
-        spans.append((len(before), end + len(eot) if text.startswith(eot, end) else end))
+        after = len(text) - len(text[end:].lstrip())      # whitespace the template kept before the marker
+        spans.append((len(before), after + len(eot) if text.startswith(eot, after) else end))
     return spans
 
 

@@ -160,6 +160,10 @@ def test_template_that_marks_only_the_last_reply_masks_every_reply():
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(CONV, tokenize=False)
     assert _masked_runs(tok, ids, mask) == [CONV[1]["content"] + "<|im_end|>",
                                             "<think>\n\n</think>\n\n" + CONV[3]["content"] + "<|im_end|>"]
+    conv = [dict(m) for m in CONV]
+    conv[1]["content"] += "\n"                 # a reply ending in whitespace keeps its end-of-turn token
+    ids, mask = D.tokenize_conversation(tok, conv, 512)
+    assert _masked_runs(tok, ids, mask)[0] == CONV[1]["content"] + "\n<|im_end|>"
 
 
 # a template that rewrites earlier turns (a turn count in the header): no reply can be placed
@@ -197,6 +201,23 @@ def test_truncated_json_array_recovers_complete_records(tmp_path):
     assert list(D.iter_json_array(str(whole), info)) == records and info["tail_bytes"] == 0
     convs, skipped = D.load_conversations([str(path)])
     assert len(convs) == 2 and skipped == {"empty conversation": 1, "malformed record": 1}
+
+
+def test_a_malformed_record_mid_list_is_skipped_and_the_rest_is_read(tmp_path):
+    """A stray quote inside a reply, a missing comma and a bare token, each between good records of a
+    compact list: every good record comes back (also when records span reads), each bad one counted."""
+    good = [_sharegpt(CONV), _sharegpt(CONV_SYS)] * 20
+    parts = [json.dumps(r, ensure_ascii=False) for r in good]
+    stray = parts[3].replace('"value": "', '"value": "a"b ', 1)                # a quote that ends the string early
+    no_comma = '{"id": "y", "conversations": [{"from": "human" "value": "hi"}]}'
+    text = "[" + ", ".join(parts[:3] + [stray] + parts[4:10] + [no_comma] + parts[10:20] + ["garbage"] + parts[20:]) + "]"
+    path = tmp_path / "bad.json"
+    path.write_text(text, encoding="utf-8")
+    for chunk in (1000, 1 << 20):      # (records are judged whole when shorter than a read: ~330 chars here)
+        info = {}
+        got = list(D.iter_json_array(str(path), info, chunk_chars=chunk))
+        assert got == good[:3] + good[4:], chunk
+        assert info == {"tail_bytes": 0, "malformed": 3, "invalid_utf8": 0}, (chunk, info)
 
 
 def test_load_conversations_counts_skips(tmp_path):
