@@ -91,7 +91,7 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20, max_record_chars=64 <<
                 # judge it only with the next chunk in the buffer too (a record under a chunk is then
                 # whole), or at the end of the file, or when it has grown past any real record
                 if not eof and len(buf) - pos < 2 * chunk_chars:
-                    chunk = f.read(chunk_chars)
+                    chunk = f.read(chunk_chars)     # (below: a record that keeps running on doubles the read)
                     eof = not chunk
                     buf, pos = buf[pos:] + chunk, 0
                     bad_bytes = bad_bytes or _NOT_UTF8.search(chunk) is not None
@@ -107,7 +107,7 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20, max_record_chars=64 <<
                 if eof:
                     counts["tail_bytes"] = len(buf[pos:].encode("utf-8", "surrogateescape"))
                     break
-                chunk = f.read(chunk_chars)
+                chunk = f.read(max(chunk_chars, len(buf) - pos))     # doubling: each retry decodes it all again
                 eof = not chunk
                 buf, pos = buf[pos:] + chunk, 0
                 bad_bytes = bad_bytes or _NOT_UTF8.search(chunk) is not None
@@ -122,6 +122,7 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20, max_record_chars=64 <<
 
 
 _RECORD_START = re.compile(r",\s*\{")                # where the next record of a list can begin
+_SPACE = re.compile(r"\s*")
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")            # what surrogateescape makes of a byte that is not UTF-8
 
 
@@ -148,15 +149,14 @@ def _records_from(buf, p, eof):
             at_end = getattr(e, "pos", len(buf)) >= len(buf) or e.args[0].startswith("Unterminated string")
             return not first and not (at_end and eof)
         first = False
-        rest = buf[p:p + 64].lstrip()
-        if not rest:
+        p = _SPACE.match(buf, p).end()          # (a regex, not a slice: no copy of the buffer per record)
+        if p == len(buf):
             return not eof
-        if rest[0] == "]":
-            return not buf[p:].lstrip()[1:65].strip()   # the list's end: only whitespace after it
-        if rest[0] != ",":
+        if buf[p] == "]":
+            return not buf[p + 1:p + 65].strip()   # the list's end: only whitespace after it
+        if buf[p] != ",":
             return False
-        p = len(buf) - len(buf[p:].lstrip()) + 1
-        p = len(buf) - len(buf[p:].lstrip())
+        p = _SPACE.match(buf, p + 1).end()
         if p < len(buf) and buf[p] != "{":
             return True         # a comma, then something bad: the main loop skips that in turn
 
