@@ -608,7 +608,8 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         ids = np.concatenate([s[0] for s in samples] or [np.zeros(0, np.int32)])
         mask = np.concatenate([s[1] for s in samples] or [np.zeros(0, np.uint8)])
-        stats = {"conversations": n_records, "usable": n_usable, "used": len(conversations), "samples": len(samples), "tokens": int(lengths.sum()),
+        stats = {"conversations": n_records, "usable": n_usable, "used": len(conversations),
+                 "samples": len(samples), "tokens": int(lengths.sum()),
                  "supervised_tokens": int(mask.sum()), "truncated": int(n_truncated),
                  "max_length": max_length, "min_supervised": min_sup, "skipped": dict(skipped),
                  "seconds": round(time.time() - t0, 1)}
@@ -650,7 +651,7 @@ def make_batches(lengths, buckets, rows, seed, epoch) -> list[tuple[int, list[in
     (seed, epoch).
 
     Samples only share a batch with samples of the same bucket, and a batch of bucket b holds
-    exactly rows[b] rows (rows: {bucket: rows}, or an int of tokens per batch: max(1, rows // b)), so
+    exactly rows[b] rows (the trainer's shape plan: batch_size_for), so
     every batch of a bucket has the one shape the drafter was compiled and warmed for: a bucket's
     short last batch is filled up with the first samples of this epoch's order of the bucket again.
     """
@@ -661,7 +662,7 @@ def make_batches(lengths, buckets, rows, seed, epoch) -> list[tuple[int, list[in
     batches = []
     for b in sorted(by_bucket):
         idx = rng.permutation(by_bucket[b])
-        size = rows[b] if isinstance(rows, dict) else max(1, rows // b)
+        size = rows[b]
         idx = np.concatenate([idx, np.resize(idx, -len(idx) % size)])    # np.resize repeats cyclically
         batches += [(b, idx[k:k + size].tolist()) for k in range(0, len(idx), size)]
     order = rng.permutation(len(batches))

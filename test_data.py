@@ -318,17 +318,18 @@ def test_make_batches_deterministic_and_complete():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 65, size=300)
     buckets = D.default_buckets(64)
-    a = D.make_batches(lengths, buckets, 256, seed=1, epoch=0)
-    assert a == D.make_batches(lengths, buckets, 256, seed=1, epoch=0)
-    assert a != D.make_batches(lengths, buckets, 256, seed=1, epoch=1)
-    assert a != D.make_batches(lengths, buckets, 256, seed=2, epoch=0)
+    rows = {b: max(1, 256 // b) for b in buckets}          # about 256 tokens per batch
+    a = D.make_batches(lengths, buckets, rows, seed=1, epoch=0)
+    assert a == D.make_batches(lengths, buckets, rows, seed=1, epoch=0)
+    assert a != D.make_batches(lengths, buckets, rows, seed=1, epoch=1)
+    assert a != D.make_batches(lengths, buckets, rows, seed=2, epoch=0)
     assert set(i for _, idx in a for i in idx) == set(range(300))
     for b, idx in a:
         assert len(idx) == max(1, 256 // b)     # full batches only: the one warmed shape per bucket
         assert all(D.bucket_length(int(lengths[i]), buckets) == b for i in idx)
     extra = sum(len(idx) for _, idx in a) - 300
     assert 0 < extra < sum(max(1, 256 // b) for b in buckets)     # each bucket's last batch filled up, no more
-    tiny = D.make_batches([10, 12, 30], buckets, 256, seed=0, epoch=0)     # fewer samples than one batch's rows
+    tiny = D.make_batches([10, 12, 30], buckets, rows, seed=0, epoch=0)     # fewer samples than one batch's rows
     assert sorted(len(idx) for _, idx in tiny) == [256 // 32, 256 // 16] and {i for _, idx in tiny for i in idx} == {0, 1, 2}
     waste = D.padding_waste(lengths, a)
     assert 0 < waste < 0.5

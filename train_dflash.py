@@ -571,11 +571,8 @@ class Trainer:
         self.per_step = len(self.ddevs) * cfg.grad_accum             # batches per optimiser step (this node)
         steps_per_epoch = max(1, self.stream.nb // self.per_step)
         self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
-        if self.world > 1:   # shards differ in size: all ranks must agree (same lr schedule, no hang at the end)
-            import torch.distributed as dist
-            t = torch.tensor([self.total_steps], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            self.total_steps = int(t)
+        # shards differ in size: all ranks must agree (same lr schedule, no hang at the end)
+        self.total_steps = min(self.gather_ints(self.total_steps))
         # every rank's batches per epoch go into the checkpoint: a rank's data position on resume is
         # read against its own shard's count, not rank 0's
         self.nb_by_rank = self.gather_ints(self.stream.nb)
@@ -601,7 +598,7 @@ class Trainer:
 
     def build_models(self):
         cfg, log = self.cfg, self.log
-        tdtype = torch.bfloat16 if self.tdevs[0].type == "cuda" else torch.float32
+        tdtype = target_dtype(self.tdevs[0])
         self.targets = [load_target(self.tpath, d, tdtype, self.dcfg.target_layer_ids, log) for d in self.tdevs]
         t0 = self.targets[0]
         emb = t0.get_input_embeddings().weight.detach()
@@ -972,8 +969,7 @@ class Trainer:
         """Each replica's digest() (weights + fp32 masters, exact), saved with a checkpoint: replicas that
         differ are an error naming the tensors."""
         fps = [fingerprint(self.replica_tensors(r)[1]).cpu() for r in range(len(self.drafters))]
-        names = self.replica_tensors(0)[0]
-        bad = [f"replica {r}: {names[i]}" for r in range(1, len(fps)) for i in (fps[r] != fps[0]).nonzero()[:, 0]]
+        bad = self.differing(fps)
         if bad:
             raise RuntimeError(f"drafter replicas diverged by step {self.last_step()}: {len(bad)} tensor "
                                f"fingerprint(s) differ, first {bad[:5]}")
@@ -1117,15 +1113,21 @@ class Trainer:
         for _, ev in pending:
             if ev is not None:
                 ev.synchronize()
-        names = self.replica_tensors(0)[0]
         fps = [host for host, _ in pending]
-        bad = [f"replica {r}: {names[i]}" for r in range(1, len(fps)) for i in (fps[r][0] != fps[0][0]).nonzero()[:, 0]]
-        if self.world > 1:
-            bad += [f"another rank: {names[i]}" for i in (fps[0][1] != fps[0][2]).nonzero()[:, 0]]
+        bad = self.differing([fp[0] for fp in fps])
+        if self.world > 1:      # replica 0's min and max over the ranks
+            bad += self.differing([fps[0][1], fps[0][2]], who="another rank")
         if bad:
             raise RuntimeError(f"drafter replicas diverged by step {step}: {len(bad)} tensor fingerprint(s) differ, "
                                f"first {bad[:5]} (checked every log interval; a bug, not noise: replicas must "
                                "stay bit-identical)")
+
+    def differing(self, fps, who=None):
+        """'replica r: tensor name' (or '<who>: ...') for each tensor whose fingerprint in fps[r]
+        differs from fps[0]'s."""
+        names = self.replica_tensors(0)[0]
+        return [f"{who or f'replica {r}'}: {names[i]}" for r in range(1, len(fps))
+                for i in (fps[r] != fps[0]).nonzero()[:, 0]]
 
     def check_replicas_identical(self):
         """Every replica, in this process and on every rank, must end bit-identical to replica 0 of
@@ -1303,6 +1305,12 @@ def total_norm(grads):
     grads = [g for g in grads if g is not None]
     norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def target_dtype(dev):
+    """The target's dtype: bf16 on a GPU, fp32 on a CPU (also what the drafter reads its embedding and
+    LM head in)."""
+    return torch.bfloat16 if torch.device(dev).type == "cuda" else torch.float32
 
 
 def param_dtype(dev):
