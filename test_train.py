@@ -938,6 +938,63 @@ def test_shared_compile_cache_files_survive_concurrent_writers_and_damage(tmp_pa
                                                        "dflash_warm_pairs.json.lock"]    # no temporaries left
 
 
+def test_ranks_needing_the_same_shapes_take_turns_one_compiles_the_others_load(tmp_path, monkeypatch):
+    """compile_lock: a second process that needs the pairs another is compiling waits for it, then
+    loads them without the lock (so all waiters load at once); if the compiler stops without listing
+    them all, the waiter holds the lock and compiles the rest. Synchronised on the child's output."""
+    import warmup
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    keys = ["pair-a", "pair-b"]
+    child_code = ("import sys, warmup; lock = warmup.compile_lock(sys.argv[1:], log=lambda m: print(m, flush=True)); "
+                  "print('holds the lock' if lock else 'loads without the lock', flush=True)")
+
+    def child():
+        return subprocess.Popen([sys.executable, "-c", child_code, *keys], cwd=REPO, env=dict(os.environ),
+                                stdout=subprocess.PIPE, text=True)
+
+    for compiler_lists_all in (True, False):
+        lock = warmup.compile_lock(keys)
+        assert lock is not None and lock.name.startswith(str(tmp_path))
+        p = child()
+        first = p.stdout.readline()          # printed only once the child found the lock taken
+        assert f"process {os.getpid()} on" in first and "waiting for it" in first, first
+        warmup.add_to_warm_list(keys if compiler_lists_all else keys[:1])
+        lock.close()                         # the compiler is done (or died): the child goes on
+        rest = p.stdout.read()
+        assert p.wait() == 0
+        assert "waited" in rest
+        assert rest.strip().endswith("loads without the lock" if compiler_lists_all else "holds the lock"), rest
+        os.remove(tmp_path / warmup.WARM_LIST)
+    warmup.add_to_warm_list(keys)
+    assert warmup.compile_lock(keys) is None           # nothing to compile: no lock, no waiting
+
+
+def test_torchrun_ranks_list_their_gpu_first_so_every_rank_is_cuda0():
+    """pin_local_gpu: under torchrun with cuda:local, this rank's GPU goes first in
+    CUDA_VISIBLE_DEVICES (the others stay, in order) and cuda:local resolves to cuda:0; without
+    cuda:local or torchrun nothing changes; a rank with no GPU of its own is an error."""
+    import train_dflash as tr
+    cfg = tr.TrainConfig(target_devices="cuda:local", drafter_devices="cuda:local")
+    cases = [({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, "2,0,1,3"),
+             ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "5,4,6,7"),
+             ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}, "GPU-aa,GPU-bb")]
+    try:
+        for env, want in cases:
+            tr.PINNED.clear()
+            assert tr.pin_local_gpu(cfg, env) == want and env["CUDA_VISIBLE_DEVICES"] == want
+            assert tr.local_gpu() == 0
+            assert tr.pin_local_gpu(cfg, env) is None and env["CUDA_VISIBLE_DEVICES"] == want   # once per process
+        tr.PINNED.clear()
+        env = {"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "0,1"}
+        with pytest.raises(SystemExit, match="LOCAL_RANK 3"):
+            tr.pin_local_gpu(cfg, env)
+        for c, env in ((tr.TrainConfig(target_devices="cuda:0", drafter_devices="cuda:1"), {"LOCAL_RANK": "1"}),
+                       (cfg, {})):
+            assert tr.pin_local_gpu(c, env) is None and "CUDA_VISIBLE_DEVICES" not in env
+    finally:
+        tr.PINNED.clear()
+
+
 def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_the_cache(tmp_path, monkeypatch):
     """warm_up(workers=2): each flex shape cold-compiles in its own process into the shared cache, the
     in-process warm-up then only loads it; a failing child is reported (its shape and output) and the

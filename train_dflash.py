@@ -182,10 +182,42 @@ def default_gamma(block_size):
 # Devices, shapes, target
 
 
+PINNED = []    # the CUDA_VISIBLE_DEVICES pin_local_gpu() set in this process, if it did
+
+
+def local_gpu():
+    """This process's GPU index under torchrun: LOCAL_RANK, or 0 once pin_local_gpu() put it first."""
+    return 0 if PINNED else int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def pin_local_gpu(cfg, environ=os.environ):
+    """Under torchrun with cuda:local devices, list this rank's GPU first in CUDA_VISIBLE_DEVICES, so
+    that it is cuda:0 in every rank. Why: torch 2.11's compiled-graph cache keys hold the device index,
+    so ranks on cuda:0, cuda:1, ... each compile every shape from scratch; on cuda:0 they all share one
+    set of graphs in the compile cache - one rank compiles, the others wait and load it
+    (warmup.compile_lock). The other GPUs stay visible, in their order: NCCL's peer-to-peer paths
+    between the ranks' processes need them. Must run before anything starts CUDA (CUDA reads the
+    variable once). Returns the new value, or None where nothing was changed."""
+    if "LOCAL_RANK" not in environ or PINNED or "cuda:local" not in f"{cfg.target_devices},{cfg.drafter_devices}":
+        return None
+    if torch.cuda.is_initialized():
+        raise RuntimeError("pin_local_gpu() must run before CUDA starts (CUDA_VISIBLE_DEVICES is read once)")
+    local = int(environ["LOCAL_RANK"])
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    ids = ([s.strip() for s in visible.split(",") if s.strip()] if visible is not None
+           else [str(i) for i in range(int(environ.get("LOCAL_WORLD_SIZE", local + 1)))])
+    if local >= len(ids):
+        raise SystemExit(f"error: LOCAL_RANK {local} but CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)} GPU(s): "
+                         "cuda:local needs one GPU per process of the node")
+    environ["CUDA_VISIBLE_DEVICES"] = ",".join([ids[local]] + ids[:local] + ids[local + 1:])
+    PINNED.append(environ["CUDA_VISIBLE_DEVICES"])
+    return PINNED[0]
+
+
 def resolve_devices(cfg):
     def parse(s):
         # "cuda:local" = this process's GPU under torchrun (one process per GPU: --nproc-per-node 8)
-        s = s.replace("local", os.environ.get("LOCAL_RANK", "0"))
+        s = s.replace("local", str(local_gpu()))
         return [torch.device(d.strip()) for d in s.split(",") if d.strip()]
     n = torch.cuda.device_count()
     if cfg.target_devices == "auto" or cfg.drafter_devices == "auto":
@@ -528,11 +560,13 @@ class Trainer:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             bind = {}
             if backend == "nccl":   # before any collective: else every rank's NCCL runs on cuda:0 ("invalid usage")
-                local = int(os.environ.get("LOCAL_RANK", 0))
+                local = local_gpu()
                 torch.cuda.set_device(local)
                 bind["device_id"] = torch.device("cuda", local)   # the group's GPU, stated (barrier() warns otherwise)
             dist.init_process_group(backend, **bind)
-            log(f"[dist] rank {self.rank}/{self.world} backend {backend}")
+            pinned = (f": this rank's GPU listed first (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}), "
+                      "cuda:0 in every rank, so the ranks share compiled graphs" if PINNED else "")
+            log(f"[dist] rank {self.rank}/{self.world} backend {backend}{pinned}")
         self.tdevs, self.ddevs = resolve_devices(cfg)
         self.attn = resolve_attn(cfg, self.ddevs[0])
         data_files = cfg.data
@@ -1427,6 +1461,7 @@ class Logger:
 
 def main(argv=None):
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    pin_local_gpu(cfg)          # first: before anything starts CUDA
     log = Logger(cfg.out_dir, int(os.environ.get("RANK", 0)))
     import diagnose
     log("=" * 72)

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -129,6 +130,38 @@ def add_to_warm_list(keys):
         _write_json_atomic(path, sorted(read_warm_list() | set(keys)))
 
 
+def compile_lock(keys, log=print):
+    """Processes that need the same (device, shape) pairs compiled into one cache - torchrun ranks, all
+    on cuda:0 (train_dflash.pin_local_gpu) - take turns: the first compiles while the others wait, then
+    load its graphs (a further GPU costs a warm start, not a second cold compile). Returns the held
+    lock (an open file: close it when the warm-up is done), or None where nothing is left to compile
+    (then every waiter loads at once). The lock dies with its holder: a crashed compile frees the
+    others, and what it did not list in the warm list they compile themselves."""
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    keys = set(keys)
+    if not cache or keys <= read_warm_list():
+        return None
+    name = hashlib.sha256(" ".join(sorted(keys)).encode()).hexdigest()[:16]
+    lock = open(os.path.join(cache, f"compiling-{name}.lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        log(f"[warmup] process {holder} is compiling these shapes into {cache}: waiting for it, then loading "
+            "its graphs")
+        t0 = time.time()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        log(f"[warmup] waited {time.time() - t0:.1f}s for process {holder}")
+        if keys <= read_warm_list():
+            lock.close()
+            return None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()} on {platform.node()}")
+    lock.flush()
+    return lock
+
+
 def _cache_counters():
     from torch._dynamo.utils import counters
     return (sum(counters["aot_autograd"].get(k, 0) for k in ("autograd_cache_hit",)),
@@ -216,6 +249,8 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
         kind = "eager (sdpa)" if attn != "flex" else (
             "cold compile" if fx_miss else "cache hit" if (aot_hit or fx_hit) else "reused (in process)")
         done[(i, tuple(shape))] = (str(dev), shape, dt, kind)
+        if attn == "flex":      # listed at once: a start killed later still finds it (and waiters, above)
+            add_to_warm_list([keys[(str(dev), tuple(shape))]])
         log(f"[warmup] {str(dev):8s} B={shape[0]:<3d} S={shape[1]:<5d} anchors={shape[2]:<4d} "
             f"{dt:7.1f}s  {kind}")
         if kind != "eager (sdpa)" and dt >= 2.0:     # where a slow load or cold compile spent its time
@@ -243,31 +278,34 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
             return True
         return False
 
-    if attn == "flex":
-        for drafter in drafters:
-            specs.setdefault(str(drafter.fc.weight.device),
-                             worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, limit))
-        keys = {(dev, tuple(shape)): pair_key(spec, shape) for dev, spec in specs.items() for shape in shapes}
-        known = read_warm_list()
-        if workers < 0:
-            workers = auto_workers(drafters, sum(k not in known for k in keys.values()))
-            log(f"[warmup] --warmup-workers auto: {workers}")
-        if workers > 0:
-            todo = [pair for pair in job_order(list(specs), shapes) if keys[pair] not in known]
-            if len(todo) < len(keys):
-                log(f"[warmup] {len(keys) - len(todo)} of {len(keys)} (device, shape) pairs were compiled into "
-                    f"this cache before ({WARM_LIST}): no worker for them")
-            ready += [pair for pair in keys if keys[pair] in known]    # cache hits: warm them meanwhile
-            precompile(specs, todo, workers, log, ready=ready, on_idle=warm_one_ready, done=from_workers)
-    for i in range(len(drafters)):       # the rest, in order: all of it without workers
-        for shape in shapes:
-            if (i, tuple(shape)) not in done:
-                warm(i, shape)
-    gate.mark_warm()
-    rows = [done[(i, tuple(shape))] for i in range(len(drafters)) for shape in shapes]
-    if attn == "flex":
-        add_to_warm_list([keys[(dev, tuple(shape))] for dev, shape, _, _ in rows])
-    return rows
+    lock = None
+    try:
+        if attn == "flex":
+            for drafter in drafters:
+                specs.setdefault(str(drafter.fc.weight.device),
+                                 worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, limit))
+            keys = {(dev, tuple(shape)): pair_key(spec, shape) for dev, spec in specs.items() for shape in shapes}
+            lock = compile_lock(keys.values(), log)
+            known = read_warm_list()
+            if workers < 0:
+                workers = auto_workers(drafters, sum(k not in known for k in keys.values()))
+                log(f"[warmup] --warmup-workers auto: {workers}")
+            if workers > 0:
+                todo = [pair for pair in job_order(list(specs), shapes) if keys[pair] not in known]
+                if len(todo) < len(keys):
+                    log(f"[warmup] {len(keys) - len(todo)} of {len(keys)} (device, shape) pairs were compiled into "
+                        f"this cache before ({WARM_LIST}): no worker for them")
+                ready += [pair for pair in keys if keys[pair] in known]    # cache hits: warm them meanwhile
+                precompile(specs, todo, workers, log, ready=ready, on_idle=warm_one_ready, done=from_workers)
+        for i in range(len(drafters)):       # the rest, in order: all of it without workers
+            for shape in shapes:
+                if (i, tuple(shape)) not in done:
+                    warm(i, shape)
+        gate.mark_warm()
+    finally:
+        if lock is not None:     # the next process that waits for these pairs loads them now
+            lock.close()
+    return [done[(i, tuple(shape))] for i in range(len(drafters)) for shape in shapes]
 
 
 def room_to_warm(dev, running):
