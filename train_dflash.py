@@ -730,7 +730,8 @@ class Trainer:
                      "continuing at the same epoch and position within it")
             cur = (cur // nb_old) * self.stream.nb + min(cur % nb_old, self.stream.nb - 1)
         self.cursor = cur
-        self.log(f"[resume] {path}: step {self.step}, batch cursor {self.cursor}")
+        self.log(f"[resume] {path}: step {self.step}, batch cursor {self.cursor}"
+                 + (", fp32 masters + moments match the saved fingerprint" if saved else ""))
 
     # --- threads -----------------------------------------------------------------------------
     def loader(self, load_q):
