@@ -1071,11 +1071,14 @@ def drafter_hf_config(cfg: DFlashConfig, dtype=torch.bfloat16):
     }
 
 
-def save_drafter(drafter, path, dtype=torch.bfloat16):
-    """Write config.json + model.safetensors (trainable weights only) to `path`."""
+def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
+    """Write config.json + model.safetensors (trainable weights only) to `path`. `state`: a host copy
+    of drafter.state_dict() taken earlier (a checkpoint written in the background), else the drafter's
+    weights as they are now."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    state = drafter.state_dict() if state is None else state
+    sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
     save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(drafter_hf_config(drafter.config, dtype), f, indent=2)

@@ -218,8 +218,11 @@ def test_sigkill_then_resume_reproduces_the_straight_run_losses(llama, sharegpt,
               "--grad-accum", 2, "--max-steps", 6, "--ckpt-interval", 3]
     straight, cut = tmp_path / "straight", tmp_path / "cut"
 
-    p = train(*common, "--out-dir", straight)
+    # ckpt_lag:2: checkpoint 3 is written in the background only after step 5 has run - it must hold
+    # step 3's state all the same (the snapshot is a copy; compared with the cut run's below)
+    p = train(*common, "--out-dir", straight, "--debug-fail", "ckpt_lag:2")
     assert_ok(p)
+    assert p.time_of("step_000003 (written in") >= p.time_of("step 5/6"), p.tail()
     assert "grads: one flat fp32 buffer per replica" in p.out     # micro-batches are added in fp32
     m = re.search(r"\[data\] \d+ samples on this node, (\d+) batches/epoch", p.out)
     assert m and int(m.group(1)) < 12, "the run should cross an epoch boundary"
@@ -240,11 +243,33 @@ def test_sigkill_then_resume_reproduces_the_straight_run_losses(llama, sharegpt,
         for key in ("loss", "grad_norm", "lr"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-12), (ra["step"], key, ra[key], rb[key])
         assert ra["acc"] == rb["acc"]
-    wa = load_state(straight / "step_000006")["master_weights"]
-    wb = load_state(cut / "step_000006")["master_weights"]
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-6, atol=1e-7, msg=lambda s: f"{k}: {s}")
+    for step in ("step_000003", "step_000006"):
+        sa, sb = load_state(straight / step), load_state(cut / step)
+        assert sa["resume_fingerprint"] == sb["resume_fingerprint"] or step == "step_000006"
+        wa, wb = sa["master_weights"], sb["master_weights"]
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], rtol=1e-6, atol=1e-7, msg=lambda s: f"{step} {k}: {s}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            for x, y in zip(sa["optimizer"][key], sb["optimizer"][key]):
+                torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-9, msg=lambda s: f"{step} {key}: {s}")
+
+
+def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_run(llama, sharegpt, cache_dir,
+                                                                                     tmp_path):
+    """A checkpoint's files are written by a thread while training goes on: a write that fails stops
+    the run like any thread (non-zero exit, its traceback, the previous checkpoint intact and named);
+    the log lines report the step loop's pause for the snapshot apart from the rates."""
+    out = tmp_path / "out"
+    p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 60,
+              "--max-steps", 40, "--ckpt-interval", 2, "--out-dir", out, "--debug-fail", "ckpt:4")
+    assert p.rc not in (0, None) and p.rc > 0, f"exit code {p.rc}\n{p.tail()}"
+    assert "[FATAL] thread checkpoint-writer failed" in p.out and "injected failure in ckpt at 4" in p.out, p.tail()
+    assert re.search(r"\[FATAL\] run stopped\. Last intact checkpoint: \S+step_000002", p.out), p.tail()
+    assert checkpoints(out) == ["step_000002"]
+    assert "step 40/40" not in p.out
+    # checkpoint 2 is snapshotted after step 2's line: its pause is in step 3's
+    assert re.search(r"step 3/40 .*\| checkpoint pause \d+\.\d\ds \(not in the rates\)", p.out), p.tail()
 
 
 def test_resume_on_a_larger_dataset_continues_with_a_notice(llama, sharegpt, cache_dir, tmp_path):

@@ -90,7 +90,8 @@ class TrainConfig:
     log_interval: int = 10
     resume: bool = False
     # fault injection for tests: "target:3" / "drafter:5" raise at that batch/step, "kill:4" SIGKILLs
-    # the process after step 4 (after its checkpoint, if any)
+    # the process after step 4 (after its checkpoint, if any), "ckpt:4" fails the write of checkpoint
+    # 4, "ckpt_lag:2" starts each checkpoint's write 2 steps late
     debug_fail: str = ""
 
 
@@ -168,8 +169,8 @@ def validate(cfg):
     for f in cfg.data:
         if not os.path.exists(f) and os.sep in f:
             errs.append(f"data file not found: {f}")
-    if cfg.debug_fail and cfg.debug_fail.split(":")[0] not in ("target", "drafter", "kill"):
-        errs.append(f"--debug-fail must be target:N, drafter:N or kill:N, got {cfg.debug_fail}")
+    if cfg.debug_fail and cfg.debug_fail.split(":")[0] not in ("target", "drafter", "kill", "ckpt", "ckpt_lag"):
+        errs.append(f"--debug-fail must be target:N, drafter:N, kill:N, ckpt:N or ckpt_lag:N, got {cfg.debug_fail}")
     if errs:
         raise SystemExit("error: " + "; ".join(errs))
 
@@ -883,6 +884,8 @@ class Trainer:
             self.first_loss = loss
         self.losses.append(loss)
         self.last = rec
+        with self.step_cv:
+            self.step_cv.notify_all()
         self.busy_at_last = (list(self.t_busy), list(self.d_busy))   # the summary's window ends here
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
@@ -893,7 +896,10 @@ class Trainer:
             if step % cfg.log_interval == 0:
                 self.queue_fingerprints(step)
         if step % cfg.log_interval == 0 or step == self.total_steps:
-            dt = now - self.t_log
+            # a checkpoint's pause is reported apart: the rates say how fast training runs (and a save
+            # does not set off the throughput-drop warning below)
+            pause, self.ckpt_pause = self.ckpt_pause, None
+            dt = now - self.t_log - (pause or 0.0)
             tok_s = (self.tokens_done - self.tokens_log) / max(dt, 1e-9)
             mfu = (self.flops_done - self.flops_log) / max(dt, 1e-9) / (self.peak_flops * len(set(self.ddevs)) * self.world)
             self.t_log, self.tokens_log, self.flops_log = now, self.tokens_done, self.flops_done
@@ -906,7 +912,8 @@ class Trainer:
             line = (f"step {step}/{self.total_steps} | loss {loss:.4f} | acc@1 {acc[0]:.3f} acc@{bs - 1} {acc[-1]:.3f} "
                     f"| sim_tau {tau:.2f} | lr {rec['lr']:.2e} | gnorm {gnorm:.2f} | {tok_s:,.0f} tok/s "
                     f"| MFU drafter {mfu:.1%} | queues load {self.load_q.qsize()} feat {len(self.buf)} "
-                    f"| sync {1000 * self.t_sync_last:.0f}ms | mem {mem} | ETA {eta / 60:.1f}min")
+                    f"| sync {1000 * self.t_sync_last:.0f}ms | mem {mem} | ETA {eta / 60:.1f}min"
+                    + (f" | checkpoint pause {pause:.2f}s (not in the rates)" if pause is not None else ""))
             self.log(line)
             self.check_mfu(mfu)
             rec.update(tok_s=tok_s, mfu=mfu, load_q=self.load_q.qsize(), feat_q=len(self.buf))
@@ -922,6 +929,7 @@ class Trainer:
         # rank 0 only: it writes the checkpoints, and its death ends the others (torchrun stops them);
         # every rank killing itself at once could stop rank 0 inside its save
         if cfg.debug_fail.startswith("kill:") and int(cfg.debug_fail.split(":")[1]) == step and self.rank == 0:
+            self.wait_for_checkpoint()          # killed once its checkpoint is on disk
             self.log(f"[debug] SIGKILL after step {step}")
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -963,25 +971,47 @@ class Trainer:
 
     # --- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step):
-        import diagnose
+        """Snapshot this step's state into host memory, here in the step loop, and write it in a
+        background thread while training goes on: the step loop pauses for the copy (seconds), not for
+        the disk (a Qwen3-8B-sized drafter's checkpoint is ~15 GB: ~25 s when it was written in the loop). One
+        write at a time: a save waits for the previous one (a slow disk slows training instead of
+        piling snapshots up in RAM). A failed write stops the run like any thread's failure."""
         cfg = self.cfg
         if getattr(self, "saved_step", None) == step:    # (the budget's stop at a step that was just saved)
             return
         self.saved_step = step
+        t0 = time.time()
+        self.wait_for_checkpoint()
+        dr = self.drafters[0]
+        memo = {}       # one host copy per tensor: the masters under master_weights are the optimiser's
+        state = {"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
+                 "batches_per_epoch": self.stream.nb, "batches_per_epoch_by_rank": self.nb_by_rank,
+                 "train_seconds": self.train_seconds(), "optimizer": to_host(self.opts[0].state_dict(), memo),
+                 "scheduler": self.scheds[0].state_dict(), "config": dataclasses.asdict(cfg),
+                 "master_weights": to_host(master_state_dict(dr, self.opts[0]), memo),
+                 "replica_fingerprints": self.replica_fingerprints(),
+                 "resume_fingerprint": self.resume_fingerprint()}
+        serving = to_host(dr.state_dict(), {})
+        self.writer = start_thread(self.run, "checkpoint-writer", self.write_checkpoint, step, state, serving)
+        self.ckpt_pause = (self.ckpt_pause or 0.0) + time.time() - t0
+
+    def write_checkpoint(self, step, state, serving):
+        cfg = self.cfg
+        if cfg.debug_fail.startswith("ckpt_lag:"):
+            # DEBUG: start writing only once training is N steps further (or at its end), to show the
+            # snapshot does not change under the writer
+            until = min(step + int(cfg.debug_fail.split(":")[1]), self.total_steps)
+            with self.step_cv:
+                while self.last_step() < until and not self.run.stop.is_set():
+                    self.step_cv.wait(0.2)       # (a stop does not notify: look again)
+        debug_point(cfg, "ckpt", step)
+        t0 = time.time()
         final = os.path.join(cfg.out_dir, f"step_{step:06d}")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        dr = self.drafters[0]
-        dm.save_drafter(dr, os.path.join(tmp, "drafter"))
-        torch.save({"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
-                    "batches_per_epoch": self.stream.nb, "batches_per_epoch_by_rank": self.nb_by_rank,
-                    "train_seconds": self.train_seconds(), "optimizer": self.opts[0].state_dict(),
-                    "scheduler": self.scheds[0].state_dict(), "config": dataclasses.asdict(cfg),
-                    "master_weights": master_state_dict(dr, self.opts[0]),
-                    "replica_fingerprints": self.replica_fingerprints(),
-                    "resume_fingerprint": self.resume_fingerprint()},
-                   os.path.join(tmp, "state.pt"))
+        dm.save_drafter(self.drafters[0], os.path.join(tmp, "drafter"), state=serving)
+        torch.save(state, os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "env.json"), "w") as f:
             json.dump(self.checkpoint_env(), f, indent=1, default=str)
         with open(tmp + "/DONE", "w") as f:
@@ -991,7 +1021,14 @@ class Trainer:
         os.replace(tmp, final)                          # atomic: a crash leaves the previous intact
         for old in list_checkpoints(cfg.out_dir)[: -cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-        self.log(f"[ckpt] {final}")
+        self.log(f"[ckpt] {final} (written in {time.time() - t0:.1f}s, in the background)")
+
+    def wait_for_checkpoint(self):
+        """Block until the checkpoint being written (if any) is on disk."""
+        writer = getattr(self, "writer", None)
+        if writer is not None:
+            writer.join()
+            self.writer = None
 
     def resume_fingerprint(self):
         """digest() of what a resume restores byte for byte: replica 0's fp32 masters and both moments.
@@ -1071,6 +1108,8 @@ class Trainer:
         self.flops_done = self.flops_log = 0.0      # the drafter steps' analytic FLOPs (the MFU's numerator)
         self.tok_hist, self.losses = [], []
         self.t_start = self.t_log = time.time()
+        self.ckpt_pause = None       # step-loop time spent snapshotting checkpoints since the last log line
+        self.step_cv = threading.Condition()     # notified after each step (--debug-fail ckpt_lag)
         self.load_q = queue.Queue(maxsize=cfg.queue_depth * len(self.tdevs))
         self.buf = ReorderBuffer(self.run, self.cursor, cfg.queue_depth * len(self.ddevs) * cfg.grad_accum + len(self.tdevs))
         sync = StepSync(self.run, len(self.ddevs), self.world)
@@ -1085,6 +1124,7 @@ class Trainer:
             for t in drafters:
                 t.join(timeout=0.5)
         self.run.stop.set()                                   # stop loader and target threads
+        self.wait_for_checkpoint()     # a snapshot taken before a failure elsewhere is still a good checkpoint
         if self.run.failures:
             for name, tb in self.run.failures:
                 log(f"\n[FATAL] thread {name} failed:\n{tb}")
@@ -1393,10 +1433,25 @@ def keep_metrics_upto(path, step):
 
 
 def master_state_dict(model, opt):
-    """The model's state_dict on the CPU with every weight replaced by its fp32 master: what a
-    checkpoint resumes from (the bf16 weights would round every master)."""
+    """The model's state_dict with every weight replaced by its fp32 master (the optimiser's own
+    tensor): what a checkpoint resumes from (the bf16 weights would round every master)."""
     masters = dict(zip([n for n, _ in model.named_parameters()], opt.masters()))
-    return {k: masters.get(k, v).detach().cpu() for k, v in model.state_dict().items()}
+    return {k: masters.get(k, v).detach() for k, v in model.state_dict().items()}
+
+
+def to_host(obj, memo):
+    """obj (dicts, lists, tuples) with every tensor COPIED to host memory - also a CPU tensor: the
+    copy must not change when training goes on - once per tensor object (memo: id -> copy), so
+    tensors shared in obj stay shared and torch.save writes them once."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.detach().to("cpu", copy=True)
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        return {k: to_host(v, memo) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v, memo) for v in obj)
+    return obj
 
 
 def fingerprint(tensors):
