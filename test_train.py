@@ -963,35 +963,70 @@ def test_shared_compile_cache_files_survive_concurrent_writers_and_damage(tmp_pa
                                                        "dflash_warm_pairs.json.lock"]    # no temporaries left
 
 
-def test_ranks_needing_the_same_shapes_take_turns_one_compiles_the_others_load(tmp_path, monkeypatch):
-    """compile_lock: a second process that needs the pairs another is compiling waits for it, then
-    loads them without the lock (so all waiters load at once); if the compiler stops without listing
-    them all, the waiter holds the lock and compiles the rest. Synchronised on the child's output."""
+def test_pair_claims_one_process_compiles_a_pair_the_others_wait_and_load_it(tmp_path, monkeypatch):
+    """Claims: a pair another process holds cannot be taken; wait() returns once its holder lets go
+    (after the holder's pid was logged), then this process holds it. Synchronised on the child's output."""
     import warmup
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    keys = ["pair-a", "pair-b"]
-    child_code = ("import sys, warmup; lock = warmup.compile_lock(sys.argv[1:], log=lambda m: print(m, flush=True)); "
-                  "print('holds the lock' if lock else 'loads without the lock', flush=True)")
+    mine = warmup.Claims()
+    assert mine.take("pair-a") and mine.take("pair-a")        # taking a pair it holds again: still its own
+    child_code = ("import warmup; c = warmup.Claims(log=lambda m: print(m, flush=True)); "
+                  "print('a', c.take('pair-a'), 'b', c.take('pair-b'), flush=True); c.wait('pair-a', 'pair a'); "
+                  "print('holds a:', 'pair-a' in c.held, flush=True)")
+    p = subprocess.Popen([sys.executable, "-c", child_code], cwd=REPO, env=dict(os.environ),
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().split() == ["a", "False", "b", "True"]
+    waiting = p.stdout.readline()        # printed once the child found the pair held, before it blocks
+    assert f"process {os.getpid()} on" in waiting and "is compiling pair a" in waiting, waiting
+    assert not mine.take("pair-b")       # the child holds pair b
+    mine.release("pair-a")               # its holder is done (or died): the child goes on
+    rest = p.stdout.read()
+    assert p.wait() == 0 and "waited" in rest and rest.strip().endswith("holds a: True"), rest
+    assert mine.take("pair-b")           # the child's locks died with it
 
-    def child():
-        return subprocess.Popen([sys.executable, "-c", child_code, *keys], cwd=REPO, env=dict(os.environ),
-                                stdout=subprocess.PIPE, text=True)
 
-    for compiler_lists_all in (True, False):
-        lock = warmup.compile_lock(keys)
-        assert lock is not None and lock.name.startswith(str(tmp_path))
-        p = child()
-        first = p.stdout.readline()          # printed only once the child found the lock taken
-        assert f"process {os.getpid()} on" in first and "waiting for it" in first, first
-        warmup.add_to_warm_list(keys if compiler_lists_all else keys[:1])
-        lock.close()                         # the compiler is done (or died): the child goes on
-        rest = p.stdout.read()
-        assert p.wait() == 0
-        assert "waited" in rest
-        assert rest.strip().endswith("loads without the lock" if compiler_lists_all else "holds the lock"), rest
-        os.remove(tmp_path / warmup.WARM_LIST)
-    warmup.add_to_warm_list(keys)
-    assert warmup.compile_lock(keys) is None           # nothing to compile: no lock, no waiting
+def test_warm_up_compiles_its_free_pairs_first_then_waits_for_a_pair_another_process_holds(tmp_path, monkeypatch):
+    """Two processes that need the same pairs split them: while another holds (compiles) one pair,
+    warm_up compiles the others - in workers and serially - then waits for that pair; here its holder
+    lets go without listing it (as if it died), so warm_up compiles it itself."""
+    import dflash_model as dm
+    import warmup
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
+        monkeypatch.delenv(k, raising=False)      # use_compile_cache sets them; restored after the test
+    warmup.use_compile_cache(str(tmp_path / "compile_cache"))
+    cfg = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, vocab_size=64, num_target_layers=4, num_draft_layers=1, block_size=16,
+                          mask_token_id=63)
+    drafter = dm.DFlashDrafter(cfg, embed_weight=torch.randn(64, 32)).requires_grad_(False)   # no flex bwd on CPU
+    spec = warmup.worker_spec(drafter, 7.0, "flex", 2048, "trunk", 0)
+    other = warmup.Claims()                        # "another process": its own lock files, so flock excludes
+    for workers, shapes in ((0, [(1, 128, 8), (1, 256, 8)]), (2, [(1, 640, 8), (1, 384, 8)])):
+        held = shapes[0]                           # a pair no earlier round compiled or listed
+        name = "cpu B={} S={} A={}".format(*held)
+        torch._dynamo.reset()
+        dm.GATE.reset()
+        assert other.take(warmup.pair_key(spec, held))
+        lines = []
+
+        def log(msg):
+            lines.append(msg)
+            if f"is compiling {name} " in msg:     # the warm-up is about to block on it
+                other.release(warmup.pair_key(spec, held))
+        try:
+            rows = warmup.warm_up([drafter], shapes, 7.0, "flex", log=log, workers=workers)
+        finally:
+            dm.GATE.reset()
+        text = "\n".join(lines)
+        wait = text.index(f"is compiling {name} ")
+        for B, S, A in shapes[1:]:
+            assert text.index(f"cpu      B={B:<3d} S={S:<5d}") < wait, text     # its free pairs first
+        if workers:
+            assert f"{name}: another process is compiling it" in text, text    # no worker for it
+            assert f"precompiled {name}" not in text, text
+        assert text.index(f"cpu      B={held[0]:<3d} S={held[1]:<5d}") > wait, text
+        assert [(r[1], r[3]) for r in rows] == [(held, "cold compile")] + [(s, "cache hit" if workers else "cold compile")
+                                                                            for s in shapes[1:]], text
+        assert set(warmup.read_warm_list()) >= {warmup.pair_key(spec, s) for s in shapes}
 
 
 def test_torchrun_ranks_list_their_gpu_first_so_every_rank_is_cuda0():

@@ -195,8 +195,8 @@ def pin_local_gpu(cfg, environ=os.environ):
     """Under torchrun with cuda:local devices, list this rank's GPU first in CUDA_VISIBLE_DEVICES, so
     that it is cuda:0 in every rank. Why: torch 2.11's compiled-graph cache keys hold the device index,
     so ranks on cuda:0, cuda:1, ... each compile every shape from scratch; on cuda:0 they all share one
-    set of graphs in the compile cache - one rank compiles, the others wait and load it
-    (warmup.compile_lock). The other GPUs stay visible, in their order: NCCL's peer-to-peer paths
+    set of graphs in the compile cache - the ranks split the cold compiles and load each other's
+    (warmup.Claims). The other GPUs stay visible, in their order: NCCL's peer-to-peer paths
     between the ranks' processes need them. Must run before anything starts CUDA (CUDA reads the
     variable once). Returns the new value, or None where nothing was changed."""
     if "LOCAL_RANK" not in environ or PINNED or "cuda:local" not in f"{cfg.target_devices},{cfg.drafter_devices}":

@@ -130,36 +130,64 @@ def add_to_warm_list(keys):
         _write_json_atomic(path, sorted(read_warm_list() | set(keys)))
 
 
-def compile_lock(keys, log=print):
-    """Processes that need the same (device, shape) pairs compiled into one cache - torchrun ranks, all
-    on cuda:0 (train_dflash.pin_local_gpu) - take turns: the first compiles while the others wait, then
-    load its graphs (a further GPU costs a warm start, not a second cold compile). Returns the held
-    lock (an open file: close it when the warm-up is done), or None where nothing is left to compile
-    (then every waiter loads at once). The lock dies with its holder: a crashed compile frees the
-    others, and what it did not list in the warm list they compile themselves."""
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    keys = set(keys)
-    if not cache or keys <= read_warm_list():
-        return None
-    name = hashlib.sha256(" ".join(sorted(keys)).encode()).hexdigest()[:16]
-    lock = open(os.path.join(cache, f"compiling-{name}.lock"), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "?"
-        log(f"[warmup] process {holder} is compiling these shapes into {cache}: waiting for it, then loading "
-            "its graphs")
+class Claims:
+    """Which process compiles which (device, shape) pair of a shared compile cache: a lock file per pair
+    (compiling-<key>.lock in the cache folder), held while that pair compiles. Processes that need the
+    same pairs - torchrun ranks, each on its cuda:0 (train_dflash.pin_local_gpu) - so split the cold
+    compiles between them: each takes the pairs no one holds, and afterwards waits for the others'
+    and loads them from the cache. A further GPU then costs a warm start, not a compile of its own.
+    A lock dies with its holder: a pair whose holder died unlisted is compiled by the next waiter.
+    Without a cache folder every pair is this process's."""
+
+    def __init__(self, log=print):
+        self.cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        self.log = log
+        self.held = {}
+
+    def _open(self, key):
+        return open(os.path.join(self.cache, f"compiling-{key}.lock"), "a+")
+
+    def _hold(self, key, f):
+        f.truncate(0)
+        f.write(f"{os.getpid()} on {platform.node()}")
+        f.flush()
+        self.held[key] = f
+
+    def take(self, key):
+        """Claim the pair now if no other process holds it (True: this process compiles it)."""
+        if not self.cache or key in self.held:
+            return True
+        f = self._open(key)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            return False
+        self._hold(key, f)
+        return True
+
+    def wait(self, key, what):
+        """Block until the pair's holder lets go, then hold it (compile it if it is still unlisted)."""
+        if not self.cache or key in self.held:
+            return
+        f = self._open(key)
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        self.log(f"[warmup] process {holder} is compiling {what} into {self.cache}: waiting for it, "
+                 "then loading its graphs")
         t0 = time.time()
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        log(f"[warmup] waited {time.time() - t0:.1f}s for process {holder}")
-        if keys <= read_warm_list():
-            lock.close()
-            return None
-    lock.truncate(0)
-    lock.write(f"{os.getpid()} on {platform.node()}")
-    lock.flush()
-    return lock
+        fcntl.flock(f, fcntl.LOCK_EX)
+        self.log(f"[warmup] waited {time.time() - t0:.1f}s for {what}")
+        self._hold(key, f)
+
+    def release(self, key):
+        f = self.held.pop(key, None)
+        if f is not None:
+            f.close()
+
+    def release_all(self):
+        for key in list(self.held):
+            self.release(key)
 
 
 def _cache_counters():
@@ -249,7 +277,7 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
         kind = "eager (sdpa)" if attn != "flex" else (
             "cold compile" if fx_miss else "cache hit" if (aot_hit or fx_hit) else "reused (in process)")
         done[(i, tuple(shape))] = (str(dev), shape, dt, kind)
-        if attn == "flex":      # listed at once: a start killed later still finds it (and waiters, above)
+        if attn == "flex":      # listed at once: a start killed later still finds it (and so do waiters)
             add_to_warm_list([keys[(str(dev), tuple(shape))]])
         log(f"[warmup] {str(dev):8s} B={shape[0]:<3d} S={shape[1]:<5d} anchors={shape[2]:<4d} "
             f"{dt:7.1f}s  {kind}")
@@ -262,6 +290,15 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
             log(f"[warmup] NOTICE: {dev} {tuple(shape)} is listed in {WARM_LIST} but compiled cold: "
                 "the cache lost its entries (evicted, or partly deleted)")
 
+    def warm_pair(pair):
+        """Warm every replica on the pair's device at its shape; then the pair is listed: let go of it."""
+        dev, shape = pair
+        for i, drafter in enumerate(drafters):
+            if str(drafter.fc.weight.device) == dev and (i, shape) not in done:
+                warm(i, shape)
+        if pair in keys:
+            claims.release(keys[pair])
+
     def warm_one_ready(running):
         """precompile()'s idle hook: warm one ready pair whose GPU has room; False if none."""
         for pair in list(ready):
@@ -269,23 +306,20 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
             if not room_to_warm(torch.device(dev), running):
                 continue
             ready.remove(pair)
-            for i, drafter in enumerate(drafters):    # every replica on that device
-                if str(drafter.fc.weight.device) == dev:
-                    warm(i, shape)
+            warm_pair(pair)
             if torch.device(dev).type == "cuda":      # hand its activations' blocks back: children
                 with torch.cuda.device(dev):          # started later were sized without them
                     torch.cuda.empty_cache()
             return True
         return False
 
-    lock = None
+    claims = Claims(log)      # the pairs this process compiles (others' compiles are waited for, then loaded)
     try:
         if attn == "flex":
             for drafter in drafters:
                 specs.setdefault(str(drafter.fc.weight.device),
                                  worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, limit))
             keys = {(dev, tuple(shape)): pair_key(spec, shape) for dev, spec in specs.items() for shape in shapes}
-            lock = compile_lock(keys.values(), log)
             known = read_warm_list()
             if workers < 0:
                 workers = auto_workers(drafters, sum(k not in known for k in keys.values()))
@@ -296,15 +330,27 @@ def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error",
                     log(f"[warmup] {len(keys) - len(todo)} of {len(keys)} (device, shape) pairs were compiled into "
                         f"this cache before ({WARM_LIST}): no worker for them")
                 ready += [pair for pair in keys if keys[pair] in known]    # cache hits: warm them meanwhile
-                precompile(specs, todo, workers, log, ready=ready, on_idle=warm_one_ready, done=from_workers)
-        for i in range(len(drafters)):       # the rest, in order: all of it without workers
-            for shape in shapes:
-                if (i, tuple(shape)) not in done:
-                    warm(i, shape)
+
+                def compiled(pair):      # in the cache now: listed, and let go, so that waiters load it
+                    add_to_warm_list([keys[pair]])
+                    claims.release(keys[pair])
+                precompile(specs, todo, workers, log, ready=ready, on_idle=warm_one_ready, done=from_workers,
+                           claim=lambda pair: claims.take(keys[pair]), on_compiled=compiled)
+        # the rest, in order (all of it without workers): first what this process compiles or finds
+        # listed, then each pair another process holds - wait for it, load it (or compile it, if its
+        # holder died without listing it). This process holds no pair while it waits: no deadlock.
+        later = []
+        for pair in dict.fromkeys((str(d.fc.weight.device), tuple(s)) for d in drafters for s in shapes):
+            if pair not in keys or keys[pair] in read_warm_list() or claims.take(keys[pair]):
+                warm_pair(pair)
+            else:
+                later.append(pair)
+        for pair in later:
+            claims.wait(keys[pair], f"{pair[0]} B={pair[1][0]} S={pair[1][1]} A={pair[1][2]}")
+            warm_pair(pair)
         gate.mark_warm()
     finally:
-        if lock is not None:     # the next process that waits for these pairs loads them now
-            lock.close()
+        claims.release_all()
     return [done[(i, tuple(shape))] for i in range(len(drafters)) for shape in shapes]
 
 
@@ -328,7 +374,7 @@ def room_to_warm(dev, running):
 # index, so each drafter GPU is precompiled by jobs of its own.
 
 
-def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None, done=None):
+def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None, done=None, claim=None, on_compiled=None):
     """Compile each (drafter device, shape) of `jobs` once, in child processes, `workers` at a time, in
     the jobs' order; `specs[device]` = worker_spec() of a drafter on that device.
 
@@ -338,7 +384,8 @@ def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None, done=N
     itself, and raises any real error. Each pair a child compiled is appended to `ready`; while it
     waits, on_idle(devices of the running children) may do other work (True if it did: no sleep then).
     Returns the (device, shape) pairs the children compiled: the set `done`, if given, filled as they
-    finish (so on_idle already sees them)."""
+    finish (so on_idle already sees them). claim(pair): False if another process compiles the pair (no
+    child for it here); on_compiled(pair): called as each child succeeds."""
     jobs = list(jobs)
     ready = [] if ready is None else ready
     done = set() if done is None else done
@@ -362,6 +409,10 @@ def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None, done=N
                     if job is None:
                         break
                     jobs.remove(job)
+                    if claim is not None and not claim(job):
+                        log(f"[warmup] {job[0]} B={job[1][0]} S={job[1][1]} A={job[1][2]}: another process is "
+                            "compiling it (loaded from the cache later)")
+                        continue
                     dev, shape = job
                     out_path = os.path.join(tmp, "{}_B{}_S{}_A{}.log".format(dev.replace(":", ""), *shape))
                     with open(out_path, "w") as out:     # the child keeps its own copy of the descriptor
@@ -379,6 +430,8 @@ def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None, done=N
                     if p.returncode == 0:
                         done.add((dev, (B, S, A)))
                         ready.append((dev, (B, S, A)))
+                        if on_compiled is not None:
+                            on_compiled((dev, (B, S, A)))
                         phases = [ln.strip() for ln in lines if ln.startswith("[warmup]   compile phases")]
                         log(f"[warmup] precompiled {dev} B={B} S={S} A={A} in {time.time() - t0:.1f}s (worker)"
                             + (f"\n{phases[-1]}" if phases else ""))
