@@ -49,7 +49,10 @@ ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TORCHDYNAMO_", "TRITON_", "CUDA_VIS
                 "PYTORCH_", "OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "HF_")
 # Outside those prefixes but able to change speed or numerics (TF32, cuBLAS workspace, stream count,
 # a preloaded or differently found library, other code on the import path): recorded by exact name.
-ENV_NAMES = {"LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "NVIDIA_TF32_OVERRIDE",
+# train_dflash.pin_local_gpu() rotates CUDA_VISIBLE_DEVICES in each torchrun rank (its GPU first) and
+# keeps the value it found here: comparisons use that one (the rotation is the trainer's, not a change)
+UNPINNED_VAR = "DFLASH_CUDA_VISIBLE_DEVICES_UNPINNED"
+ENV_NAMES = {UNPINNED_VAR, "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "NVIDIA_TF32_OVERRIDE",
              "CUBLAS_WORKSPACE_CONFIG", "CUDA_MODULE_LOADING", "MKL_NUM_THREADS"}
 # env.json goes into every checkpoint and the fingerprint into every log, which people share: a
 # credential (HF_TOKEN, ...) is recorded as set, never by value.
@@ -447,6 +450,12 @@ def diff_env(old, new):
     # a JSON round trip makes tuples lists and keys strings on both sides, as in env.json
     old, new = json.loads(json.dumps(old, default=str)), json.loads(json.dumps(new, default=str))
     fo, fn = _flatten(old), _flatten(new)
+    for flat in (fo, fn):     # a rank's pinned CUDA_VISIBLE_DEVICES: compare the value the user set
+        unpinned = flat.pop("env_vars." + UNPINNED_VAR, None)
+        if unpinned is not None:
+            flat.pop("env_vars.CUDA_VISIBLE_DEVICES", None)
+            if unpinned != "(unset)":
+                flat["env_vars.CUDA_VISIBLE_DEVICES"] = unpinned
     same_cache = fo.get("compile_cache.path") == fn.get("compile_cache.path")
     rows = []
     for k in sorted(set(fo) | set(fn)):

@@ -198,6 +198,17 @@ def test_diff_reports_fx_graph_and_autograd_cache_turned_off():
     assert diagnose.diff_env(_env(), _env(**{ag: "0"})) == [(f"env_vars.{ag}", diagnose.MISSING, "0")]
 
 
+def test_diff_compares_the_cuda_visible_devices_a_torchrun_rank_found_not_its_rotation():
+    """pin_local_gpu() lists each rank's GPU first and keeps the value it found: a checkpoint of a
+    pinned rank against a shell that set nothing is no change; a different value the user set is."""
+    pinned = _env(CUDA_VISIBLE_DEVICES="1,0", **{diagnose.UNPINNED_VAR: "(unset)"})
+    assert diagnose.diff_env(pinned, _env()) == []
+    assert diagnose.diff_env(_env(), pinned) == []
+    pinned_from_user = _env(CUDA_VISIBLE_DEVICES="5,4", **{diagnose.UNPINNED_VAR: "4,5"})
+    assert diagnose.diff_env(pinned_from_user, _env(CUDA_VISIBLE_DEVICES="4,5")) == []
+    assert diagnose.diff_env(pinned_from_user, _env()) == [("env_vars.CUDA_VISIBLE_DEVICES", "4,5", diagnose.MISSING)]
+
+
 def _git(repo, *args):
     subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
                     *args], check=True, capture_output=True)

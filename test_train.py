@@ -222,7 +222,7 @@ def test_sigkill_then_resume_reproduces_the_straight_run_losses(llama, sharegpt,
     # step 3's state all the same (the snapshot is a copy; compared with the cut run's below)
     p = train(*common, "--out-dir", straight, "--debug-fail", "ckpt_lag:2")
     assert_ok(p)
-    assert p.time_of("step_000003 (written in") >= p.time_of("step 5/6"), p.tail()
+    assert p.out.index("step_000003 (written in") > p.out.index("step 5/6"), p.tail()
     assert "grads: one flat fp32 buffer per replica" in p.out     # micro-batches are added in fp32
     m = re.search(r"\[data\] \d+ samples on this node, (\d+) batches/epoch", p.out)
     assert m and int(m.group(1)) < 12, "the run should cross an epoch boundary"
@@ -268,6 +268,9 @@ def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_
     assert re.search(r"\[FATAL\] run stopped\. Last intact checkpoint: \S+step_000002", p.out), p.tail()
     assert checkpoints(out) == ["step_000002"]
     assert "step 40/40" not in p.out
+    state = load_state(out / "step_000002")    # the masters by name are the optimiser's, stored once
+    shared = {t.untyped_storage().data_ptr() for t in state["master_weights"].values()}
+    assert all(m.untyped_storage().data_ptr() in shared for m in state["optimizer"]["master"])
     # checkpoint 2 is snapshotted after step 2's line: its pause is in step 3's
     assert re.search(r"step 3/40 .*\| checkpoint pause \d+\.\d\ds \(not in the rates\)", p.out), p.tail()
 
@@ -499,6 +502,7 @@ def test_unknown_or_mistyped_option_and_bad_value_are_errors(tmp_path):
                          (["--resume", "maybe"], "bad value for --resume"),
                          (["--attn", "flexx"], "--attn must be auto|flex|sdpa"),
                          (["--debug-fail", "loader:3"], "--debug-fail"),
+                         (["--debug-fail", "ckpt_lag:5", "--ckpt-interval", "5"], "ckpt_lag:N needs 0 < N < --ckpt-interval"),
                          (["--block-size", "1"], "block_size >= 2"),
                          (["--data", "/no/such/file.jsonl"], "data file not found"),
                          (["max-steps", "3"], "unexpected argument 'max-steps'"),
@@ -1031,9 +1035,11 @@ def test_warm_up_compiles_its_free_pairs_first_then_waits_for_a_pair_another_pro
 
 def test_torchrun_ranks_list_their_gpu_first_so_every_rank_is_cuda0():
     """pin_local_gpu: under torchrun with cuda:local, this rank's GPU goes first in
-    CUDA_VISIBLE_DEVICES (the others stay, in order) and cuda:local resolves to cuda:0; without
-    cuda:local or torchrun nothing changes; a rank with no GPU of its own is an error."""
+    CUDA_VISIBLE_DEVICES (the others stay, in order), the value found is kept for env comparisons, and
+    cuda:local resolves to cuda:0; without torchrun, or with explicit indices in either list (they keep
+    meaning the node's numbering), nothing changes; a rank with no GPU of its own is an error."""
     import train_dflash as tr
+    import diagnose
     cfg = tr.TrainConfig(target_devices="cuda:local", drafter_devices="cuda:local")
     cases = [({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, "2,0,1,3"),
              ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "5,4,6,7"),
@@ -1041,7 +1047,9 @@ def test_torchrun_ranks_list_their_gpu_first_so_every_rank_is_cuda0():
     try:
         for env, want in cases:
             tr.PINNED.clear()
+            before = env.get("CUDA_VISIBLE_DEVICES", "(unset)")
             assert tr.pin_local_gpu(cfg, env) == want and env["CUDA_VISIBLE_DEVICES"] == want
+            assert env[diagnose.UNPINNED_VAR] == before          # what "what changed?" compares
             assert tr.local_gpu() == 0
             assert tr.pin_local_gpu(cfg, env) is None and env["CUDA_VISIBLE_DEVICES"] == want   # once per process
         tr.PINNED.clear()
@@ -1049,6 +1057,7 @@ def test_torchrun_ranks_list_their_gpu_first_so_every_rank_is_cuda0():
         with pytest.raises(SystemExit, match="LOCAL_RANK 3"):
             tr.pin_local_gpu(cfg, env)
         for c, env in ((tr.TrainConfig(target_devices="cuda:0", drafter_devices="cuda:1"), {"LOCAL_RANK": "1"}),
+                       (tr.TrainConfig(target_devices="cuda:local", drafter_devices="cuda:7"), {"LOCAL_RANK": "1"}),
                        (cfg, {})):
             assert tr.pin_local_gpu(c, env) is None and "CUDA_VISIBLE_DEVICES" not in env
     finally:

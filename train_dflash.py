@@ -171,6 +171,8 @@ def validate(cfg):
             errs.append(f"data file not found: {f}")
     if cfg.debug_fail and cfg.debug_fail.split(":")[0] not in ("target", "drafter", "kill", "ckpt", "ckpt_lag"):
         errs.append(f"--debug-fail must be target:N, drafter:N, kill:N, ckpt:N or ckpt_lag:N, got {cfg.debug_fail}")
+    elif cfg.debug_fail.startswith("ckpt_lag:") and not 0 < int(cfg.debug_fail.split(":")[1]) < cfg.ckpt_interval:
+        errs.append("--debug-fail ckpt_lag:N needs 0 < N < --ckpt-interval (the next save waits for the write)")
     if errs:
         raise SystemExit("error: " + "; ".join(errs))
 
@@ -199,8 +201,8 @@ def pin_local_gpu(cfg, environ=os.environ):
     (warmup.Claims). The other GPUs stay visible, in their order: NCCL's peer-to-peer paths
     between the ranks' processes need them. Must run before anything starts CUDA (CUDA reads the
     variable once). Returns the new value, or None where nothing was changed."""
-    if "LOCAL_RANK" not in environ or PINNED or "cuda:local" not in f"{cfg.target_devices},{cfg.drafter_devices}":
-        return None
+    if "LOCAL_RANK" not in environ or PINNED or (cfg.target_devices, cfg.drafter_devices) != ("cuda:local",) * 2:
+        return None          # (explicit indices in a list keep meaning the node's GPUs as numbered)
     if torch.cuda.is_initialized():
         raise RuntimeError("pin_local_gpu() must run before CUDA starts (CUDA_VISIBLE_DEVICES is read once)")
     local = int(environ["LOCAL_RANK"])
@@ -210,6 +212,8 @@ def pin_local_gpu(cfg, environ=os.environ):
     if local >= len(ids):
         raise SystemExit(f"error: LOCAL_RANK {local} but CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)} GPU(s): "
                          "cuda:local needs one GPU per process of the node")
+    import diagnose
+    environ[diagnose.UNPINNED_VAR] = "(unset)" if visible is None else visible   # what env reports compare
     environ["CUDA_VISIBLE_DEVICES"] = ",".join([ids[local]] + ids[:local] + ids[local + 1:])
     PINNED.append(environ["CUDA_VISIBLE_DEVICES"])
     return PINNED[0]
@@ -980,8 +984,9 @@ class Trainer:
         if getattr(self, "saved_step", None) == step:    # (the budget's stop at a step that was just saved)
             return
         self.saved_step = step
+        self.wait_for_checkpoint()     # (a slow disk shows as lower tok/s: this wait is not the pause below)
+        self.run.check()               # no new snapshot once the run is stopping (a failed write, say)
         t0 = time.time()
-        self.wait_for_checkpoint()
         dr = self.drafters[0]
         memo = {}       # one host copy per tensor: the masters under master_weights are the optimiser's
         state = {"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
@@ -992,7 +997,8 @@ class Trainer:
                  "replica_fingerprints": self.replica_fingerprints(),
                  "resume_fingerprint": self.resume_fingerprint()}
         serving = to_host(dr.state_dict(), {})
-        self.writer = start_thread(self.run, "checkpoint-writer", self.write_checkpoint, step, state, serving)
+        with self.writer_lock:
+            self.writer = start_thread(self.run, "checkpoint-writer", self.write_checkpoint, step, state, serving)
         self.ckpt_pause = (self.ckpt_pause or 0.0) + time.time() - t0
 
     def write_checkpoint(self, step, state, serving):
@@ -1025,10 +1031,13 @@ class Trainer:
 
     def wait_for_checkpoint(self):
         """Block until the checkpoint being written (if any) is on disk."""
-        writer = getattr(self, "writer", None)
+        with self.writer_lock:     # (the step loop and, at the end, the main thread both wait)
+            writer = self.writer
         if writer is not None:
             writer.join()
-            self.writer = None
+            with self.writer_lock:
+                if self.writer is writer:
+                    self.writer = None
 
     def resume_fingerprint(self):
         """digest() of what a resume restores byte for byte: replica 0's fp32 masters and both moments.
@@ -1110,6 +1119,7 @@ class Trainer:
         self.t_start = self.t_log = time.time()
         self.ckpt_pause = None       # step-loop time spent snapshotting checkpoints since the last log line
         self.step_cv = threading.Condition()     # notified after each step (--debug-fail ckpt_lag)
+        self.writer, self.writer_lock = None, threading.Lock()     # the checkpoint being written
         self.load_q = queue.Queue(maxsize=cfg.queue_depth * len(self.tdevs))
         self.buf = ReorderBuffer(self.run, self.cursor, cfg.queue_depth * len(self.ddevs) * cfg.grad_accum + len(self.tdevs))
         sync = StepSync(self.run, len(self.ddevs), self.world)
@@ -1436,7 +1446,7 @@ def master_state_dict(model, opt):
     """The model's state_dict with every weight replaced by its fp32 master (the optimiser's own
     tensor): what a checkpoint resumes from (the bf16 weights would round every master)."""
     masters = dict(zip([n for n, _ in model.named_parameters()], opt.masters()))
-    return {k: masters.get(k, v).detach() for k, v in model.state_dict().items()}
+    return {k: masters.get(k, v) for k, v in model.state_dict().items()}     # (state_dict()'s are detached)
 
 
 def to_host(obj, memo):
@@ -1444,9 +1454,9 @@ def to_host(obj, memo):
     copy must not change when training goes on - once per tensor object (memo: id -> copy), so
     tensors shared in obj stay shared and torch.save writes them once."""
     if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = obj.detach().to("cpu", copy=True)
-        return memo[id(obj)]
+        if id(obj) not in memo:      # the original is kept with its copy: its id stays its own meanwhile
+            memo[id(obj)] = (obj, obj.detach().to("cpu", copy=True))
+        return memo[id(obj)][1]
     if isinstance(obj, dict):
         return {k: to_host(v, memo) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
