@@ -989,10 +989,9 @@ def test_pair_claims_one_process_compiles_a_pair_the_others_wait_and_load_it(tmp
     assert mine.take("pair-b")           # the child's locks died with it
 
 
-def test_warm_up_compiles_its_free_pairs_first_then_waits_for_a_pair_another_process_holds(tmp_path, monkeypatch):
-    """Two processes that need the same pairs split them: while another holds (compiles) one pair,
-    warm_up compiles the others - in workers and serially - then waits for that pair; here its holder
-    lets go without listing it (as if it died), so warm_up compiles it itself."""
+def frozen_flex_drafter_on_a_fresh_cache(tmp_path, monkeypatch):
+    """A tiny frozen drafter and an empty compile cache. FlexAttention has no backward on CPU: a frozen
+    drafter warms (and warm-up children precompile) the forward only."""
     import dflash_model as dm
     import warmup
     for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
@@ -1001,7 +1000,14 @@ def test_warm_up_compiles_its_free_pairs_first_then_waits_for_a_pair_another_pro
     cfg = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                           head_dim=16, vocab_size=64, num_target_layers=4, num_draft_layers=1, block_size=16,
                           mask_token_id=63)
-    drafter = dm.DFlashDrafter(cfg, embed_weight=torch.randn(64, 32)).requires_grad_(False)   # no flex bwd on CPU
+    return dm, warmup, dm.DFlashDrafter(cfg, embed_weight=torch.randn(64, 32)).requires_grad_(False)
+
+
+def test_warm_up_compiles_its_free_pairs_first_then_waits_for_a_pair_another_process_holds(tmp_path, monkeypatch):
+    """Two processes that need the same pairs split them: while another holds (compiles) one pair,
+    warm_up compiles the others - in workers and serially - then waits for that pair; here its holder
+    lets go without listing it (as if it died), so warm_up compiles it itself."""
+    dm, warmup, drafter = frozen_flex_drafter_on_a_fresh_cache(tmp_path, monkeypatch)
     spec = warmup.worker_spec(drafter, 7.0, "flex", 2048, "trunk", 0)
     other = warmup.Claims()                        # "another process": its own lock files, so flock excludes
     for workers, shapes in ((0, [(1, 128, 8), (1, 256, 8)]), (2, [(1, 640, 8), (1, 384, 8)])):
@@ -1068,16 +1074,7 @@ def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_t
     """warm_up(workers=2): each flex shape cold-compiles in its own process into the shared cache, the
     in-process warm-up then only loads it; a failing child is reported (its shape and output) and the
     serial warm-up, compiling that shape itself, raises the real error."""
-    import dflash_model as dm
-    import warmup
-    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
-        monkeypatch.delenv(k, raising=False)      # use_compile_cache sets them; restored after the test
-    warmup.use_compile_cache(str(tmp_path / "compile_cache"))
-    cfg = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                          head_dim=16, vocab_size=64, num_target_layers=4, num_draft_layers=1, block_size=16,
-                          mask_token_id=63)
-    # FlexAttention has no backward on CPU: a frozen drafter warms (and its children precompile) the forward
-    drafter = dm.DFlashDrafter(cfg, embed_weight=torch.randn(64, 32)).requires_grad_(False)
+    dm, warmup, drafter = frozen_flex_drafter_on_a_fresh_cache(tmp_path, monkeypatch)
 
     def warm(shapes, workers):
         torch._dynamo.reset()     # forget in-process compiles: only the disk cache can make a 'cache hit'
