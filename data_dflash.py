@@ -81,7 +81,7 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20, max_record_chars=64 <<
         while True:
             while pos < len(buf) and buf[pos] in " \t\r\n,":  # separators between records
                 pos += 1
-            if buf[pos:pos + 1] == "]" and not buf[pos + 1:pos + 65].strip():   # the list's end
+            if _closes_list(buf, pos):
                 break
             try:
                 if pos == len(buf):
@@ -126,6 +126,11 @@ _SPACE = re.compile(r"\s*")
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")            # what surrogateescape makes of a byte that is not UTF-8
 
 
+def _closes_list(buf, p):
+    """Is buf[p] the list's closing ']' (only whitespace after it, as far as is read)?"""
+    return buf[p:p + 1] == "]" and not buf[p + 1:p + 65].strip()
+
+
 def _next_record(buf, start, eof):
     """Position of the first '{' after `start` that follows a comma and starts a run of whole records
     (_records_from): a '{' inside the bad record's text, such as one of its turns, decodes too but is
@@ -153,7 +158,7 @@ def _records_from(buf, p, eof):
         if p == len(buf):
             return not eof
         if buf[p] == "]":
-            return not buf[p + 1:p + 65].strip()   # the list's end: only whitespace after it
+            return _closes_list(buf, p)
         if buf[p] != ",":
             return False
         p = _SPACE.match(buf, p + 1).end()

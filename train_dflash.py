@@ -171,7 +171,7 @@ def validate(cfg):
             errs.append(f"data file not found: {f}")
     if cfg.debug_fail and cfg.debug_fail.split(":")[0] not in ("target", "drafter", "kill", "ckpt", "ckpt_lag"):
         errs.append(f"--debug-fail must be target:N, drafter:N, kill:N, ckpt:N or ckpt_lag:N, got {cfg.debug_fail}")
-    elif cfg.debug_fail.startswith("ckpt_lag:") and not 0 < int(cfg.debug_fail.split(":")[1]) < cfg.ckpt_interval:
+    elif debug_at(cfg, "ckpt_lag") is not None and not 0 < debug_at(cfg, "ckpt_lag") < cfg.ckpt_interval:
         errs.append("--debug-fail ckpt_lag:N needs 0 < N < --ckpt-interval (the next save waits for the write)")
     if errs:
         raise SystemExit("error: " + "; ".join(errs))
@@ -496,11 +496,16 @@ def start_thread(run, name, fn, *args):
     return t
 
 
+def debug_at(cfg, kind):
+    """N of --debug-fail kind:N, or None for another kind or none."""
+    if cfg.debug_fail.startswith(kind + ":"):
+        return int(cfg.debug_fail.split(":")[1])
+    return None
+
+
 def debug_point(cfg, role, n):
-    if cfg.debug_fail:
-        kind, at = cfg.debug_fail.split(":")
-        if kind == role and int(at) == n:
-            raise RuntimeError(f"injected failure in {role} at {n} (--debug-fail {cfg.debug_fail})")
+    if debug_at(cfg, role) == n:
+        raise RuntimeError(f"injected failure in {role} at {n} (--debug-fail {cfg.debug_fail})")
 
 
 # -----------------------------------------------------------------------------
@@ -637,7 +642,7 @@ class Trainer:
 
     def build_models(self):
         cfg, log = self.cfg, self.log
-        tdtype = target_dtype(self.tdevs[0])
+        tdtype = param_dtype(self.tdevs[0])
         self.targets = [load_target(self.tpath, d, tdtype, self.dcfg.target_layer_ids, log) for d in self.tdevs]
         t0 = self.targets[0]
         emb = t0.get_input_embeddings().weight.detach()
@@ -888,8 +893,6 @@ class Trainer:
             self.first_loss = loss
         self.losses.append(loss)
         self.last = rec
-        with self.step_cv:
-            self.step_cv.notify_all()
         self.busy_at_last = (list(self.t_busy), list(self.d_busy))   # the summary's window ends here
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
@@ -932,7 +935,7 @@ class Trainer:
             self.save_checkpoint(step)
         # rank 0 only: it writes the checkpoints, and its death ends the others (torchrun stops them);
         # every rank killing itself at once could stop rank 0 inside its save
-        if cfg.debug_fail.startswith("kill:") and int(cfg.debug_fail.split(":")[1]) == step and self.rank == 0:
+        if debug_at(cfg, "kill") == step and self.rank == 0:
             self.wait_for_checkpoint()          # killed once its checkpoint is on disk
             self.log(f"[debug] SIGKILL after step {step}")
             sys.stdout.flush()
@@ -1003,13 +1006,13 @@ class Trainer:
 
     def write_checkpoint(self, step, state, serving):
         cfg = self.cfg
-        if cfg.debug_fail.startswith("ckpt_lag:"):
+        lag = debug_at(cfg, "ckpt_lag")
+        if lag is not None:
             # DEBUG: start writing only once training is N steps further (or at its end), to show the
             # snapshot does not change under the writer
-            until = min(step + int(cfg.debug_fail.split(":")[1]), self.total_steps)
-            with self.step_cv:
-                while self.last_step() < until and not self.run.stop.is_set():
-                    self.step_cv.wait(0.2)       # (a stop does not notify: look again)
+            until = min(step + lag, self.total_steps)
+            while self.last_step() < until and not self.run.stop.wait(0.05):
+                pass
         debug_point(cfg, "ckpt", step)
         t0 = time.time()
         final = os.path.join(cfg.out_dir, f"step_{step:06d}")
@@ -1118,7 +1121,6 @@ class Trainer:
         self.tok_hist, self.losses = [], []
         self.t_start = self.t_log = time.time()
         self.ckpt_pause = None       # step-loop time spent snapshotting checkpoints since the last log line
-        self.step_cv = threading.Condition()     # notified after each step (--debug-fail ckpt_lag)
         self.writer, self.writer_lock = None, threading.Lock()     # the checkpoint being written
         self.load_q = queue.Queue(maxsize=cfg.queue_depth * len(self.tdevs))
         self.buf = ReorderBuffer(self.run, self.cursor, cfg.queue_depth * len(self.ddevs) * cfg.grad_accum + len(self.tdevs))
@@ -1392,14 +1394,9 @@ def total_norm(grads):
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-def target_dtype(dev):
-    """The target's dtype: bf16 on a GPU, fp32 on a CPU (also what the drafter reads its embedding and
-    LM head in)."""
-    return torch.bfloat16 if torch.device(dev).type == "cuda" else torch.float32
-
-
 def param_dtype(dev):
-    """The drafter's weight dtype: bf16 on a GPU (fp32 masters in the optimiser), fp32 on a CPU."""
+    """The weights' dtype on `dev`: bf16 on a GPU, fp32 on a CPU - the drafter's (fp32 masters in the
+    optimiser), the target's, and the embedding and LM head the drafter reads from it."""
     return torch.bfloat16 if torch.device(dev).type == "cuda" else torch.float32
 
 

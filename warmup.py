@@ -564,7 +564,7 @@ def build_drafters(cfg):
     tdevs, ddevs = tr.resolve_devices(cfg)
     vocab = getattr(tcfg, "text_config", tcfg).vocab_size
     dcfg = tr.make_drafter_config(cfg, tcfg, tr.mask_token_for(cfg, tok, vocab))
-    tdtype = tr.target_dtype(tdevs[0])
+    tdtype = tr.param_dtype(tdevs[0])
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(tcfg, dtype=tdtype)
     m_emb, m_head = meta.get_input_embeddings().weight, meta.get_output_embeddings().weight
