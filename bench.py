@@ -12,7 +12,7 @@
                                        # torch's fused AdamW, the gradient norm) and the matmul rate,
                                        # burst (the MFU denominator) vs sustained for seconds
 
-Ours:  block mask built by compiled create_block_mask, whole drafter trunk compiled (flex inside).
+Ours:  block mask built from the anchors at tile level, whole drafter trunk compiled (flex inside).
 Naive: what public DFlash trainers run: only flex_attention compiled, the rest of the drafter eager,
        the block mask built every step by uncompiled create_block_mask.
 Both are timed in the same process, on the same weights and inputs. The threaded pipeline

@@ -10,6 +10,7 @@ One file, read top to bottom:
 
 The method is described in ../shared/dflash-spec.md; the failure the gate prevents in compile-race.md.
 """
+import functools
 import json
 import math
 import os
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 try:
     import triton
@@ -512,13 +513,6 @@ def dense_dflash_mask(anchors, S, bs):
     return _visible(a[:, :, None], q[None, :, None], kv[None, None, :], S, bs)[:, None]
 
 
-def _block_mask_impl(anchors, S, bs):
-    _require_compiled("create_block_mask")      # eager, it evaluates the mask densely over B x Q x KV
-    B, A = anchors.shape
-    return create_block_mask(make_mask_mod(anchors, S, bs), B, None, A * bs, S + A * bs,
-                             device=anchors.device)
-
-
 # flex_attention's kernel_options (Triton tile sizes, warps, stages, TMA) for every compiled flex call
 # of the drafter; {} = torch's defaults for the device. Set once, before anything compiles
 # (set_flex_options): a compiled graph bakes them in, and the warm list and warm-up workers key on them.
@@ -580,8 +574,8 @@ def _layer_flex_impl(layer, h, ctx, cos_c, sin_c, cos_q, sin_q, block_mask):
 #   compile_scope "layer": one layer is the graph, reused by every layer (regional compilation:
 #   a fraction of the compile time; no fusion across layer boundaries);
 #   compile_scope "flex": only flex_attention is compiled, the layers run eagerly (the public
-#   trainers' layout: seconds to compile, slower steps; the block mask and CE stay compiled).
-compiled_block_mask = torch.compile(_block_mask_impl, dynamic=False, fullgraph=True)
+#   trainers' layout: seconds to compile, slower steps; the CE stays compiled, the block mask needs
+#   no compile).
 compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
 compiled_body = torch.compile(_body_flex_impl, dynamic=False, fullgraph=True)
 compiled_layer = torch.compile(_layer_flex_impl, dynamic=False, fullgraph=True)
@@ -593,14 +587,62 @@ COMPILE_SCOPES = ("trunk", "layer", "flex")
 ENTRIES_PER_SHAPE = {"trunk": 1, "layer": 2, "flex": 1}
 
 
+# The block mask, built from the anchors at 128 x 128 tile level (flex's sparsity unit), eagerly.
+# create_block_mask would evaluate the mask_mod on every element (B x Q x KV) and then sort and
+# scatter tile lists; compiled, its index-put kernels took 2-7 minutes of Triton compile PER SHAPE on
+# the H200 (85% of a cold warm-up, measured per kernel in session 10), eager it is the dense fallback.
+# The mask's structure gives every tile directly (a few small ops on (B, Q/128, KV/128) tensors):
+#   context tile u (kv in [128u, 128u+128), all < S): some row sees it iff 128u < the largest anchor
+#     of the query tile's rows; every row sees all of it iff 128u + 128 <= their smallest anchor;
+#   block tile (kv >= S): rows see their own block only, so it is visible iff the block ranges of the
+#     query tile and the kv tile overlap, and full only if both lie inside one and the same block.
+# Full tiles skip the mask_mod in the kernel, partial tiles apply it: test_smoke checks both sets
+# against the element-level formula for several shapes and block sizes.
+TILE = 128
+
+
+def _ordered(tiles):
+    """(B, 1, R, C) bool tile map -> per row: count (int32) and column indices, those in the map
+    first, ascending (flex's kv_num_blocks / kv_indices layout)."""
+    t = tiles.to(torch.int32).contiguous()    # the q-side maps are transposes: contiguous, as flex's
+    return t.sum(-1, dtype=torch.int32), torch.argsort(t, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_region_tiles(device, n_q_tiles, bs):
+    """(any, full) tile maps of the block part of the keys (kv >= S): they do not depend on the anchors."""
+    t = torch.arange(n_q_tiles, device=device) * TILE
+    first, last = t // bs, (t + TILE - 1) // bs          # the blocks a tile's rows (or columns) lie in
+    any_ = (first[:, None] <= last[None]) & (first[None] <= last[:, None])
+    full = (first == last)[:, None] & (first == last)[None] & (first[:, None] == first[None])
+    return any_, full
+
+
 def create_dflash_block_mask(anchors, S, bs):
-    """Compiled block-mask creation through the gate (milliseconds; eager would be dense B x Q x KV)."""
+    """The DFlash training BlockMask of `anchors` (B, A) over S context positions, blocks of `bs`
+    (no compile, no dense evaluation; see above). Its mask_mod is make_mask_mod's."""
     B, A = anchors.shape
-    if S % 128 or (A * bs) % 128:
+    Q = A * bs
+    if S % TILE or Q % TILE:
         # flex works on 128 x 128 tiles; ragged tiles cost masked loads on GPU and hit an inductor
         # codegen bug on CPU (torch 2.13). The trainer's buckets and anchor counts respect this.
-        raise ValueError(f"flex path needs S ({S}) and anchors*block ({A}*{bs}) to be multiples of 128")
-    return GATE.run("block_mask", anchors.device, (B, S, A, bs), compiled_block_mask, anchors, S, bs)
+        raise ValueError(f"flex path needs S ({S}) and anchors*block ({A}*{bs}) to be multiples of {TILE}")
+    dev = anchors.device
+    rows = anchors.repeat_interleave(bs, dim=1).view(B, Q // TILE, TILE)      # each query row's anchor
+    lo = torch.arange(0, S, TILE, device=dev)                                  # context tiles' first key
+    ctx_any = lo < rows.amax(-1, keepdim=True)
+    ctx_full = lo + TILE <= rows.amin(-1, keepdim=True)
+    blk_any, blk_full = _block_region_tiles(dev, Q // TILE, bs)
+    any_ = torch.cat([ctx_any, blk_any.expand(B, -1, -1)], dim=-1)[:, None]
+    full = torch.cat([ctx_full, blk_full.expand(B, -1, -1)], dim=-1)[:, None]
+    partial = any_ & ~full
+    kv_n, kv_i = _ordered(partial)
+    fkv_n, fkv_i = _ordered(full)
+    q_n, q_i = _ordered(partial.transpose(-2, -1))
+    fq_n, fq_i = _ordered(full.transpose(-2, -1))
+    return BlockMask(seq_lengths=(Q, S + Q), kv_num_blocks=kv_n, kv_indices=kv_i, full_kv_num_blocks=fkv_n,
+                     full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i, full_q_num_blocks=fq_n,
+                     full_q_indices=fq_i, BLOCK_SIZE=(TILE, TILE), mask_mod=make_mask_mod(anchors, S, bs))
 
 
 def gated_flex_attention(q, k, v, block_mask):

@@ -5,7 +5,7 @@ What is covered, in file order:
   compiled flex == SDPA, blocks/labels/weights/loss/gradient, anchor sampling, lossless greedy
   speculative decoding (vs target_greedy and HF generate), an overfit run that proves mask, labels
   and inference agree, save/load in the serving format, the compile gate, and: warmup.py builds the
-  trainer's drafter (same warm-list inputs), the compiled block mask refuses to run eagerly,
+  trainer's drafter (same warm-list inputs), compiled flex refuses to run eagerly,
   eval_dflash's stop ids and histogram.
 
 Compiles are expensive on this CPU (7-40 s each), so every flex test shares ONE shape set through
@@ -166,8 +166,8 @@ def clean_gate():
 
 @pytest.fixture(scope="module")
 def flex_case():
-    """The one flex shape of this file: B=3, S=256, 16 anchors x block 16 (Q=256, KV=512), compiled
-    block mask built once. Batch 0: 16 valid anchors, 8 below and 8 above 128, incl. the last valid
+    """The one flex shape of this file: B=3, S=256, 16 anchors x block 16 (Q=256, KV=512), block
+    mask built once. Batch 0: 16 valid anchors, 8 below and 8 above 128, incl. the last valid
     position S-bs; batch 1:
     length 200, 10 valid incl. its last valid position 184, 6 padding blocks; batch 2: 3 valid
     (one of them at 0), 13 padding blocks."""
@@ -322,27 +322,58 @@ def test_mask_mod_dense_and_naive_agree(flex_case):
     assert torch.equal(fm[:, 0], ref)
 
 
-def test_compiled_block_mask_matches_reference(flex_case):
-    c = flex_case
-    bm = c.bm
-    ref = naive_mask(c.anchors, c.S, c.bs)
+def check_block_mask(bm, anchors, S, bs):
+    """The tile maps of `bm` against the element-level formula: partial and full tiles exactly (full
+    tiles skip the mask_mod in the kernel), the q-side maps their transposes, the element-level mask_mod
+    the formula, and the layout flex expects (torch's create_block_mask's: dtypes, shapes, contiguity,
+    each row's listed tiles in ascending order). Returns the (any, all) tile maps."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    ref = naive_mask(anchors, S, bs)
     B, Q, KV = ref.shape
     T = 128
-    assert tuple(bm.shape) == (B, 1, Q, KV)
-    assert tuple(bm.BLOCK_SIZE) == (T, T)
+    assert tuple(bm.shape) == (B, 1, Q, KV) and tuple(bm.BLOCK_SIZE) == (T, T)
     tiles = ref.view(B, Q // T, T, KV // T, T)
     any_t = tiles.any(dim=(2, 4))[:, None]                                  # (B, 1, Qt, KVt)
     all_t = tiles.all(dim=(2, 4))[:, None]
     assert torch.equal(bm.to_dense().bool(), any_t)
-    # full tiles skip the mask_mod in the kernel: they must be exactly the all-visible tiles
     full = tiles_from_indices(bm.full_kv_num_blocks, bm.full_kv_indices, KV // T)
     partial = tiles_from_indices(bm.kv_num_blocks, bm.kv_indices, KV // T)
     assert torch.equal(full, all_t)
     assert torch.equal(partial, any_t & ~all_t)
+    assert torch.equal(tiles_from_indices(bm.q_num_blocks, bm.q_indices, Q // T), partial.transpose(-2, -1))
+    assert torch.equal(tiles_from_indices(bm.full_q_num_blocks, bm.full_q_indices, Q // T), full.transpose(-2, -1))
+    assert torch.equal(create_mask(bm.mask_mod, B, 1, Q, KV, device="cpu")[:, 0], ref)
+    theirs = create_block_mask(dm.make_mask_mod(anchors, S, bs), B, None, Q, KV, device="cpu")
+    for side in ("kv", "full_kv", "q", "full_q"):
+        n, idx = getattr(bm, f"{side}_num_blocks"), getattr(bm, f"{side}_indices")
+        want_n, want_idx = getattr(theirs, f"{side}_num_blocks"), getattr(theirs, f"{side}_indices")
+        assert torch.equal(n, want_n) and n.dtype == want_n.dtype == torch.int32 and n.is_contiguous(), side
+        assert idx.shape == want_idx.shape and idx.dtype == torch.int32 and idx.is_contiguous(), side
+        listed = torch.arange(idx.shape[-1]) < n[..., None]
+        assert torch.equal(idx[listed], want_idx[listed]), side
+    return any_t, all_t
+
+
+def test_block_mask_matches_reference(flex_case):
+    c = flex_case
+    any_t, all_t = check_block_mask(c.bm, c.anchors, c.S, c.bs)
     # the test shape really has skipped tiles, partial tiles and full tiles
     assert (~any_t).any() and (any_t & ~all_t).any() and all_t.any()
-    # the block mask carries the same mask_mod (element level)
-    assert torch.equal(create_mask(bm.mask_mod, B, 1, Q, KV, device="cpu")[:, 0], ref)
+
+
+@pytest.mark.parametrize("S,A,bs", [(256, 16, 16), (384, 8, 32), (128, 32, 8), (256, 2, 128), (256, 1, 256)])
+def test_block_mask_matches_reference_for_other_shapes(S, A, bs):
+    """Tiles holding several blocks, one block, or part of one (bs > 128: then block tiles are full);
+    random anchors, padding anchors (0) and anchors at the last valid position."""
+    g = torch.Generator().manual_seed(S + A + bs)
+    B = 3
+    anchors = torch.zeros(B, A, dtype=torch.long)
+    anchors[0] = torch.randint(0, S - bs + 1, (A,), generator=g).sort().values
+    n = max(1, A // 2)
+    anchors[1, :n] = torch.randint(0, S - bs + 1, (n,), generator=g).sort().values
+    anchors[2] = S - bs
+    with torch.no_grad():
+        check_block_mask(dm.create_dflash_block_mask(anchors, S, bs), anchors, S, bs)
 
 
 def test_compiled_flex_output_equals_sdpa_with_naive_mask(flex_case):
@@ -690,8 +721,9 @@ def test_save_load_roundtrip_and_format(targets, tmp_path):
 # 10. the compile gate
 
 
-def test_gate_fx_flag_bypass_fails_and_gated_call_waits(flex_case):
-    c = flex_case
+def test_gate_fx_flag_bypass_fails_and_gated_call_waits():
+    g = torch.Generator().manual_seed(5)
+    logits, y, w = torch.randn(8, 64, generator=g), torch.randint(0, 64, (8,), generator=g), torch.rand(8, generator=g)
     fx = torch.fx._symbolic_trace
     assert fx._is_fx_tracing_flag is False
     raised, release = threading.Event(), threading.Event()
@@ -712,14 +744,14 @@ def test_gate_fx_flag_bypass_fails_and_gated_call_waits(flex_case):
         assert raised.wait(30), "holder thread never raised the flag"
         assert fx.is_fx_symbolic_tracing()          # exactly what dynamo's per-call check reads
 
-        # bypassing the gate: the compiled (and already cached) function fails in this thread
+        # bypassing the gate: a compiled function fails in this thread
         with torch.no_grad(), pytest.raises(RuntimeError, match=FX_ERROR):
-            dm.compiled_block_mask(c.anchors, c.S, c.bs)
+            dm.compiled_ce_chunk(logits, y, w)
 
         # through the gate: waits for the holder, then succeeds
         def gated():
             with torch.no_grad():
-                return dm.create_dflash_block_mask(c.anchors, c.S, c.bs)
+                return dm.gated_ce_chunk(logits, y, w)
 
         waiter = Worker(gated, "waiter")
         waiter.start()
@@ -729,10 +761,11 @@ def test_gate_fx_flag_bypass_fails_and_gated_call_waits(flex_case):
     finally:
         release.set()
     holder.outcome(30)
-    bm = waiter.outcome(120)
+    got = waiter.outcome(120)
     assert fx._is_fx_tracing_flag is False
     assert GATE.waiting == 0 and GATE.stats["max_waiting"] >= 1
-    assert torch.equal(bm.to_dense(), c.bm.to_dense())
+    for a, b in zip(got, dm._ce_chunk_eager(logits, y, w)):
+        assert torch.allclose(a.float(), b.float(), atol=1e-5)
 
 
 def test_gate_unwarmed_shape_errors_or_compiles_with_notice():
@@ -937,22 +970,29 @@ def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
     assert warmup.pair_key(got, shape) == warmup.pair_key(want, shape)
 
 
-def test_compiled_block_mask_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
-    """TORCHDYNAMO_DISABLE=1 turns every torch.compile into the plain function: create_block_mask would
-    then evaluate the mask densely (B x Q x KV), silently. The guard makes it an error. (A subprocess:
-    in this one, a dynamo skip of the code object would stick for every later test.)"""
+def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
+    """TORCHDYNAMO_DISABLE=1 turns every torch.compile into the plain function: flex_attention would
+    then run its dense math path (B x H x Q x KV scores), silently. The guard makes it an error, for
+    the flex call alone and for the compiled trunk. (A subprocess: in this one, a dynamo skip of the
+    code object would stick for every later test.)"""
     import subprocess
     import sys
     code = ("import torch, dflash_model as dm\n"
             "anchors = torch.tensor([[0, 40, 100, 200, 0, 0, 0, 0]])\n"
-            "with torch.no_grad():\n"
-            "    dm.create_dflash_block_mask(anchors, 256, 16)\n")
+            "bm = dm.create_dflash_block_mask(anchors, 256, 16)\n"
+            "q, kv = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 384, 16)\n"
+            "for fn in (dm.compiled_flex, dm.compiled_body):\n"
+            "    try:\n"
+            "        dm.compiled_flex(q, kv, kv, bm) if fn is dm.compiled_flex else fn(None, None, None, None, None, bm)\n"
+            "    except RuntimeError as e:\n"
+            "        print('refused:', e)\n")
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0, "the block mask was built eagerly without an error"
-    assert "RuntimeError: create_block_mask ran uncompiled" in p.stderr, p.stderr[-3000:]
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "refused: flex_attention ran uncompiled" in p.stdout, p.stdout
+    assert "refused: drafter body (flex) ran uncompiled" in p.stdout, p.stdout
 
 
 def _word_tokenizer(words, eos):

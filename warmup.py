@@ -4,7 +4,7 @@
 
 Why serially: while one thread compiles, torch.fx's process-global tracing flag is up, and a compiled
 call in any other thread fails or (worse) silently runs the dense fallback (../shared/compile-race.md).
-Warm-up runs block-mask creation, drafter forward AND backward (the backward compiles lazily) for each
+Warm-up runs the drafter forward AND backward (the backward compiles lazily) for each
 shape on each device, one at a time, through the gate; then marks the gate warm (shared calls,
 fail_on_recompile). The inductor/triton cache is persistent (default: <out_dir>/compile_cache), so a
 second start hits it; the table says which shapes were cache hits and which were cold compiles.
