@@ -275,6 +275,30 @@ def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_
     assert re.search(r"step 3/40 .*\| checkpoint pause \d+\.\d\ds \(not in the rates\)", p.out), p.tail()
 
 
+def test_checkpoint_snapshots_reuse_their_host_buffers_and_never_alias_the_live_tensors():
+    """The snapshot's host buffers (HostPool) are the same from one checkpoint to the next (no ~15 GB
+    allocated per checkpoint), hold copies (training on does not change them), keep a tensor shared
+    in the state shared (written once), and are replaced where a tensor's shape or dtype changed."""
+    import train_dflash
+    w, m = torch.arange(6.0), torch.ones(2, 3)
+    pool = train_dflash.HostPool()
+    memo = {}
+    first = train_dflash.to_host({"w": w, "opt": [w, m], "n": 3}, memo, pool.start())
+    pool.finish()
+    assert first["w"] is first["opt"][0] and first["n"] == 3
+    assert first["w"].data_ptr() != w.data_ptr() and torch.equal(first["w"], w)
+    kept = [t.data_ptr() for t in pool.bufs]
+    w += 1                                                  # training goes on
+    assert torch.equal(first["w"], torch.arange(6.0))
+    second = train_dflash.to_host({"w": w, "opt": [w, m], "n": 3}, {}, pool.start())
+    pool.finish()
+    assert [t.data_ptr() for t in pool.bufs] == kept        # the same buffers, refilled
+    assert torch.equal(second["w"], torch.arange(6.0) + 1) and torch.equal(second["opt"][1], m)
+    third = train_dflash.to_host({"w": w.double(), "opt": [m]}, {}, pool.start())
+    assert third["w"].dtype == torch.float64 and pool.bufs[0].data_ptr() != kept[0]
+    assert torch.equal(third["opt"][0], m)
+
+
 def test_resume_on_a_larger_dataset_continues_with_a_notice(llama, sharegpt, cache_dir, tmp_path):
     """Resuming with more data than the checkpoint saw: accepted, announced, same epoch position."""
     common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--ckpt-interval", 2,
