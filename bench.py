@@ -193,7 +193,8 @@ def main(argv=None):
                drafter_mfu=flops / t_ours / peak, drafter_tflop_per_step=flops / 1e12,
                drafter_peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None)
     log(f"[bench] drafter step (ours): {1e3 * t_ours:.1f} ms = {S / t_ours:,.0f} target tok/s, "
-        f"MFU {res['drafter_mfu']:.1%}, peak mem {res['drafter_peak_mem_gib']:.1f} GiB")
+        f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {res['drafter_peak_mem_gib']:.1f} GiB"
+                                            if res["drafter_peak_mem_gib"] is not None else ""))
     if a.profile:
         res["profile"] = profile(step, dev, log, trace=a.trace)
 

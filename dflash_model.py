@@ -226,8 +226,8 @@ def _require_compiled(what):
     # Inside a compiled region dynamo folds this check away. If the code ever runs eagerly (a dynamo
     # fallback, a bypass), it raises instead of quietly running the dense math path.
     if not torch.compiler.is_dynamo_compiling():
-        raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x Q x KV mask, "
-                           "B x H x Q x KV scores). Every flex call must go through the compiled functions and GATE.")
+        raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x H x Q x KV "
+                           "scores). Every flex call must go through the compiled functions and GATE.")
 
 
 # -----------------------------------------------------------------------------

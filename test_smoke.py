@@ -361,10 +361,12 @@ def test_block_mask_matches_reference(flex_case):
     assert (~any_t).any() and (any_t & ~all_t).any() and all_t.any()
 
 
-@pytest.mark.parametrize("S,A,bs", [(256, 16, 16), (384, 8, 32), (128, 32, 8), (256, 2, 128), (256, 1, 256)])
+@pytest.mark.parametrize("S,A,bs", [(256, 16, 16), (384, 8, 32), (128, 32, 8), (256, 2, 128), (256, 1, 256),
+                                    (384, 8, 48), (256, 16, 24), (512, 2, 192)])
 def test_block_mask_matches_reference_for_other_shapes(S, A, bs):
-    """Tiles holding several blocks, one block, or part of one (bs > 128: then block tiles are full);
-    random anchors, padding anchors (0) and anchors at the last valid position."""
+    """Tiles holding several blocks, one block, part of one (bs > 128: then block tiles are full), or
+    parts of two (bs 24, 48, 192: blocks across tile edges); random anchors, padding anchors (0) and
+    anchors at the last valid position."""
     g = torch.Generator().manual_seed(S + A + bs)
     B = 3
     anchors = torch.zeros(B, A, dtype=torch.long)
@@ -973,7 +975,7 @@ def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
 def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
     """TORCHDYNAMO_DISABLE=1 turns every torch.compile into the plain function: flex_attention would
     then run its dense math path (B x H x Q x KV scores), silently. The guard makes it an error, for
-    the flex call alone and for the compiled trunk. (A subprocess: in this one, a dynamo skip of the
+    the flex call alone, the compiled trunk and the compiled layer. (A subprocess: in this one, a dynamo skip of the
     code object would stick for every later test.)"""
     import subprocess
     import sys
@@ -981,9 +983,11 @@ def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
             "anchors = torch.tensor([[0, 40, 100, 200, 0, 0, 0, 0]])\n"
             "bm = dm.create_dflash_block_mask(anchors, 256, 16)\n"
             "q, kv = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 384, 16)\n"
-            "for fn in (dm.compiled_flex, dm.compiled_body):\n"
+            "calls = [lambda: dm.compiled_flex(q, kv, kv, bm), lambda: dm.compiled_body(None, None, None, None, None, bm),\n"
+            "         lambda: dm.compiled_layer(None, None, None, None, None, None, None, bm)]\n"
+            "for call in calls:\n"
             "    try:\n"
-            "        dm.compiled_flex(q, kv, kv, bm) if fn is dm.compiled_flex else fn(None, None, None, None, None, bm)\n"
+            "        call()\n"
             "    except RuntimeError as e:\n"
             "        print('refused:', e)\n")
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
@@ -993,6 +997,7 @@ def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "refused: flex_attention ran uncompiled" in p.stdout, p.stdout
     assert "refused: drafter body (flex) ran uncompiled" in p.stdout, p.stdout
+    assert "refused: drafter layer (flex) ran uncompiled" in p.stdout, p.stdout
 
 
 def _word_tokenizer(words, eos):

@@ -1002,6 +1002,9 @@ class Trainer:
         serving = to_host(dr.state_dict(), {}, pool)
         pool.finish()                  # the asynchronous device -> host copies have landed
         with self.writer_lock:
+            if self.writers_closed:    # the run stopped (a failure elsewhere) while this snapshot was taken:
+                self.log(f"[ckpt] step {step}: not written, the run is stopping")    # nobody would wait for it
+                return
             self.writer = start_thread(self.run, "checkpoint-writer", self.write_checkpoint, step, state, serving)
         self.ckpt_pause = (self.ckpt_pause or 0.0) + time.time() - t0
 
@@ -1011,8 +1014,9 @@ class Trainer:
         if lag is not None:
             # DEBUG: start writing only once training is N steps further (or at its end), to show the
             # snapshot does not change under the writer
-            until = min(step + lag, self.total_steps)
-            while self.last_step() < until and not self.run.stop.wait(0.05):
+            def until():     # (a time budget may end the run before step + N: then at its last step)
+                return min(step + lag, self.total_steps if self.finish_at is None else self.finish_at)
+            while self.last_step() < until() and not self.run.stop.wait(0.05):
                 pass
         debug_point(cfg, "ckpt", step)
         t0 = time.time()
@@ -1123,6 +1127,7 @@ class Trainer:
         self.t_start = self.t_log = time.time()
         self.ckpt_pause = None       # step-loop time spent snapshotting checkpoints since the last log line
         self.writer, self.writer_lock = None, threading.Lock()     # the checkpoint being written
+        self.writers_closed = False                                  # set once the main thread waits for the last
         self.host_pool = HostPool()                                  # its host buffers, reused
         self.load_q = queue.Queue(maxsize=cfg.queue_depth * len(self.tdevs))
         self.buf = ReorderBuffer(self.run, self.cursor, cfg.queue_depth * len(self.ddevs) * cfg.grad_accum + len(self.tdevs))
@@ -1138,6 +1143,8 @@ class Trainer:
             for t in drafters:
                 t.join(timeout=0.5)
         self.run.stop.set()                                   # stop loader and target threads
+        with self.writer_lock:         # no writer starts after this (a step loop still inside a snapshot)
+            self.writers_closed = True
         self.wait_for_checkpoint()     # a snapshot taken before a failure elsewhere is still a good checkpoint
         if self.run.failures:
             for name, tb in self.run.failures:
