@@ -590,7 +590,8 @@ ENTRIES_PER_SHAPE = {"trunk": 1, "layer": 2, "flex": 1}
 # The block mask, built from the anchors at 128 x 128 tile level (flex's sparsity unit), eagerly.
 # create_block_mask would evaluate the mask_mod on every element (B x Q x KV) and then sort and
 # scatter tile lists; compiled, its index-put kernels took 2-7 minutes of Triton compile PER SHAPE on
-# the H200 (85% of a cold warm-up, measured per kernel in session 10), eager it is the dense fallback.
+# the H200 (86% of a cold warm-up's Triton compile time, timed per kernel in session 10); eager, it is
+# the dense fallback.
 # The mask's structure gives every tile directly (a few small ops on (B, Q/128, KV/128) tensors):
 #   context tile u (kv in [128u, 128u+128), all < S): some row sees it iff 128u < the largest anchor
 #     of the query tile's rows; every row sees all of it iff 128u + 128 <= their smallest anchor;

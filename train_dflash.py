@@ -1478,7 +1478,8 @@ class HostPool:
     the GPU then runs asynchronously at bus speed. Freshly allocated pageable memory cost 8.9 s of step-loop
     pause per checkpoint at Qwen3-8B size (~14 GB; H200, session 10): staging, and faulting in new
     pages every time. The buffers of one snapshot may be reused only once it has been written (the
-    trainer writes one checkpoint at a time), and they hold a checkpoint's size of host RAM for the run."""
+    trainer writes one checkpoint at a time), and they hold a checkpoint's size of host RAM for the run
+    (pinned: more, torch's pinned allocator rounds each buffer up to a power of two)."""
 
     def __init__(self):
         self.bufs, self.i, self.devices = [], 0, set()
