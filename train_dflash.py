@@ -1455,15 +1455,14 @@ def master_state_dict(model, opt):
     return {k: masters.get(k, v) for k, v in model.state_dict().items()}     # (state_dict()'s are detached)
 
 
-def to_host(obj, memo, pool=None):
-    """obj (dicts, lists, tuples) with every tensor COPIED to host memory - also a CPU tensor: the
-    copy must not change when training goes on - once per tensor object (memo: id -> copy), so
-    tensors shared in obj stay shared and torch.save writes them once. pool: a HostPool to copy into
-    (then call its finish() before reading the copies); none: fresh tensors."""
+def to_host(obj, memo, pool):
+    """obj (dicts, lists, tuples) with every tensor COPIED into host buffers of `pool` (a HostPool;
+    call its finish() before reading the copies) - also a CPU tensor: the copy must not change when
+    training goes on - once per tensor object (memo: id -> copy), so tensors shared in obj stay
+    shared and torch.save writes them once."""
     if isinstance(obj, torch.Tensor):
         if id(obj) not in memo:      # the original is kept with its copy: its id stays its own meanwhile
-            t = obj.detach()
-            memo[id(obj)] = (obj, pool.copy(t) if pool is not None else t.to("cpu", copy=True))
+            memo[id(obj)] = (obj, pool.copy(obj.detach()))
         return memo[id(obj)][1]
     if isinstance(obj, dict):
         return {k: to_host(v, memo, pool) for k, v in obj.items()}
