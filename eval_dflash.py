@@ -8,6 +8,12 @@ target-only greedy decoding and DFlash speculative decoding, both timed. Prints 
 length tau, the histogram of acceptance lengths, tokens/s of both and the speed-up. Greedy
 speculative output must equal the target's greedy output token for token: any mismatch is reported
 (with the target's logit margin there) and makes the exit status 1.
+
+    python eval_dflash.py --merge part0.json part1.json ... [--json all.json]
+
+adds up the --json results of runs over disjoint parts of a prompt set (--skip/--num-prompts, e.g.
+one process per GPU) into one report: tau and the histogram over all rounds, each rate as total
+tokens over total seconds.
 """
 import argparse
 import collections
@@ -23,9 +29,11 @@ import dflash_model as dm
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True)
-    p.add_argument("--drafter", required=True)
-    p.add_argument("--prompts", required=True, nargs="+", help="ShareGPT JSON/JSONL or chat JSONL")
+    p.add_argument("--target")
+    p.add_argument("--drafter")
+    p.add_argument("--prompts", nargs="+", help="ShareGPT JSON/JSONL or chat JSONL")
+    p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                   help="only add up these --json results of runs over disjoint prompt ranges")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--skip", type=int, default=0, help="skip this many usable prompts first")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -37,7 +45,13 @@ def parse_args(argv):
     p.add_argument("--max-minutes", type=float, default=0.0,
                    help="time budget: stop after the prompt that crosses it and report the prompts done "
                         "(marked incomplete); 0 = no budget")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    missing = [f"--{n}" for n in ("target", "drafter", "prompts") if not getattr(a, n)]
+    if missing and not a.merge:
+        p.error(f"{', '.join(missing)} required (or --merge)")
+    if a.merge and not missing:
+        p.error("--merge adds up earlier results: give it without --target/--drafter/--prompts")
+    return a
 
 
 def prompts_from(files, tokenizer, n, skip, max_tokens):
@@ -66,6 +80,8 @@ def sync(device):
 
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
+    if a.merge:
+        return merge(a.merge, a.json)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     dtype = getattr(torch, a.dtype)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -111,21 +127,69 @@ def main(argv=None):
             print(f"[eval] {k + 1}/{len(prompts)} prompts: tau so far {sum(taus) / max(1, len(taus)):.2f}, "
                   f"speed-up so far {(n_spec / t_spec) / (n_ref / t_ref):.2f}x", flush=True)
             if a.json:   # partial results survive a run that is stopped early
-                write_json(a.json, summarise(k + 1, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a))
+                write_json(a.json, {**summarise(k + 1, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a),
+                                    "block_size": drafter.config.block_size})
     res = summarise(done, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a)
-    bs = drafter.config.block_size
+    res["block_size"] = drafter.config.block_size
+    return report(res, a.json)
+
+
+def report(res, json_path):
+    """Print a result (one run's or merged) and write it; exit status 1 if any prompt was lossy."""
+    bs, hist = res["block_size"], {int(k): v for k, v in res["histogram"].items()}
     print(f"\nmean acceptance length tau = {res['mean_tau']:.3f} over {res['rounds']} rounds (block {bs})")
     print("histogram of acceptance lengths:\n" + format_histogram(hist, bs))
     print(f"target-only greedy: {res['target_tok_s']:8.1f} tok/s\nDFlash speculative: {res['dflash_tok_s']:8.1f} "
           f"tok/s\nspeed-up: {res['speedup']:.2f}x")
-    print(f"lossless: {res['lossless']}/{done} prompts identical to target greedy"
-          + ("" if res["complete"] else f" (incomplete: {done} of {len(prompts)} prompts)"))
-    if a.json:
-        write_json(a.json, res)
-    for m in mismatches:
+    print(f"lossless: {res['lossless']}/{res['prompts']} prompts identical to target greedy"
+          + ("" if res["complete"] else f" (incomplete: {res['prompts']} of {res['requested']} prompts)"))
+    if json_path:
+        write_json(json_path, res)
+    for m in res["mismatches"]:
         print(f"ERROR: prompt {m['prompt']}: speculative output differs from target greedy at new token "
               f"{m['at']} (target logit margin there {m['margin']:.2e})")
-    return 1 if mismatches else 0
+    return 1 if res["mismatches"] else 0
+
+
+def merge(paths, json_path):
+    """Add up the results of runs over disjoint prompt ranges (their --skip and prompt counts)."""
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        if "target_seconds" not in r:
+            raise SystemExit(f"error: {path} has no raw sums (target_seconds ...): written by an older eval_dflash.py")
+        parts.append((r["skip"], r["skip"] + r["prompts"], path, r))
+    parts.sort(key=lambda p: p[0])
+    for (s0, e0, p0, r0), (s1, e1, p1, r1) in zip(parts, parts[1:]):
+        if s1 < e0:
+            raise SystemExit(f"error: {p0} (prompts {s0 + 1}-{e0}) and {p1} (prompts {s1 + 1}-{e1}) overlap")
+    first = parts[0][3]
+    for _, _, path, r in parts:
+        for k in ("max_new_tokens", "dtype", "block_size"):
+            if r.get(k) != first.get(k):
+                raise SystemExit(f"error: {path} has {k} {r.get(k)}, {parts[0][2]} {first.get(k)}: not one measurement")
+    runs = [p[3] for p in parts]
+    hist = collections.Counter()
+    for r in runs:
+        hist.update({int(k): v for k, v in r["histogram"].items()})
+    total = {k: sum(r[k] for r in runs) for k in ("target_tokens", "target_seconds", "dflash_tokens", "dflash_seconds")}
+    rounds = sum(hist.values())
+    gaps = [f"{e0 + 1}-{s1}" for (_, e0, _, _), (s1, _, _, _) in zip(parts, parts[1:]) if s1 > e0]
+    res = {"prompts": sum(r["prompts"] for r in runs), "requested": sum(r["requested"] for r in runs),
+           "mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
+           "histogram": dict(sorted(hist.items())),
+           "target_tok_s": total["target_tokens"] / total["target_seconds"],
+           "dflash_tok_s": total["dflash_tokens"] / total["dflash_seconds"],
+           "speedup": (total["dflash_tokens"] / total["dflash_seconds"]) / (total["target_tokens"] / total["target_seconds"]),
+           "lossless": sum(r["lossless"] for r in runs), "mismatches": [m for r in runs for m in r["mismatches"]],
+           **total, "skip": parts[0][0], "max_new_tokens": first["max_new_tokens"], "dtype": first["dtype"],
+           "block_size": first.get("block_size") or max(hist, default=1), "device": ", ".join(sorted({r["device"] for r in runs})),
+           "merged": [p[2] for p in parts]}
+    res["complete"] = all(r["complete"] for r in runs)
+    print(f"[eval] merged {len(runs)} results: prompts {parts[0][0] + 1}-{parts[-1][1]}"
+          + (f" (not measured: {', '.join(gaps)})" if gaps else ""))
+    return report(res, json_path)
 
 
 def stop_token_ids(tok, target):
@@ -151,6 +215,9 @@ def summarise(n_prompts, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a
             "mean_tau": sum(taus) / max(1, len(taus)), "rounds": len(taus),
             "histogram": dict(sorted(hist.items())), "target_tok_s": n_ref / t_ref, "dflash_tok_s": n_spec / t_spec,
             "speedup": (n_spec / t_spec) / (n_ref / t_ref), "lossless": n_prompts - len(mismatches),
+            # the raw sums, so that the results of runs over parts of a prompt set can be merged (--merge)
+            "target_tokens": n_ref, "target_seconds": t_ref, "dflash_tokens": n_spec, "dflash_seconds": t_spec,
+            "skip": a.skip,
             "mismatches": mismatches, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "device": str(a.device)}
 
 

@@ -258,8 +258,9 @@ def test_sigkill_then_resume_reproduces_the_straight_run_losses(llama, sharegpt,
 def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_run(llama, sharegpt, cache_dir,
                                                                                      tmp_path):
     """A checkpoint's files are written by a thread while training goes on: a write that fails stops
-    the run like any thread (non-zero exit, its traceback, the previous checkpoint intact and named);
-    the log lines report the step loop's pause for the snapshot apart from the rates."""
+    the run like any thread (non-zero exit, its traceback, the previous checkpoint intact and named,
+    the half-written folder removed); the log lines report the step loop's pause for the snapshot
+    apart from the rates."""
     out = tmp_path / "out"
     p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 60,
               "--max-steps", 40, "--ckpt-interval", 2, "--out-dir", out, "--debug-fail", "ckpt:4")
@@ -267,12 +268,53 @@ def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_
     assert "[FATAL] thread checkpoint-writer failed" in p.out and "injected failure in ckpt at 4" in p.out, p.tail()
     assert re.search(r"\[FATAL\] run stopped\. Last intact checkpoint: \S+step_000002", p.out), p.tail()
     assert checkpoints(out) == ["step_000002"]
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_000002"], "the failed write's folder is left"
+    assert "[ckpt] the write of checkpoint 4 failed" in p.out and "its partial folder was removed" in p.out, p.tail()
     assert "step 40/40" not in p.out
     state = load_state(out / "step_000002")    # the masters by name are the optimiser's, stored once
     shared = {t.untyped_storage().data_ptr() for t in state["master_weights"].values()}
     assert all(m.untyped_storage().data_ptr() in shared for m in state["optimizer"]["master"])
     # checkpoint 2 is snapshotted after step 2's line: its pause is in step 3's
     assert re.search(r"step 3/40 .*\| checkpoint pause \d+\.\d\ds \(not in the rates\)", p.out), p.tail()
+
+
+def test_a_full_disk_is_an_error_at_start_up_and_before_a_checkpoint_is_written(llama, sharegpt, cache_dir, tmp_path):
+    """Disk space for the checkpoints is checked before the warm-up (an error, nothing trained) and
+    again before each write (the run stops, the last intact checkpoint named, nothing half-written);
+    not torch.save's 'unexpected pos' after the disk filled up. disk:N pretends 1 MiB free from
+    checkpoint N on (N = 0: at start-up)."""
+    common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 60,
+              "--max-steps", 40, "--ckpt-interval", 2]
+    out = tmp_path / "full"
+    p = train(*common, "--out-dir", out, "--debug-fail", "disk:0")
+    assert p.rc not in (0, None), p.tail()
+    m = re.search(r"error: not enough disk space for this run's checkpoints: ~([\d.]+) MiB needed \(4 of ~([\d.]+) "
+                  r"MiB at once, 0 there already\), 1\.0 MiB free", p.out)
+    assert m and float(m.group(1)) == pytest.approx(4 * float(m.group(2)), abs=0.2), p.tail()
+    assert "[warmup] done" not in p.out and "step 1/40" not in p.out and checkpoints(out) == []
+    out = tmp_path / "fills"
+    p = train(*common, "--out-dir", out, "--debug-fail", "disk:4")
+    assert p.rc not in (0, None), p.tail()
+    assert re.search(r"checkpoint 4 needs ~[\d.]+ MiB and \S+ file system has 1\.0 MiB free: not written", p.out), p.tail()
+    assert re.search(r"\[FATAL\] run stopped\. Last intact checkpoint: \S+step_000002", p.out), p.tail()
+    assert sorted(x.name for x in out.glob("step_*")) == ["step_000002"]
+
+
+def test_a_checkpoint_that_waits_for_the_previous_write_says_so(llama, sharegpt, cache_dir, tmp_path):
+    """One write at a time: when checkpoints come faster than the disk writes them, the save waits for
+    the previous write, and the log says so (else a slow disk would read as a slow GPU). ckpt_lag:3
+    with --ckpt-interval 3 holds each write back until the next save has begun. The start-up line
+    gives the size and number of checkpoints."""
+    out = tmp_path / "out"
+    p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 60,
+              "--max-steps", 7, "--ckpt-interval", 3, "--out-dir", out, "--debug-fail", "ckpt_lag:3")
+    assert_ok(p)
+    assert re.search(r"\[ckpt\] ~[\d.]+ MiB per checkpoint; this run writes up to 3 and keeps 3", p.out), p.tail()
+    for step, prev in ((6, 3), (7, 6)):
+        assert re.search(rf"\[ckpt\] step {step}: waited [\d.]+s for the write of checkpoint {prev} \(one write at a "
+                         r"time", p.out), p.tail()
+    assert "step 3: waited" not in p.out
+    assert checkpoints(out) == ["step_000003", "step_000006", "step_000007"]
 
 
 def test_checkpoint_snapshots_reuse_their_host_buffers_and_never_alias_the_live_tensors():
@@ -526,7 +568,7 @@ def test_unknown_or_mistyped_option_and_bad_value_are_errors(tmp_path):
                          (["--resume", "maybe"], "bad value for --resume"),
                          (["--attn", "flexx"], "--attn must be auto|flex|sdpa"),
                          (["--debug-fail", "loader:3"], "--debug-fail"),
-                         (["--debug-fail", "ckpt_lag:5", "--ckpt-interval", "5"], "ckpt_lag:N needs 0 < N < --ckpt-interval"),
+                         (["--debug-fail", "ckpt_lag:6", "--ckpt-interval", "5"], "ckpt_lag:N needs 0 < N <= --ckpt-interval"),
                          (["--block-size", "1"], "block_size >= 2"),
                          (["--data", "/no/such/file.jsonl"], "data file not found"),
                          (["max-steps", "3"], "unexpected argument 'max-steps'"),
@@ -1228,7 +1270,8 @@ def test_bench_optimizer_times_both_optimisers_and_the_matmul_rate(tmp_path):
 def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path):
     """eval_dflash.py end to end (tiny target, untrained drafter, ShareGPT prompts): every prompt is
     lossless, the JSON is complete and consistent with the printout; a time budget stops after the
-    first prompt and reports that one, marked incomplete."""
+    first prompt and reports that one, marked incomplete; --merge adds up runs over disjoint prompt
+    ranges into the one run's figures and refuses overlapping ones."""
     import dflash_model as dm
     from transformers import AutoModelForCausalLM
     target = AutoModelForCausalLM.from_pretrained(llama)
@@ -1246,7 +1289,7 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
 
     p = run_cmd(base + ["--num-prompts", "3", "--json", str(tmp_path / "all.json")])
     assert_ok(p)
-    res = json.loads((tmp_path / "all.json").read_text())
+    res = res_all = json.loads((tmp_path / "all.json").read_text())
     assert res["prompts"] == res["requested"] == 3 and res["complete"] and res["lossless"] == 3, res
     assert res["mismatches"] == [] and "lossless: 3/3 prompts identical" in p.out
     assert sum(res["histogram"].values()) == res["rounds"] > 0
@@ -1259,6 +1302,24 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
     res = json.loads((tmp_path / "cut.json").read_text())
     assert res["prompts"] == 1 and res["requested"] == 3 and not res["complete"], res
     assert "time budget of 1e-09 min reached after 1 of 3 prompts" in p.out and "(incomplete: 1 of 3" in p.out
+
+    # the same 3 prompts in two runs (1 + 2), added up: the rounds and histogram of the one run (greedy
+    # decoding is deterministic), each rate as total tokens over total seconds
+    p = run_cmd(base + ["--skip", "1", "--num-prompts", "2", "--json", str(tmp_path / "rest.json")])
+    assert_ok(p)
+    merged = tmp_path / "merged.json"
+    p = run_cmd([sys.executable, str(REPO / "eval_dflash.py"), "--merge", str(tmp_path / "rest.json"),
+                 str(tmp_path / "cut.json"), "--json", str(merged)])
+    assert_ok(p)
+    m, parts = json.loads(merged.read_text()), [json.loads((tmp_path / n).read_text()) for n in ("cut.json", "rest.json")]
+    assert m["prompts"] == 3 and m["lossless"] == 3 and m["histogram"] == res_all["histogram"], (m, res_all)
+    assert m["rounds"] == res_all["rounds"] and abs(m["mean_tau"] - res_all["mean_tau"]) < 1e-9
+    secs = sum(r["target_seconds"] for r in parts)
+    assert abs(m["target_tok_s"] - sum(r["target_tokens"] for r in parts) / secs) < 1e-6
+    assert "merged 2 results: prompts 1-3" in p.out and "lossless: 3/3 prompts identical" in p.out
+    p = run_cmd([sys.executable, str(REPO / "eval_dflash.py"), "--merge", str(tmp_path / "all.json"),
+                 str(tmp_path / "rest.json")])
+    assert p.rc != 0 and "(prompts 1-3) and" in p.out and "(prompts 2-3) overlap" in p.out, p.tail()
 
 
 def _adamw_pair(param_dtype):

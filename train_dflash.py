@@ -91,7 +91,8 @@ class TrainConfig:
     resume: bool = False
     # fault injection for tests: "target:3" / "drafter:5" raise at that batch/step, "kill:4" SIGKILLs
     # the process after step 4 (after its checkpoint, if any), "ckpt:4" fails the write of checkpoint
-    # 4, "ckpt_lag:2" starts each checkpoint's write 2 steps late
+    # 4, "ckpt_lag:2" starts each checkpoint's write 2 steps late, "disk:4" pretends the output's file
+    # system is full (1 MiB free) from checkpoint 4 on (disk:0: from the start)
     debug_fail: str = ""
 
 
@@ -169,10 +170,10 @@ def validate(cfg):
     for f in cfg.data:
         if not os.path.exists(f) and os.sep in f:
             errs.append(f"data file not found: {f}")
-    if cfg.debug_fail and cfg.debug_fail.split(":")[0] not in ("target", "drafter", "kill", "ckpt", "ckpt_lag"):
-        errs.append(f"--debug-fail must be target:N, drafter:N, kill:N, ckpt:N or ckpt_lag:N, got {cfg.debug_fail}")
-    elif debug_at(cfg, "ckpt_lag") is not None and not 0 < debug_at(cfg, "ckpt_lag") < cfg.ckpt_interval:
-        errs.append("--debug-fail ckpt_lag:N needs 0 < N < --ckpt-interval (the next save waits for the write)")
+    if cfg.debug_fail and cfg.debug_fail.split(":")[0] not in ("target", "drafter", "kill", "ckpt", "ckpt_lag", "disk"):
+        errs.append(f"--debug-fail must be target:N, drafter:N, kill:N, ckpt:N, ckpt_lag:N or disk:N, got {cfg.debug_fail}")
+    elif debug_at(cfg, "ckpt_lag") is not None and not 0 < debug_at(cfg, "ckpt_lag") <= cfg.ckpt_interval:
+        errs.append("--debug-fail ckpt_lag:N needs 0 < N <= --ckpt-interval (the next save waits for the write)")
     if errs:
         raise SystemExit("error: " + "; ".join(errs))
 
@@ -987,7 +988,15 @@ class Trainer:
         if getattr(self, "saved_step", None) == step:    # (the budget's stop at a step that was just saved)
             return
         self.saved_step = step
-        self.wait_for_checkpoint()     # (a slow disk shows as lower tok/s: this wait is not the pause below)
+        with self.writer_lock:
+            busy = self.writer is not None and self.writer.is_alive()
+        t_wait = time.time()
+        waited_for = self.wait_for_checkpoint()   # (in the rates: this wait is not the pause below)
+        t_wait = time.time() - t_wait
+        if busy:                       # a slow disk must not pass for a slow GPU
+            self.log(f"[ckpt] step {step}: waited {t_wait:.1f}s for the write of checkpoint {waited_for} (one "
+                     "write at a time, and writing takes longer than --ckpt-interval steps of training: the "
+                     "wait is in this interval's rates; raise --ckpt-interval or write to a faster disk)")
         self.run.check()               # no new snapshot once the run is stopping (a failed write, say)
         t0 = time.time()
         dr, pool = self.drafters[0], self.host_pool.start()    # (the last write is done: its buffers are free)
@@ -1006,6 +1015,7 @@ class Trainer:
                 self.log(f"[ckpt] step {step}: not written, the run is stopping")    # nobody would wait for it
                 return
             self.writer = start_thread(self.run, "checkpoint-writer", self.write_checkpoint, step, state, serving)
+            self.writer.step = step
         self.ckpt_pause = (self.ckpt_pause or 0.0) + time.time() - t0
 
     def write_checkpoint(self, step, state, serving):
@@ -1018,18 +1028,30 @@ class Trainer:
                 return min(step + lag, self.total_steps if self.finish_at is None else self.finish_at)
             while self.last_step() < until() and not self.run.stop.wait(0.05):
                 pass
-        debug_point(cfg, "ckpt", step)
         t0 = time.time()
         final = os.path.join(cfg.out_dir, f"step_{step:06d}")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        need = snapshot_bytes(state, serving)
+        free = free_bytes(cfg, step)
+        if free < need + DISK_SLACK:     # (torch.save's own error for a full disk is "unexpected pos ...")
+            raise RuntimeError(f"checkpoint {step} needs ~{size_str(need)} and {cfg.out_dir}'s file system "
+                               f"has {size_str(free)} free: not written. Free space, or resume with another "
+                               "--out-dir (copy the last checkpoint there)")
         os.makedirs(tmp)
-        dm.save_drafter(self.drafters[0], os.path.join(tmp, "drafter"), state=serving)
-        torch.save(state, os.path.join(tmp, "state.pt"))
-        with open(os.path.join(tmp, "env.json"), "w") as f:
-            json.dump(self.checkpoint_env(), f, indent=1, default=str)
-        with open(tmp + "/DONE", "w") as f:
-            f.write(time.strftime("%Y-%m-%dT%H:%M:%S"))
+        try:
+            dm.save_drafter(self.drafters[0], os.path.join(tmp, "drafter"), state=serving)
+            debug_point(cfg, "ckpt", step)          # (a half-written checkpoint: its folder must go)
+            torch.save(state, os.path.join(tmp, "state.pt"))
+            with open(os.path.join(tmp, "env.json"), "w") as f:
+                json.dump(self.checkpoint_env(), f, indent=1, default=str)
+            with open(tmp + "/DONE", "w") as f:
+                f.write(time.strftime("%Y-%m-%dT%H:%M:%S"))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)      # a partial checkpoint only takes the disk space
+            self.log(f"[ckpt] the write of checkpoint {step} failed with {size_str(free_bytes(cfg, step))} free on "
+                     f"{cfg.out_dir}'s file system (~{size_str(need)} needed); its partial folder was removed")
+            raise
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)                          # atomic: a crash leaves the previous intact
@@ -1038,14 +1060,35 @@ class Trainer:
         self.log(f"[ckpt] {final} (written in {time.time() - t0:.1f}s, in the background)")
 
     def wait_for_checkpoint(self):
-        """Block until the checkpoint being written (if any) is on disk."""
+        """Block until the checkpoint being written (if any) is on disk; its step, or None if none was."""
         with self.writer_lock:     # (the step loop and, at the end, the main thread both wait)
             writer = self.writer
-        if writer is not None:
-            writer.join()
-            with self.writer_lock:
-                if self.writer is writer:
-                    self.writer = None
+        if writer is None:
+            return None
+        writer.join()
+        with self.writer_lock:
+            if self.writer is writer:
+                self.writer = None
+        return writer.step
+
+    def check_checkpoint_space(self, n_old):
+        """At start-up: is there disk space for the checkpoints this run will hold at once? A write goes
+        to a new folder before the oldest beyond --keep-last is deleted, so up to keep_last + 1 are on
+        disk. n_old: the checkpoints already there (a resume), which occupy their space already."""
+        cfg, dr, opt = self.cfg, self.drafters[0], self.opts[0]
+        each = snapshot_bytes({"optimizer": opt.state_dict(), "master_weights": master_state_dict(dr, opt)},
+                              dr.state_dict())
+        n_new = planned_checkpoints(self.step, self.total_steps, cfg.ckpt_interval, bool(cfg.max_minutes))
+        at_once = min(n_old + n_new - 1, cfg.keep_last) + 1 if n_new else 0
+        need, free = max(0, at_once - n_old) * each, free_bytes(cfg, self.step)
+        self.log(f"[ckpt] ~{size_str(each)} per checkpoint; this run writes up to {n_new} and keeps "
+                 f"{cfg.keep_last} (--keep-last), each written before the oldest is deleted: up to {at_once} on disk "
+                 f"at once, {size_str(need)} more; {size_str(free)} free on {cfg.out_dir}'s file system")
+        if free < need + DISK_SLACK:
+            raise SystemExit(f"error: not enough disk space for this run's checkpoints: ~{size_str(need)} "
+                             f"needed ({at_once} of ~{size_str(each)} at once, {n_old} there already), "
+                             f"{size_str(free)} free on {cfg.out_dir}'s file system. Free space, lower "
+                             "--keep-last, or choose another --out-dir")
 
     def resume_fingerprint(self):
         """digest() of what a resume restores byte for byte: replica 0's fp32 masters and both moments.
@@ -1089,6 +1132,8 @@ class Trainer:
             log(f"[run] the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
                 f"{self.step}: nothing to do (a larger --max-minutes continues)")
             return 0
+        if self.rank == 0:             # before the warm-up: a full disk found hours later costs the hours
+            self.check_checkpoint_space(len(old))
         dm.GATE.log = log
         t0 = time.time()
         if cfg.no_gate:
@@ -1546,6 +1591,51 @@ def list_checkpoints(out_dir):
     return sorted(os.path.join(out_dir, d) for d in os.listdir(out_dir)
                   if d.startswith("step_") and not d.endswith(".tmp")
                   and os.path.exists(os.path.join(out_dir, d, "DONE")))
+
+
+DISK_SLACK = 64 << 20      # bytes kept free beyond a checkpoint's estimate (configs, logs, env.json)
+
+
+def size_str(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def free_bytes(cfg, step):
+    """Free bytes on the file system of cfg.out_dir. (--debug-fail disk:N pretends 1 MiB from
+    checkpoint N on, at start-up too for N = 0.)"""
+    full_from = debug_at(cfg, "disk")
+    if full_from is not None and step >= full_from:
+        return 1 << 20
+    return shutil.disk_usage(cfg.out_dir).free
+
+
+def snapshot_bytes(state, serving):
+    """Bytes a checkpoint writes, about: every tensor of `state` once (shared ones are stored once) and
+    the serving weights in bf16 (save_drafter's dtype). The live state gives the same count as its
+    snapshot: the start-up check estimates with it."""
+    seen, n = set(), 0
+
+    def walk(obj):
+        nonlocal n
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                n += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+    walk(state)
+    return n + sum(v.numel() * 2 for v in serving.values())
+
+
+def planned_checkpoints(start, total, interval, timed):
+    """How many checkpoints a run from step `start` to `total` writes: every `interval` steps, the last
+    step, and (a time budget) one more at the step the budget ends."""
+    n = total // interval - start // interval + (1 if total % interval else 0)
+    return n + (1 if timed else 0)
 
 
 class Logger:
