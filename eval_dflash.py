@@ -49,7 +49,7 @@ def parse_args(argv):
     missing = [f"--{n}" for n in ("target", "drafter", "prompts") if not getattr(a, n)]
     if missing and not a.merge:
         p.error(f"{', '.join(missing)} required (or --merge)")
-    if a.merge and not missing:
+    if a.merge and len(missing) < 3:
         p.error("--merge adds up earlier results: give it without --target/--drafter/--prompts")
     return a
 
@@ -122,7 +122,7 @@ def main(argv=None):
         taus += acc
         hist.update(acc)
         if not torch.equal(ref, out):
-            mismatches.append(describe_mismatch(target, x, ref, out, k))
+            mismatches.append(describe_mismatch(target, x, ref, out, a.skip + k))
         if (k + 1) % 10 == 0:
             print(f"[eval] {k + 1}/{len(prompts)} prompts: tau so far {sum(taus) / max(1, len(taus)):.2f}, "
                   f"speed-up so far {(n_spec / t_spec) / (n_ref / t_ref):.2f}x", flush=True)
@@ -166,7 +166,7 @@ def merge(paths, json_path):
             raise SystemExit(f"error: {p0} (prompts {s0 + 1}-{e0}) and {p1} (prompts {s1 + 1}-{e1}) overlap")
     first = parts[0][3]
     for _, _, path, r in parts:
-        for k in ("max_new_tokens", "dtype", "block_size"):
+        for k in ("target", "drafter", "prompt_files", "max_prompt_tokens", "max_new_tokens", "dtype", "block_size"):
             if r.get(k) != first.get(k):
                 raise SystemExit(f"error: {path} has {k} {r.get(k)}, {parts[0][2]} {first.get(k)}: not one measurement")
     runs = [p[3] for p in parts]
@@ -176,7 +176,8 @@ def merge(paths, json_path):
     total = {k: sum(r[k] for r in runs) for k in ("target_tokens", "target_seconds", "dflash_tokens", "dflash_seconds")}
     rounds = sum(hist.values())
     gaps = [f"{e0 + 1}-{s1}" for (_, e0, _, _), (s1, _, _, _) in zip(parts, parts[1:]) if s1 > e0]
-    res = {"prompts": sum(r["prompts"] for r in runs), "requested": sum(r["requested"] for r in runs),
+    last = parts[-1][3]
+    res = {"prompts": sum(r["prompts"] for r in runs), "requested": last["skip"] + last["requested"] - parts[0][0],
            "mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
            "histogram": dict(sorted(hist.items())),
            "target_tok_s": total["target_tokens"] / total["target_seconds"],
@@ -186,7 +187,7 @@ def merge(paths, json_path):
            **total, "skip": parts[0][0], "max_new_tokens": first["max_new_tokens"], "dtype": first["dtype"],
            "block_size": first.get("block_size") or max(hist, default=1), "device": ", ".join(sorted({r["device"] for r in runs})),
            "merged": [p[2] for p in parts]}
-    res["complete"] = all(r["complete"] for r in runs)
+    res["complete"] = not gaps and last["complete"]     # (an earlier part cut short leaves a gap, or none)
     print(f"[eval] merged {len(runs)} results: prompts {parts[0][0] + 1}-{parts[-1][1]}"
           + (f" (not measured: {', '.join(gaps)})" if gaps else ""))
     return report(res, json_path)
@@ -217,7 +218,8 @@ def summarise(n_prompts, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a
             "speedup": (n_spec / t_spec) / (n_ref / t_ref), "lossless": n_prompts - len(mismatches),
             # the raw sums, so that the results of runs over parts of a prompt set can be merged (--merge)
             "target_tokens": n_ref, "target_seconds": t_ref, "dflash_tokens": n_spec, "dflash_seconds": t_spec,
-            "skip": a.skip,
+            "skip": a.skip, "target": a.target, "drafter": a.drafter, "prompt_files": a.prompts,
+            "max_prompt_tokens": a.max_prompt_tokens,
             "mismatches": mismatches, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "device": str(a.device)}
 
 

@@ -300,6 +300,24 @@ def test_a_full_disk_is_an_error_at_start_up_and_before_a_checkpoint_is_written(
     assert sorted(x.name for x in out.glob("step_*")) == ["step_000002"]
 
 
+def test_checkpoint_count_and_disk_peak_follow_the_rotation():
+    """planned_checkpoints: every interval and the last step; checkpoints_at_once: a write lands before
+    the oldest beyond keep_last goes, and a resume's old checkpoints (more than keep_last, too) stay
+    until the first write. Checked against a simulation of the rotation."""
+    import train_dflash as tr
+    assert tr.planned_checkpoints(0, 80, 25) == 4            # 25, 50, 75, 80
+    assert tr.planned_checkpoints(25, 80, 25) == 3 and tr.planned_checkpoints(0, 75, 25) == 3
+    for n_old in range(6):
+        for n_new in range(6):
+            for keep in range(1, 5):
+                on_disk, peak = n_old, n_old
+                for _ in range(n_new):
+                    on_disk += 1                               # written ...
+                    peak = max(peak, on_disk)
+                    on_disk = min(on_disk, keep)               # ... then the oldest beyond keep_last go
+                assert tr.checkpoints_at_once(n_old, n_new, keep) == peak, (n_old, n_new, keep)
+
+
 def test_a_checkpoint_that_waits_for_the_previous_write_says_so(llama, sharegpt, cache_dir, tmp_path):
     """One write at a time: when checkpoints come faster than the disk writes them, the save waits for
     the previous write, and the log says so (else a slow disk would read as a slow GPU). ckpt_lag:3
@@ -1314,6 +1332,7 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
     m, parts = json.loads(merged.read_text()), [json.loads((tmp_path / n).read_text()) for n in ("cut.json", "rest.json")]
     assert m["prompts"] == 3 and m["lossless"] == 3 and m["histogram"] == res_all["histogram"], (m, res_all)
     assert m["rounds"] == res_all["rounds"] and abs(m["mean_tau"] - res_all["mean_tau"]) < 1e-9
+    assert m["complete"] and m["requested"] == 3, m       # the cut part's missing prompts are the other's
     secs = sum(r["target_seconds"] for r in parts)
     assert abs(m["target_tok_s"] - sum(r["target_tokens"] for r in parts) / secs) < 1e-6
     assert "merged 2 results: prompts 1-3" in p.out and "lossless: 3/3 prompts identical" in p.out

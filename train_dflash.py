@@ -993,7 +993,7 @@ class Trainer:
         t_wait = time.time()
         waited_for = self.wait_for_checkpoint()   # (in the rates: this wait is not the pause below)
         t_wait = time.time() - t_wait
-        if busy:                       # a slow disk must not pass for a slow GPU
+        if busy and not self.run.stop.is_set():     # a slow disk must not pass for a slow GPU
             self.log(f"[ckpt] step {step}: waited {t_wait:.1f}s for the write of checkpoint {waited_for} (one "
                      "write at a time, and writing takes longer than --ckpt-interval steps of training: the "
                      "wait is in this interval's rates; raise --ckpt-interval or write to a faster disk)")
@@ -1049,8 +1049,12 @@ class Trainer:
                 f.write(time.strftime("%Y-%m-%dT%H:%M:%S"))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)      # a partial checkpoint only takes the disk space
-            self.log(f"[ckpt] the write of checkpoint {step} failed with {size_str(free_bytes(cfg, step))} free on "
-                     f"{cfg.out_dir}'s file system (~{size_str(need)} needed); its partial folder was removed")
+            try:
+                free = size_str(free_bytes(cfg, step))
+            except OSError as e:
+                free = f"? ({e})"
+            self.log(f"[ckpt] the write of checkpoint {step} failed (now {free} free on {cfg.out_dir}'s file "
+                     f"system, ~{size_str(need)} needed); its partial folder was removed")
             raise
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -1078,17 +1082,18 @@ class Trainer:
         cfg, dr, opt = self.cfg, self.drafters[0], self.opts[0]
         each = snapshot_bytes({"optimizer": opt.state_dict(), "master_weights": master_state_dict(dr, opt)},
                               dr.state_dict())
-        n_new = planned_checkpoints(self.step, self.total_steps, cfg.ckpt_interval, bool(cfg.max_minutes))
-        at_once = min(n_old + n_new - 1, cfg.keep_last) + 1 if n_new else 0
-        need, free = max(0, at_once - n_old) * each, free_bytes(cfg, self.step)
+        n_new = planned_checkpoints(self.step, self.total_steps, cfg.ckpt_interval)
+        at_once = checkpoints_at_once(n_old, n_new, cfg.keep_last)
+        need, free = (at_once - n_old) * each, free_bytes(cfg, self.step)
         self.log(f"[ckpt] ~{size_str(each)} per checkpoint; this run writes up to {n_new} and keeps "
                  f"{cfg.keep_last} (--keep-last), each written before the oldest is deleted: up to {at_once} on disk "
                  f"at once, {size_str(need)} more; {size_str(free)} free on {cfg.out_dir}'s file system")
         if free < need + DISK_SLACK:
             raise SystemExit(f"error: not enough disk space for this run's checkpoints: ~{size_str(need)} "
                              f"needed ({at_once} of ~{size_str(each)} at once, {n_old} there already), "
-                             f"{size_str(free)} free on {cfg.out_dir}'s file system. Free space, lower "
-                             "--keep-last, or choose another --out-dir")
+                             f"{size_str(free)} free on {cfg.out_dir}'s file system. Free space (old "
+                             "checkpoints there count as used until a new one is written), lower --keep-last, "
+                             "or choose another --out-dir")
 
     def resume_fingerprint(self):
         """digest() of what a resume restores byte for byte: replica 0's fp32 masters and both moments.
@@ -1631,11 +1636,17 @@ def snapshot_bytes(state, serving):
     return n + sum(v.numel() * 2 for v in serving.values())
 
 
-def planned_checkpoints(start, total, interval, timed):
-    """How many checkpoints a run from step `start` to `total` writes: every `interval` steps, the last
-    step, and (a time budget) one more at the step the budget ends."""
-    n = total // interval - start // interval + (1 if total % interval else 0)
-    return n + (1 if timed else 0)
+def checkpoints_at_once(n_old, n_new, keep_last):
+    """The most checkpoints on disk at once when n_new are written after n_old: each is written before
+    the oldest beyond keep_last is deleted. (n_old may exceed keep_last, on a resume with a lower
+    --keep-last: none of them goes before the first write.)"""
+    return max(n_old, min(n_old + n_new - 1, keep_last)) + 1 if n_new else n_old
+
+
+def planned_checkpoints(start, total, interval):
+    """How many checkpoints a run from step `start` to `total` writes: every `interval` steps and the
+    last step. (A time budget's stop at step s saves there instead of at the last step: no more.)"""
+    return total // interval - start // interval + (1 if total % interval else 0)
 
 
 class Logger:
