@@ -885,6 +885,22 @@ def test_torchrun_two_processes_keep_identical_replicas(llama, cache_dir, tmp_pa
     assert [r["step"] for r in metrics(again)] == [1, 2, 3, 4, 5, 6]
 
 
+def test_torchrun_every_rank_stops_on_rank_0s_disk_verdict(llama, cache_dir, tmp_path):
+    """Rank 0 writes the checkpoints and checks the disk at start-up; the other ranks stop on its
+    verdict at the same point (before the warm-up), not later when torchrun takes them down."""
+    data = short_chats(tmp_path / "chats5.jsonl", 5)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           free_port(), TRAIN, *TINY, "--target", llama, "--data", data, "--cache-dir", cache_dir,
+           "--buckets", 256, "--tokens-per-batch", 256, "--epochs", 3, "--out-dir", out, "--debug-fail", "disk:0"]
+    p = run_cmd([str(c) for c in cmd], timeout=180)
+    assert p.rc not in (0, None), p.tail()
+    assert "error: not enough disk space for this run's checkpoints: ~" in p.out, p.tail()
+    assert "error: not enough disk space for this run's checkpoints (rank 0's log says more)" in p.out, p.tail()
+    rank1 = (out / "train.rank1.log").read_text()
+    assert "[warmup]" not in p.out and "[warmup]" not in rank1 and checkpoints(out) == []
+
+
 # -----------------------------------------------------------------------------
 # 7. the one command
 

@@ -1078,7 +1078,8 @@ class Trainer:
     def check_checkpoint_space(self, n_old):
         """At start-up: is there disk space for the checkpoints this run will hold at once? A write goes
         to a new folder before the oldest beyond --keep-last is deleted, so up to keep_last + 1 are on
-        disk. n_old: the checkpoints already there (a resume), which occupy their space already."""
+        disk. n_old: the checkpoints already there (a resume), which occupy their space already.
+        Returns the error for too little space, else None."""
         cfg, dr, opt = self.cfg, self.drafters[0], self.opts[0]
         each = snapshot_bytes({"optimizer": opt.state_dict(), "master_weights": master_state_dict(dr, opt)},
                               dr.state_dict())
@@ -1089,11 +1090,12 @@ class Trainer:
                  f"{cfg.keep_last} (--keep-last), each written before the oldest is deleted: up to {at_once} on disk "
                  f"at once, {size_str(need)} more; {size_str(free)} free on {cfg.out_dir}'s file system")
         if free < need + DISK_SLACK:
-            raise SystemExit(f"error: not enough disk space for this run's checkpoints: ~{size_str(need)} "
-                             f"needed ({at_once} of ~{size_str(each)} at once, {n_old} there already), "
-                             f"{size_str(free)} free on {cfg.out_dir}'s file system. Free space (old "
-                             "checkpoints there count as used until a new one is written), lower --keep-last, "
-                             "or choose another --out-dir")
+            return (f"error: not enough disk space for this run's checkpoints: ~{size_str(need)} "
+                    f"needed ({at_once} of ~{size_str(each)} at once, {n_old} there already), "
+                    f"{size_str(free)} free on {cfg.out_dir}'s file system. Free space (old "
+                    "checkpoints there count as used until a new one is written), lower --keep-last, "
+                    "or choose another --out-dir")
+        return None
 
     def resume_fingerprint(self):
         """digest() of what a resume restores byte for byte: replica 0's fp32 masters and both moments.
@@ -1137,8 +1139,11 @@ class Trainer:
             log(f"[run] the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
                 f"{self.step}: nothing to do (a larger --max-minutes continues)")
             return 0
-        if self.rank == 0:             # before the warm-up: a full disk found hours later costs the hours
-            self.check_checkpoint_space(len(old))
+        # before the warm-up: a full disk found hours later costs the hours. Rank 0 writes the
+        # checkpoints and checks; every rank stops on its verdict (not only rank 0, the others hung)
+        short = self.check_checkpoint_space(len(old)) if self.rank == 0 else None
+        if self.gather_ints(short is not None)[0]:
+            raise SystemExit(short or "error: not enough disk space for this run's checkpoints (rank 0's log says more)")
         dm.GATE.log = log
         t0 = time.time()
         if cfg.no_gate:
