@@ -10,8 +10,10 @@ bf16 weight here, and a bf16 matmul's weight gradient cast to fp32 is exact.
 
 The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, lerp for the
 first moment). Gradient clipping is a factor on the device (`grad_scale`), applied inside the same
-pass: no host sync and no separate scaling pass. On CUDA the pass is a small Triton kernel, checked
-against the torch-op version on first use; elsewhere it is the torch-op version.
+pass: no host sync and no separate scaling pass. A nan factor makes the pass store nothing (the
+trainer's factor is nan for a nan/inf gradient norm: it can queue the step before it has read the
+norm, and a bad step leaves master, moments and weights as they were). On CUDA the pass is a small
+Triton kernel, checked against the torch-op version on first use; elsewhere it is the torch-op version.
 """
 import math
 
@@ -30,11 +32,13 @@ if triton is not None:
     def _adamw_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, scale_ptr, n,
                       beta1, beta2, eps, decay, step_size, bc2_sqrt, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        keep = offs < n
-        g = tl.load(grad_ptr + offs, mask=keep).to(tl.float32) * tl.load(scale_ptr)
-        w = tl.load(master_ptr + offs, mask=keep) * decay
-        m = tl.load(m_ptr + offs, mask=keep)
-        v = tl.load(v_ptr + offs, mask=keep)
+        scale = tl.load(scale_ptr)
+        load = offs < n
+        keep = offs < tl.where(scale == scale, n, 0)     # a nan factor (a nan/inf gradient norm): store nothing
+        g = tl.load(grad_ptr + offs, mask=load).to(tl.float32) * scale
+        w = tl.load(master_ptr + offs, mask=load) * decay
+        m = tl.load(m_ptr + offs, mask=load)
+        v = tl.load(v_ptr + offs, mask=load)
         m = m + (1.0 - beta1) * (g - m)
         v = v * beta2 + (1.0 - beta2) * g * g
         w = w - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
@@ -52,7 +56,10 @@ def cast_weights(params, dtype):
 
 
 def _update_torch(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
-    """The same update with torch ops, in torch.optim.AdamW's (single-tensor) order."""
+    """The same update with torch ops, in torch.optim.AdamW's (single-tensor) order; a nan `scale`
+    stores nothing, as the kernel (a host sync on a GPU: this path runs there only without Triton)."""
+    if scale is not None and bool(torch.isnan(scale)):
+        return
     g = g.float() if scale is None else g.float() * scale
     w, m, v = st["master"], st["exp_avg"], st["exp_avg_sq"]
     w.mul_(decay)
@@ -156,6 +163,11 @@ class MasterAdamW(torch.optim.Optimizer):
                                    f"max relative error {err:.2e} (triton {triton.__version__})")
         if (p.float() - p_ref.float()).abs().max() > 2 ** -7 * p_ref.float().abs().max():
             raise RuntimeError(f"MasterAdamW's Triton kernel writes wrong bf16 weights on {dev}")
+        before = [t.clone() for t in (p, *st.values())]
+        _update_triton(p, g, st, torch.tensor(math.nan, device=dev), *args)
+        if not all(torch.equal(a, b) for a, b in zip(before, (p, *st.values()))):
+            raise RuntimeError(f"MasterAdamW's Triton kernel stores an update with a nan clip factor on {dev} "
+                               "(it must store nothing: a nan/inf gradient norm would poison the weights)")
 
     def masters(self):
         """fp32 master weights, in parameter order."""

@@ -67,7 +67,7 @@ def test_ce_kernel_equals_the_eager_ce_and_its_check_catches_a_wrong_kernel():
                            "ties", "ok", "check", "ok"], out
 
 
-def test_adamw_kernel_equals_the_torch_update_with_a_clip_factor_over_steps():
+def test_adamw_kernel_equals_the_torch_update_with_a_clip_factor_over_steps_and_skips_a_nan_factor():
     out = run_interpreted("""
         import math, torch
         import master_adamw as ma
@@ -88,8 +88,27 @@ def test_adamw_kernel_equals_the_torch_update_with_a_clip_factor_over_steps():
         # the weights are written from the masters: bf16(master), within one bf16 step (the interpreter
         # rounds toward zero where a GPU rounds to nearest)
         assert ((p.float() - st["master"]).abs() <= 2 ** -7 * st["master"].abs()).all()
+        # a nan clip factor (a nan/inf gradient norm) stores nothing: master, moments and weights stay
+        before = [t.clone() for t in (p, *st.values())]
+        ma._update_triton(p, torch.full((n,), float("nan"), dtype=torch.bfloat16), st, torch.tensor(math.nan), *args)
+        assert all(torch.equal(a, b) for a, b in zip(before, (p, *st.values())))
         opt = ma.MasterAdamW([torch.nn.Parameter(torch.randn(4))], param_dtype=torch.float32)
         opt._check_kernel(torch.device("cpu"))                  # the per-device check passes a right kernel
         print("adamw ok")
     """)
     assert out.split() == ["adamw", "ok"], out
+
+
+def test_adamw_kernel_compiles_for_the_h200_ahead_of_time():
+    """The interpreter runs the kernel's Python; this runs Triton's compiler down to an sm_90 cubin
+    (no GPU needed), so a kernel that only a GPU could reject fails here, in CI, not in a GPU run."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import master_adamw as ma
+    sig = {"param_ptr": "*bf16", "grad_ptr": "*bf16", "master_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32",
+           "scale_ptr": "*fp32", "n": "i32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "decay": "fp32",
+           "step_size": "fp32", "bc2_sqrt": "fp32", "BLOCK": "constexpr"}
+    k = triton.compile(ASTSource(fn=ma._adamw_kernel, signature=sig, constexprs={"BLOCK": 1024}),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert len(k.asm["cubin"]) > 1000 and ".entry _adamw_kernel" in k.asm["ptx"]

@@ -732,6 +732,32 @@ def test_a_lone_replica_steps_on_handed_over_grads_and_clips_exactly_like_clip_g
         assert torch.equal(dm_bytes(pa), dm_bytes(pb))
 
 
+def test_a_nan_or_inf_gradient_norm_raises_with_nothing_stepped_and_the_next_step_is_the_first():
+    """clip_and_step queues the update before it reads the norm (on a GPU the host must not wait for
+    the norm first), so a bad norm has to make the update a no-op: FloatingPointError, and weights,
+    masters, moments and step counts as they were; a good step afterwards is then step 1 (the bias
+    correction) and equals a fresh optimiser's."""
+    import train_dflash as tr
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    b.load_state_dict(a.state_dict())
+    opt_a = tr.MasterAdamW(a.parameters(), lr=0.1, param_dtype=torch.float32)
+    opt_b = tr.MasterAdamW(b.parameters(), lr=0.1, param_dtype=torch.float32)
+    state = lambda opt: [t.clone() for p in opt.params() for t in (p.detach(), *(opt.state[p][k] for k in
+                                                                                ("master", "exp_avg", "exp_avg_sq")))]
+    before = state(opt_a)
+    for bad in (float("nan"), float("inf")):
+        grads = [torch.randn_like(p) for p in a.parameters()]
+        grads[1][0] = bad
+        with pytest.raises(FloatingPointError, match="the gradient norm is"):
+            tr.clip_and_step(opt_a, grads, 1.0)
+        assert all(torch.equal(x, y) for x, y in zip(before, state(opt_a)))
+        assert [opt_a.state[p]["step"] for p in opt_a.params()] == [0, 0]
+    grads = [torch.randn_like(p) for p in a.parameters()]
+    assert tr.clip_and_step(opt_a, grads, 1.0) == tr.clip_and_step(opt_b, [g.clone() for g in grads], 1.0)
+    assert all(torch.equal(x, y) for x, y in zip(state(opt_a), state(opt_b)))
+
+
 def dm_bytes(t):
     import train_dflash as tr
     return tr.as_bytes(t)
