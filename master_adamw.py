@@ -56,10 +56,8 @@ def cast_weights(params, dtype):
 
 
 def _update_torch(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
-    """The same update with torch ops, in torch.optim.AdamW's (single-tensor) order; a nan `scale`
-    stores nothing, as the kernel (a host sync on a GPU: this path runs there only without Triton)."""
-    if scale is not None and bool(torch.isnan(scale)):
-        return
+    """The same update with torch ops, in torch.optim.AdamW's (single-tensor) order. (A nan `scale`
+    is skipped by step(), as the kernel stores nothing for it.)"""
     g = g.float() if scale is None else g.float() * scale
     w, m, v = st["master"], st["exp_avg"], st["exp_avg_sq"]
     w.mul_(decay)
@@ -109,7 +107,7 @@ class MasterAdamW(torch.optim.Optimizer):
         grads = [p.grad for p in params] if grads is None else list(grads)
         if len(grads) != len(params):
             raise ValueError(f"{len(grads)} gradients for {len(params)} parameters")
-        i = 0
+        i, nan_scale = 0, None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -132,7 +130,10 @@ class MasterAdamW(torch.optim.Optimizer):
                         self._check_kernel(p.device)
                         _update_triton(p, g.contiguous(), st, scale.float(), *args)
                 else:
-                    _update_torch(p, g, st, grad_scale, *args)
+                    if nan_scale is None:     # once per step: a host sync on a GPU (only without Triton)
+                        nan_scale = grad_scale is not None and bool(torch.isnan(grad_scale))
+                    if not nan_scale:         # a nan factor stores nothing, as the kernel
+                        _update_torch(p, g, st, grad_scale, *args)
 
     def _one(self, dev):
         if dev not in self.ones:
@@ -163,11 +164,14 @@ class MasterAdamW(torch.optim.Optimizer):
                                    f"max relative error {err:.2e} (triton {triton.__version__})")
         if (p.float() - p_ref.float()).abs().max() > 2 ** -7 * p_ref.float().abs().max():
             raise RuntimeError(f"MasterAdamW's Triton kernel writes wrong bf16 weights on {dev}")
-        before = [t.clone() for t in (p, *st.values())]
-        _update_triton(p, g, st, torch.tensor(math.nan, device=dev), *args)
-        if not all(torch.equal(a, b) for a, b in zip(before, (p, *st.values()))):
-            raise RuntimeError(f"MasterAdamW's Triton kernel stores an update with a nan clip factor on {dev} "
-                               "(it must store nothing: a nan/inf gradient norm would poison the weights)")
+        for k in (n, 3 * 4096):          # (Triton compiles a size divisible by 16 apart)
+            sub = [t[:k] for t in (p, g, st["master"], st["exp_avg"], st["exp_avg_sq"])]
+            before = [t.clone() for t in sub]
+            _update_triton(sub[0], sub[1], dict(zip(("master", "exp_avg", "exp_avg_sq"), sub[2:])),
+                           torch.tensor(math.nan, device=dev), *args)
+            if not all(torch.equal(a, b) for a, b in zip(before, sub)):
+                raise RuntimeError(f"MasterAdamW's Triton kernel stores an update with a nan clip factor on {dev} "
+                                   "(it must store nothing: a nan/inf gradient norm would poison the weights)")
 
     def masters(self):
         """fp32 master weights, in parameter order."""
