@@ -100,7 +100,7 @@ def main(argv=None):
     dm.target_greedy(target, warm, 8, stops)
     dm.dflash_generate(drafter, target, warm, 8, stops)
 
-    taus, hist = [], collections.Counter()
+    taus, hist, bs = [], collections.Counter(), drafter.config.block_size
     t_ref = t_spec = 0.0
     n_ref = n_spec = 0
     mismatches = []
@@ -127,11 +127,8 @@ def main(argv=None):
             print(f"[eval] {k + 1}/{len(prompts)} prompts: tau so far {sum(taus) / max(1, len(taus)):.2f}, "
                   f"speed-up so far {(n_spec / t_spec) / (n_ref / t_ref):.2f}x", flush=True)
             if a.json:   # partial results survive a run that is stopped early
-                write_json(a.json, {**summarise(k + 1, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a),
-                                    "block_size": drafter.config.block_size})
-    res = summarise(done, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a)
-    res["block_size"] = drafter.config.block_size
-    return report(res, a.json)
+                write_json(a.json, summarise(k + 1, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs))
+    return report(summarise(done, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs), a.json)
 
 
 def report(res, json_path):
@@ -211,7 +208,7 @@ def format_histogram(hist, bs):
                      for L in range(1, bs + 1))
 
 
-def summarise(n_prompts, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a):
+def summarise(n_prompts, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs):
     return {"prompts": n_prompts, "complete": n_prompts == a.requested, "requested": a.requested,
             "mean_tau": sum(taus) / max(1, len(taus)), "rounds": len(taus),
             "histogram": dict(sorted(hist.items())), "target_tok_s": n_ref / t_ref, "dflash_tok_s": n_spec / t_spec,
@@ -219,7 +216,7 @@ def summarise(n_prompts, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a
             # the raw sums, so that the results of runs over parts of a prompt set can be merged (--merge)
             "target_tokens": n_ref, "target_seconds": t_ref, "dflash_tokens": n_spec, "dflash_seconds": t_spec,
             "skip": a.skip, "target": a.target, "drafter": a.drafter, "prompt_files": a.prompts,
-            "max_prompt_tokens": a.max_prompt_tokens,
+            "max_prompt_tokens": a.max_prompt_tokens, "block_size": bs,
             "mismatches": mismatches, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "device": str(a.device)}
 
 

@@ -872,16 +872,21 @@ def test_nccl_rank_sets_its_gpu_before_the_process_group_starts(monkeypatch):
     assert calls == [("set_device", 1), ("init_process_group", "nccl", {"device_id": torch.device("cuda", 1)})]
 
 
+def torchrun_cmd(llama, data, cache_dir, out, *extra):
+    """2 CPU ranks of the trainer on `data` in one bucket, B=1, 3 epochs."""
+    return [str(c) for c in [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             free_port(), TRAIN, *TINY, "--target", llama, "--data", data, "--cache-dir", cache_dir,
+                             "--buckets", 256, "--tokens-per-batch", 256, "--epochs", 3, *extra, "--out-dir", out]]
+
+
 def test_torchrun_two_processes_keep_identical_replicas(llama, cache_dir, tmp_path):
     # 5 samples, one bucket, B=1: rank 0's shard has 3 batches/epoch, rank 1's has 2, so with
     # --epochs 3 they would plan 9 and 6 steps: the ranks must agree (min: 6), or their lr schedules
     # differ and rank 0 waits forever in the all-reduce of step 7.
     data = short_chats(tmp_path / "chats5.jsonl", 5)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           free_port(), TRAIN, *TINY, "--target", llama, "--data", data, "--cache-dir", cache_dir,
-           "--buckets", 256, "--tokens-per-batch", 256, "--epochs", 3, "--ckpt-interval", 3, "--out-dir", out]
-    p = run_cmd([str(c) for c in cmd], timeout=180)
+    cmd = torchrun_cmd(llama, data, cache_dir, out, "--ckpt-interval", 3)
+    p = run_cmd(cmd, timeout=180)
     assert_ok(p)
     rank1 = (out / "train.rank1.log").read_text()        # rank > 0 logs to its own file, not stdout
     assert "[dist] rank 0/2 backend gloo" in p.out and "[dist] rank 1/2 backend gloo" in rank1
@@ -901,7 +906,7 @@ def test_torchrun_two_processes_keep_identical_replicas(llama, cache_dir, tmp_pa
     import shutil
     again = tmp_path / "again"
     shutil.copytree(out, again, ignore=shutil.ignore_patterns("step_000006", "compile_cache"))
-    p2 = run_cmd([str(c) for c in cmd[:-1]] + [str(again), "--resume"], timeout=180)
+    p2 = run_cmd(cmd[:-1] + [str(again), "--resume"], timeout=180)
     assert_ok(p2)
     rank1 = (again / "train.rank1.log").read_text()
     assert "step_000003: step 3, batch cursor 3" in p2.out and "step_000003: step 3, batch cursor 3" in rank1, rank1
@@ -916,10 +921,7 @@ def test_torchrun_every_rank_stops_on_rank_0s_disk_verdict(llama, cache_dir, tmp
     verdict at the same point (before the warm-up), not later when torchrun takes them down."""
     data = short_chats(tmp_path / "chats5.jsonl", 5)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           free_port(), TRAIN, *TINY, "--target", llama, "--data", data, "--cache-dir", cache_dir,
-           "--buckets", 256, "--tokens-per-batch", 256, "--epochs", 3, "--out-dir", out, "--debug-fail", "disk:0"]
-    p = run_cmd([str(c) for c in cmd], timeout=180)
+    p = run_cmd(torchrun_cmd(llama, data, cache_dir, out, "--debug-fail", "disk:0"), timeout=180)
     assert p.rc not in (0, None), p.tail()
     assert "error: not enough disk space for this run's checkpoints: ~" in p.out, p.tail()
     assert "error: not enough disk space for this run's checkpoints (rank 0's log says more)" in p.out, p.tail()

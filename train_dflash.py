@@ -1526,20 +1526,27 @@ def master_state_dict(model, opt):
     return {k: masters.get(k, v) for k, v in model.state_dict().items()}     # (state_dict()'s are detached)
 
 
-def to_host(obj, memo, pool):
-    """obj (dicts, lists, tuples) with every tensor COPIED into host buffers of `pool` (a HostPool;
-    call its finish() before reading the copies) - also a CPU tensor: the copy must not change when
-    training goes on - once per tensor object (memo: id -> copy), so tensors shared in obj stay
-    shared and torch.save writes them once."""
+def map_tensors(obj, fn):
+    """obj (dicts, lists, tuples) with fn(t) in place of every tensor t."""
     if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:      # the original is kept with its copy: its id stays its own meanwhile
-            memo[id(obj)] = (obj, pool.copy(obj.detach()))
-        return memo[id(obj)][1]
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: to_host(v, memo, pool) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_host(v, memo, pool) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
+
+
+def to_host(obj, memo, pool):
+    """obj with every tensor COPIED into host buffers of `pool` (a HostPool; call its finish() before
+    reading the copies) - also a CPU tensor: the copy must not change when training goes on - once
+    per tensor object (memo: id -> copy), so tensors shared in obj stay shared and torch.save writes
+    them once."""
+    def copy(t):
+        if id(t) not in memo:        # the original is kept with its copy: its id stays its own meanwhile
+            memo[id(t)] = (t, pool.copy(t.detach()))
+        return memo[id(t)][1]
+    return map_tensors(obj, copy)
 
 
 class HostPool:
@@ -1639,22 +1646,9 @@ def snapshot_bytes(state, serving):
     """Bytes a checkpoint writes, about: every tensor of `state` once (shared ones are stored once) and
     the serving weights in bf16 (save_drafter's dtype). The live state gives the same count as its
     snapshot: the start-up check estimates with it."""
-    seen, n = set(), 0
-
-    def walk(obj):
-        nonlocal n
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                n += obj.numel() * obj.element_size()
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v)
-    walk(state)
-    return n + sum(v.numel() * 2 for v in serving.values())
+    nbytes = {}                      # id -> bytes: a shared tensor counts once
+    map_tensors(state, lambda t: nbytes.setdefault(id(t), t.numel() * t.element_size()))
+    return sum(nbytes.values()) + sum(v.numel() * 2 for v in serving.values())
 
 
 def checkpoints_at_once(n_old, n_new, keep_last):
