@@ -1223,6 +1223,15 @@ def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_t
     assert [(r[0], r[1], r[3]) for r in rows] == [("cpu", s, "cache hit") for s in shapes], log
     assert "NOTICE" not in log, log        # the workers' graphs were the parent's: nothing compiled twice
 
+    # a child given several specs compiles the shape for each in turn (one GPU after another; here the
+    # same CPU twice: the second is dynamo's in-process reuse) and times each
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(warmup.worker_spec(drafter, 7.0, "flex", 2048, "trunk", 8)))
+    p = run_cmd([sys.executable, warmup.__file__, "--precompile-one", "1", "128", "8", str(spec), str(spec)],
+                timeout=300)
+    assert_ok(p)
+    assert len(re.findall(r"\[warmup\]   compile phases \(cpu, [\d.]+s\): ", p.out)) == 2, p.out
+
     rows, log = warm(shapes, workers=0)               # today's path: no children, the same table
     assert "worker" not in log and [r[3] for r in rows] == ["cache hit"] * 2, log
 
@@ -1257,15 +1266,32 @@ def test_warmup_workers_precompile_each_shape_in_a_child_then_the_warm_up_hits_t
 
 def test_precompile_schedule_is_longest_first_interleaved_and_capped_per_device():
     """Workers start the slowest compiles (longest sequences) first, alternate devices, and never run
-    more than the per-device cap on one GPU (their memory lands there); auto means none on CPU."""
+    more than the per-device cap on one GPU (their memory lands there); with fewer workers than pairs a
+    job holds a shape's GPUs, split as the workers allow; auto means none on CPU."""
     import dflash_model as dm
     import warmup
     jobs = warmup.job_order(["cuda:0", "cuda:1"], [(12, 256, 48), (1, 3072, 512), (3, 1024, 176)])
     assert jobs == [("cuda:0", (1, 3072, 512)), ("cuda:1", (1, 3072, 512)), ("cuda:0", (3, 1024, 176)),
                     ("cuda:1", (3, 1024, 176)), ("cuda:0", (12, 256, 48)), ("cuda:1", (12, 256, 48))]
-    assert warmup.next_job(jobs, [], 2) == ("cuda:0", (1, 3072, 512))
-    assert warmup.next_job(jobs[1:], ["cuda:0", "cuda:0"], 2) == ("cuda:1", (1, 3072, 512))
-    assert warmup.next_job(jobs[2:], ["cuda:0", "cuda:1"], 1) is None       # both GPUs at their cap
+    one = warmup.group_jobs(jobs, workers=6)       # a worker per pair: a job per pair
+    assert one == [((d,), s) for d, s in jobs]
+    assert warmup.next_job(one, [], 2) == (("cuda:0",), (1, 3072, 512))
+    assert warmup.next_job(one[1:], ["cuda:0", "cuda:0"], 2) == (("cuda:1",), (1, 3072, 512))
+    assert warmup.next_job(one[2:], ["cuda:0", "cuda:1"], 1) is None       # both GPUs at their cap
+    # fewer workers than pairs: a child compiles a shape for several GPUs in turn; the longest shapes
+    # get the spare workers; each shape's GPUs are rotated, so children start on different GPUs
+    assert warmup.group_jobs(jobs, workers=4) == [
+        (("cuda:0",), (1, 3072, 512)), (("cuda:1",), (1, 3072, 512)),
+        (("cuda:1", "cuda:0"), (3, 1024, 176)), (("cuda:0", "cuda:1"), (12, 256, 48))]
+    three = warmup.job_order(["cuda:5", "cuda:6", "cuda:7"], [(1, 3072, 512), (1, 2048, 512)])
+    assert warmup.group_jobs(three, workers=3) == [
+        (("cuda:5",), (1, 3072, 512)), (("cuda:6", "cuda:7"), (1, 3072, 512)),
+        (("cuda:6", "cuda:7", "cuda:5"), (1, 2048, 512))]
+    assert warmup.group_jobs(three, workers=1) == [
+        (("cuda:5", "cuda:6", "cuda:7"), (1, 3072, 512)), (("cuda:6", "cuda:7", "cuda:5"), (1, 2048, 512))]
+    for workers in range(1, 8):              # every pair in exactly one job
+        got = [(d, s) for devs, s in warmup.group_jobs(three, workers) for d in devs]
+        assert sorted(got) == sorted(three), workers
     cfg = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                           head_dim=16, vocab_size=64, num_target_layers=4, num_draft_layers=1, block_size=16,
                           mask_token_id=63)

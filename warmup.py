@@ -11,7 +11,8 @@ second start hits it; the table says which shapes were cache hits and which were
 The same options as train_dflash.py are accepted (only the model/shape ones matter here).
 
 --warmup-workers N (N > 0, flex): the cache is first filled by up to N child processes at once, one
-(drafter device, shape) pair each, longest sequences first (see precompile()); meanwhile this process
+shape each, for one drafter device or, with fewer workers than pairs, several in turn (group_jobs()),
+longest sequences first (see precompile()); meanwhile this process
 warms each pair that is ready (on the warm list, or compiled by a child) where memory allows, and
 after them the rest, all cache hits. -1 (the default) = auto_workers(): by free GPU memory and CPU
 cores, 0 on CPU.
@@ -371,30 +372,35 @@ def room_to_warm(dev, running):
 # no FX-tracing flag and no threads shared with the parent (which holds nothing while they run). They
 # inherit os.environ, i.e. the cache folders use_compile_cache() put there, and build a drafter the
 # compiled graphs cannot tell from the parent's (worker_spec). Compiled artefacts are keyed by device
-# index, so each drafter GPU is precompiled by jobs of its own.
+# index, so each drafter GPU needs a compile of its own (a child may do several GPUs in turn: group_jobs).
 
 
-def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None, done=None, claim=None, on_compiled=None):
-    """Compile each (drafter device, shape) of `jobs` once, in child processes, `workers` at a time, in
-    the jobs' order; `specs[device]` = worker_spec() of a drafter on that device.
+def precompile(specs, pairs, workers, log=print, ready=None, on_idle=None, done=None, claim=None, on_compiled=None):
+    """Compile each (drafter device, shape) of `pairs` once, in child processes, `workers` at a time, in
+    the pairs' order; `specs[device]` = worker_spec() of a drafter on that device.
 
-    The compiled artefacts are cached per device index, so every drafter GPU is a job of its own (and
-    the children's memory spreads over the GPUs). A child that fails (out of memory: N too high) is
-    reported with the end of its output and skipped: the serial warm-up then compiles that shape
-    itself, and raises any real error. Each pair a child compiled is appended to `ready`; while it
+    The compiled artefacts are cached per device index, so every drafter GPU needs a compile of its own.
+    With fewer workers than pairs, one child compiles a shape for several GPUs in turn (group_jobs):
+    after the first, a GPU costs it no process start and no Triton compile (its kernels are in Triton's
+    cache by then), only dynamo, AOT autograd and inductor again. A child that fails (out of memory: N
+    too high) is reported with the end of its output and skipped: the serial warm-up then compiles its
+    pairs itself, and raises any real error. Each pair a child compiled is appended to `ready`; while it
     waits, on_idle(devices of the running children) may do other work (True if it did: no sleep then).
     Returns the (device, shape) pairs the children compiled: the set `done`, if given, filled as they
     finish (so on_idle already sees them). claim(pair): False if another process compiles the pair (no
-    child for it here); on_compiled(pair): called as each child succeeds."""
-    jobs = list(jobs)
+    child for it here); on_compiled(pair): called for each pair of a child that succeeded."""
+    pairs = list(pairs)
     ready = [] if ready is None else ready
     done = set() if done is None else done
-    if len(jobs) < 2:      # one pair compiles no faster in a child than in the serial warm-up
+    if len(pairs) < 2:      # one pair compiles no faster in a child than in the serial warm-up
         return done
+    jobs = group_jobs(pairs, workers)
     per_device = max(1, -(-workers // len(specs)))       # children's memory lands on their own GPU
     env = dict(os.environ, DFLASH_PRECOMPILE_PARENT=str(os.getpid()))   # + the cache folders use_compile_cache() set
-    log(f"[warmup] precompiling {len(jobs)} (device, shape) pairs in up to {workers} worker processes "
-        f"(at most {per_device} per device, longest sequences first)")
+    log(f"[warmup] precompiling {len(pairs)} (device, shape) pairs in up to {workers} worker processes "
+        f"(at most {per_device} per device, longest sequences first" +
+        (f"; {len(jobs)} jobs, a child compiles a shape for up to {max(len(j[0]) for j in jobs)} GPUs in turn)"
+         if len(jobs) < len(pairs) else ")"))
     t_all, running = time.time(), []
     with tempfile.TemporaryDirectory(prefix="dflash_precompile_") as tmp:
         spec_paths = {}
@@ -405,39 +411,46 @@ def precompile(specs, jobs, workers, log=print, ready=None, on_idle=None, done=N
         try:
             while jobs or running:
                 while len(running) < workers:
-                    job = next_job(jobs, [r[1] for r in running], per_device)
+                    job = next_job(jobs, [r[1][0] for r in running], per_device)
                     if job is None:
                         break
                     jobs.remove(job)
-                    if claim is not None and not claim(job):
-                        log(f"[warmup] {job[0]} B={job[1][0]} S={job[1][1]} A={job[1][2]}: another process is "
-                            "compiling it (loaded from the cache later)")
+                    devs, shape = job
+                    if claim is not None:
+                        mine = tuple(d for d in devs if claim((d, shape)))
+                        for d in devs:
+                            if d not in mine:
+                                log(f"[warmup] {d} B={shape[0]} S={shape[1]} A={shape[2]}: another process is "
+                                    "compiling it (loaded from the cache later)")
+                        devs = mine
+                    if not devs:
                         continue
-                    dev, shape = job
-                    out_path = os.path.join(tmp, "{}_B{}_S{}_A{}.log".format(dev.replace(":", ""), *shape))
+                    out_path = os.path.join(tmp, "{}_B{}_S{}_A{}.log".format(devs[0].replace(":", ""), *shape))
                     with open(out_path, "w") as out:     # the child keeps its own copy of the descriptor
                         p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--precompile-one",
-                                              spec_paths[dev], *map(str, shape)], stdout=out, stderr=subprocess.STDOUT,
-                                             env=env)
-                    running.append((p, dev, shape, out_path, time.time()))
-                if not (on_idle and on_idle([r[1] for r in running])):
+                                              *map(str, shape), *(spec_paths[d] for d in devs)],
+                                             stdout=out, stderr=subprocess.STDOUT, env=env)
+                    running.append((p, devs, shape, out_path, time.time()))
+                if not (on_idle and on_idle([d for r in running for d in r[1]])):
                     time.sleep(0.2)
                 for job in [j for j in running if j[0].poll() is not None]:
                     running.remove(job)
-                    p, dev, (B, S, A), out_path, t0 = job
+                    p, devs, (B, S, A), out_path, t0 = job
                     with open(out_path) as f:
                         lines = f.readlines()
+                    what = f"{','.join(devs)} B={B} S={S} A={A}"
                     if p.returncode == 0:
-                        done.add((dev, (B, S, A)))
-                        ready.append((dev, (B, S, A)))
-                        if on_compiled is not None:
-                            on_compiled((dev, (B, S, A)))
-                        phases = [ln.strip() for ln in lines if ln.startswith("[warmup]   compile phases")]
-                        log(f"[warmup] precompiled {dev} B={B} S={S} A={A} in {time.time() - t0:.1f}s (worker)"
-                            + (f"\n{phases[-1]}" if phases else ""))
+                        for d in devs:
+                            done.add((d, (B, S, A)))
+                            ready.append((d, (B, S, A)))
+                            if on_compiled is not None:
+                                on_compiled((d, (B, S, A)))
+                        phases = [ln.rstrip() for ln in lines if ln.startswith("[warmup]   compile phases")]
+                        log(f"[warmup] precompiled {what} in {time.time() - t0:.1f}s (worker)"
+                            + "".join(f"\n{ln}" for ln in phases))
                         continue
                     tail = "".join(lines[-40:])
-                    log(f"[warmup] WARNING: the worker for {dev} B={B} S={S} A={A} failed (exit {p.returncode}); "
+                    log(f"[warmup] WARNING: the worker for {what} failed (exit {p.returncode}); "
                         f"the serial warm-up compiles it instead. Its output ends:\n{tail}")
         finally:
             for p, *_ in running:    # an error or Ctrl-C here: leave no orphan compiling (and holding GPU memory)
@@ -455,11 +468,30 @@ def job_order(devices, shapes):
     return [(dev, shape) for shape in order for dev in devices]
 
 
+def group_jobs(pairs, workers):
+    """The children's jobs, [(devices, shape)], from (device, shape) pairs in job_order's order. As many
+    workers as pairs: a job per pair. Fewer: each shape's devices are split into as many jobs as the
+    workers allow it (the longest shapes get the spare ones), and one child compiles its devices in
+    turn. On 2 GPUs with 6 workers and 5 shapes, 10 one-pair children ran in two waves (102 s; ~50 s
+    each); 6 jobs run in one. Each shape's devices are rotated so that children start on different GPUs
+    (next_job counts a child on the GPU it starts on)."""
+    if workers >= len(pairs):
+        return [((d,), s) for d, s in pairs]
+    shapes = list(dict.fromkeys(s for _, s in pairs))
+    jobs = []
+    for i, shape in enumerate(shapes):
+        devs = [d for d, s in pairs if s == shape]
+        devs = devs[i % len(devs):] + devs[: i % len(devs)]
+        n = min(len(devs), max(1, workers // len(shapes) + (i < workers % len(shapes))))
+        jobs += [(tuple(devs[k * len(devs) // n:(k + 1) * len(devs) // n]), shape) for k in range(n)]
+    return jobs
+
+
 def next_job(jobs, running_devices, per_device):
-    """The first job whose device has fewer than per_device children running (None: wait)."""
-    for dev, shape in jobs:
-        if running_devices.count(dev) < per_device:
-            return dev, shape
+    """The first job whose (first) device has fewer than per_device children running (None: wait)."""
+    for devs, shape in jobs:
+        if running_devices.count(devs[0]) < per_device:
+            return devs, shape
     return None
 
 
@@ -509,9 +541,17 @@ def worker_spec(drafter, gamma, attn, chunk_rows, compile_scope, recompile_limit
             "flex_options": dict(dm.FLEX_OPTIONS)}
 
 
-def precompile_one(spec_path, shape):
-    """Child of precompile(): rebuild the parent's drafter from the spec, compile one shape, exit 0."""
+def precompile_one(shape, spec_paths):
+    """Child of precompile(): for each spec in turn, rebuild the parent's drafter on its device, compile
+    `shape`, free it; exit 0."""
     _die_with_parent()
+    for path in spec_paths:
+        t0, phases, dev = time.time(), compile_phases(), _precompile_on(path, shape)
+        where = f" ({dev}, {time.time() - t0:.1f}s)" if len(spec_paths) > 1 else ""
+        print(f"[warmup]   compile phases{where}: {format_phases(phases, compile_phases(), top=12)}", flush=True)
+
+
+def _precompile_on(spec_path, shape):
     with open(spec_path) as f:
         spec = json.load(f)
     dev = torch.device(spec["device"])
@@ -538,9 +578,11 @@ def precompile_one(spec_path, shape):
     torch.set_num_threads(spec["num_threads"])
     dm.GATE.set_recompile_limit(spec["recompile_limit"])
     dm.set_flex_options(spec["flex_options"])
-    phases = compile_phases()
     warm_shape(drafter, shape, spec["gamma"], spec["attn"], spec["chunk_rows"], spec["compile_scope"])
-    print(f"[warmup]   compile phases: {format_phases(phases, compile_phases(), top=12)}", flush=True)
+    del drafter
+    if dev.type == "cuda":      # the next device's compile starts from this GPU's memory handed back
+        torch.cuda.empty_cache()
+    return dev
 
 
 def format_table(rows):
@@ -582,8 +624,8 @@ def build_drafters(cfg):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--precompile-one"]:      # a child of precompile(): SPEC B S A
-        return precompile_one(argv[1], tuple(map(int, argv[2:5])))
+    if argv[:1] == ["--precompile-one"]:      # a child of precompile(): B S A SPEC [SPEC ...]
+        return precompile_one(tuple(map(int, argv[1:4])), argv[4:])
     import train_dflash as tr
     cfg = tr.parse_config(argv)
     use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
