@@ -972,6 +972,22 @@ def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
     assert warmup.pair_key(got, shape) == warmup.pair_key(want, shape)
 
 
+def test_a_random_target_has_the_same_weights_on_every_device_and_in_every_run(tmp_path):
+    """random:<config> targets (benchmarks) are seeded: with several target devices, a batch's features
+    must not depend on which target thread took it, and two runs must see the same target."""
+    import train_dflash as tr
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    num_hidden_layers=4, vocab_size=512, max_position_embeddings=512)))
+    a = tr.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
+    torch.randn(1000)        # whatever the global RNG did in between
+    b = tr.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert sa["model.layers.0.mlp.up_proj.weight"].std() > 0      # random, not zeros
+
+
 def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
     """TORCHDYNAMO_DISABLE=1 turns every torch.compile into the plain function: flex_attention would
     then run its dense math path (B x H x Q x KV scores), silently. The guard makes it an error, for

@@ -380,6 +380,9 @@ def load_target(path, device, dtype, layer_ids, log=print):
     if path.startswith("random:"):    # random weights built directly on the device (benchmarks)
         tcfg, _ = load_target_config(path)
         tcfg.num_hidden_layers = min(tcfg.num_hidden_layers, max(layer_ids) + 2)
+        # the same weights on every target device and in every run: a batch's features must not depend
+        # on which target thread took it (a real target is the same checkpoint everywhere)
+        torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
         log(f"[target] random weights from {path[7:]} on {device}: {tcfg.num_hidden_layers} layers")
