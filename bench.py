@@ -66,7 +66,9 @@ def parse_args(argv):
     p.add_argument("--flex-options", default="", help="JSON kernel_options of our compiled flex attention "
                    "(as train_dflash.py --flex-options; the naive setup keeps torch's defaults)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile 3 steps of ours: device time by kernel class, top kernels, busy share")
+                   help="also profile steps of ours: device time by kernel class, top kernels, busy share")
+    p.add_argument("--profile-steps", type=int, default=3, help="with --profile: steps recorded, after 3 "
+                   "recorded-and-dropped ones back to back (the GPU at its sustained clock, no sync between)")
     p.add_argument("--trace", default="", help="with --profile: also write the profiled steps as a Chrome "
                    "trace (.json or .json.gz) to open in Perfetto / chrome://tracing")
     p.add_argument("--json", default="")
@@ -75,8 +77,8 @@ def parse_args(argv):
         p.error("--target-devices / --drafter-devices need --pipeline-only")
     if a.trace and not a.profile:
         p.error("--trace needs --profile")
-    if a.steps < 1 or a.rounds < 1:
-        p.error("--steps and --rounds must be >= 1")
+    if a.steps < 1 or a.rounds < 1 or a.profile_steps < 1:
+        p.error("--steps, --rounds and --profile-steps must be >= 1")
     if a.warmup_workers and not (a.all_shapes or a.pipeline_only):
         p.error("--warmup-workers needs --all-shapes or --pipeline-only (one shape on one device has nothing "
                 "to compile in parallel)")
@@ -196,7 +198,7 @@ def main(argv=None):
         f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {res['drafter_peak_mem_gib']:.1f} GiB"
                                             if res["drafter_peak_mem_gib"] is not None else ""))
     if a.profile:
-        res["profile"] = profile(step, dev, log, trace=a.trace)
+        res["profile"] = profile(step, dev, log, steps=a.profile_steps, trace=a.trace)
 
     # --- drafter, naive (compiled flex only; eager mask and trunk): its flex compile is an unwarmed
     # key for the (already warm) gate, so the gate compiles it exclusively and logs that.
@@ -266,22 +268,29 @@ KERNEL_CLASSES = (("flex attention", ("flex", "attention")),
                   ("copies / fills", ("copy", "memcpy", "memset", "fill")))
 
 
-def profile(fn, dev, log, steps=3, top=20, trace=""):
+def profile(fn, dev, log, steps=3, top=20, trace="", lead=3):
     """Where a step's device time goes: kernels grouped by class, the top kernels, and the device's busy
     share of the (profiled) wall time; what is not busy is launch overhead, host syncs or idle.
+    The profiler runs `lead` steps first and drops them, then records `steps`, all back to back as in
+    the timed rounds: no sync before the recorded steps, so the GPU is at the clock it sustains under
+    load (after a pause it boosts for a while, and short kernels look faster than in training).
     On CPU (no kernels), the top operators by self CPU time instead."""
     import torch
-    from torch.profiler import ProfilerActivity
+    from torch.profiler import ProfilerActivity, schedule
     from torch.profiler import profile as torch_profile
     from train_dflash import sync_device
     cuda = dev.type == "cuda"
     fn()
     sync_device(dev)
-    t0 = time.perf_counter()
-    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in range(steps):
+    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                       schedule=schedule(wait=0, warmup=lead, active=steps, repeat=1)) as prof:
+        for i in range(lead + steps):
+            if i == lead:
+                t0 = time.perf_counter()
             fn()
-        sync_device(dev)
+            if i == lead + steps - 1:
+                sync_device(dev)
+            prof.step()
     wall_us = (time.perf_counter() - t0) * 1e6 / steps
     if trace:
         prof.export_chrome_trace(trace)
@@ -291,11 +300,13 @@ def profile(fn, dev, log, steps=3, top=20, trace=""):
         for e in prof.events():
             # kernels only: a record_function range (e.g. "Optimizer.step#AdamW.step") also shows on the
             # device timeline, around the kernels it launched, and would count them twice
-            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            if (e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                    and not e.name.startswith("ProfilerStep")):
                 per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
     else:
         for e in prof.key_averages():
-            per_name[e.key] = e.self_cpu_time_total / steps
+            if not e.key.startswith("ProfilerStep"):     # the schedule's range around each step
+                per_name[e.key] = e.self_cpu_time_total / steps
     busy = sum(per_name.values())
     classes = {}
     for name, us in per_name.items():
