@@ -100,7 +100,7 @@ def main(argv=None):
     dm.target_greedy(target, warm, 8, stops)
     dm.dflash_generate(drafter, target, warm, 8, stops)
 
-    taus, hist, bs = [], collections.Counter(), drafter.config.block_size
+    hist, bs = collections.Counter(), drafter.config.block_size     # acceptance length -> rounds
     t_ref = t_spec = 0.0
     n_ref = n_spec = 0
     mismatches = []
@@ -119,16 +119,16 @@ def main(argv=None):
         sync(a.device); t2 = time.time()
         t_ref += t1 - t0; t_spec += t2 - t1
         n_ref += ref.shape[1] - x.shape[1]; n_spec += out.shape[1] - x.shape[1]
-        taus += acc
         hist.update(acc)
         if not torch.equal(ref, out):
             mismatches.append(describe_mismatch(target, x, ref, out, a.skip + k))
         if (k + 1) % 10 == 0:
-            print(f"[eval] {k + 1}/{len(prompts)} prompts: tau so far {sum(taus) / max(1, len(taus)):.2f}, "
-                  f"speed-up so far {(n_spec / t_spec) / (n_ref / t_ref):.2f}x", flush=True)
+            res = summarise(k + 1, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs)
+            print(f"[eval] {k + 1}/{len(prompts)} prompts: tau so far {res['mean_tau']:.2f}, "
+                  f"speed-up so far {res['speedup']:.2f}x", flush=True)
             if a.json:   # partial results survive a run that is stopped early
-                write_json(a.json, summarise(k + 1, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs))
-    return report(summarise(done, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs), a.json)
+                write_json(a.json, res)
+    return report(summarise(done, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs), a.json)
 
 
 def report(res, json_path):
@@ -170,18 +170,12 @@ def merge(paths, json_path):
     hist = collections.Counter()
     for r in runs:
         hist.update({int(k): v for k, v in r["histogram"].items()})
-    total = {k: sum(r[k] for r in runs) for k in ("target_tokens", "target_seconds", "dflash_tokens", "dflash_seconds")}
-    rounds = sum(hist.values())
     gaps = [f"{e0 + 1}-{s1}" for (_, e0, _, _), (s1, _, _, _) in zip(parts, parts[1:]) if s1 > e0]
     last = parts[-1][3]
     res = {"prompts": sum(r["prompts"] for r in runs), "requested": last["skip"] + last["requested"] - parts[0][0],
-           "mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
-           "histogram": dict(sorted(hist.items())),
-           "target_tok_s": total["target_tokens"] / total["target_seconds"],
-           "dflash_tok_s": total["dflash_tokens"] / total["dflash_seconds"],
-           "speedup": (total["dflash_tokens"] / total["dflash_seconds"]) / (total["target_tokens"] / total["target_seconds"]),
+           **measures(hist, *(sum(r[k] for r in runs) for k in RAW_SUMS)),
            "lossless": sum(r["lossless"] for r in runs), "mismatches": [m for r in runs for m in r["mismatches"]],
-           **total, "skip": parts[0][0], "max_new_tokens": first["max_new_tokens"], "dtype": first["dtype"],
+           "skip": parts[0][0], "max_new_tokens": first["max_new_tokens"], "dtype": first["dtype"],
            "block_size": first.get("block_size") or max(hist, default=1), "device": ", ".join(sorted({r["device"] for r in runs})),
            "merged": [p[2] for p in parts]}
     res["complete"] = not gaps and last["complete"]     # (an earlier part cut short leaves a gap, or none)
@@ -208,13 +202,21 @@ def format_histogram(hist, bs):
                      for L in range(1, bs + 1))
 
 
-def summarise(n_prompts, taus, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs):
-    return {"prompts": n_prompts, "complete": n_prompts == a.requested, "requested": a.requested,
-            "mean_tau": sum(taus) / max(1, len(taus)), "rounds": len(taus),
+RAW_SUMS = ("target_tokens", "target_seconds", "dflash_tokens", "dflash_seconds")
+
+
+def measures(hist, n_ref, t_ref, n_spec, t_spec):
+    """Tau, histogram and rates from the acceptance-length histogram and the raw sums (kept in the
+    result, so that the results of runs over parts of a prompt set can be merged: --merge)."""
+    rounds = sum(hist.values())
+    return {"mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
             "histogram": dict(sorted(hist.items())), "target_tok_s": n_ref / t_ref, "dflash_tok_s": n_spec / t_spec,
-            "speedup": (n_spec / t_spec) / (n_ref / t_ref), "lossless": n_prompts - len(mismatches),
-            # the raw sums, so that the results of runs over parts of a prompt set can be merged (--merge)
-            "target_tokens": n_ref, "target_seconds": t_ref, "dflash_tokens": n_spec, "dflash_seconds": t_spec,
+            "speedup": (n_spec / t_spec) / (n_ref / t_ref), **dict(zip(RAW_SUMS, (n_ref, t_ref, n_spec, t_spec)))}
+
+
+def summarise(n_prompts, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs):
+    return {"prompts": n_prompts, "complete": n_prompts == a.requested, "requested": a.requested,
+            **measures(hist, n_ref, t_ref, n_spec, t_spec), "lossless": n_prompts - len(mismatches),
             "skip": a.skip, "target": a.target, "drafter": a.drafter, "prompt_files": a.prompts,
             "max_prompt_tokens": a.max_prompt_tokens, "block_size": bs,
             "mismatches": mismatches, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "device": str(a.device)}
