@@ -941,6 +941,14 @@ def test_generate_refuses_positions_beyond_the_rope_table(targets):
 # 11. what warmup.py builds, the block-mask guard, eval_dflash's stop ids and histogram
 
 
+def tiny_config_json(path, **extra):
+    """A tiny Llama config written to `path`: a random:<path> target for the trainer's own loading."""
+    path.write_text(json.dumps(dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    num_hidden_layers=4, vocab_size=512, max_position_embeddings=512, **extra)))
+    return path
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
     """Compiled graphs and warm-list keys depend on the drafter's config (mask token included), weight
@@ -948,11 +956,7 @@ def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
     entries the trainer then uses, so its drafters must give the trainer's worker_spec and pair_key."""
     import train_dflash as tr
     import warmup
-    path = tmp_path / "tiny.json"
-    path.write_text(json.dumps(dict(model_type="llama", hidden_size=64, intermediate_size=128,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    num_hidden_layers=4, vocab_size=512, max_position_embeddings=512,
-                                    tie_word_embeddings=tied)))
+    path = tiny_config_json(tmp_path / "tiny.json", tie_word_embeddings=tied)
     cfg = tr.parse_config(["--target", f"random:{path}", "--data", "synthetic:4", "--max-length", "256",
                            "--num-anchors", "32", "--block-size", "8", "--num-draft-layers", "2",
                            "--target-devices", "cpu", "--drafter-devices", "cpu", "--out-dir", str(tmp_path)])
@@ -976,10 +980,7 @@ def test_a_random_target_has_the_same_weights_on_every_device_and_in_every_run(t
     """random:<config> targets (benchmarks) are seeded: with several target devices, a batch's features
     must not depend on which target thread took it, and two runs must see the same target."""
     import train_dflash as tr
-    path = tmp_path / "tiny.json"
-    path.write_text(json.dumps(dict(model_type="llama", hidden_size=64, intermediate_size=128,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    num_hidden_layers=4, vocab_size=512, max_position_embeddings=512)))
+    path = tiny_config_json(tmp_path / "tiny.json")
     a = tr.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
     torch.randn(1000)        # whatever the global RNG did in between
     b = tr.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
