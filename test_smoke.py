@@ -904,22 +904,58 @@ def test_flex_options_are_checked_passed_to_flex_and_part_of_the_warm_list_key(m
                             ('[1, 2]', "must be a JSON object")]:
             with pytest.raises(ValueError, match=needle):
                 dm.set_flex_options(bad)
+        with pytest.raises(ValueError, match="GQA_EXPAND must be a boolean"):
+            dm.set_flex_options('{"GQA_EXPAND": 1}')
         seen = []
         monkeypatch.setattr(dm, "flex_attention", lambda q, k, v, **kw: seen.append(kw["kernel_options"]))
         dm.set_flex_options("")
-        dm._flex(None, None, None, None)
+        assert dm.FLEX_OPTIONS == dm.DEFAULT_FLEX_OPTIONS == {"GQA_EXPAND": True}
+        x = torch.zeros(1, 2, 128, 16)
+        dm._flex(x, x, x, None)                  # ours are not passed on to flex
         dm.set_flex_options('{"bwd_num_stages": 2, "USE_TMA": true}')
-        dm._flex(None, None, None, None)
+        dm._flex(x, x, x, None)
         assert seen == [None, {"bwd_num_stages": 2, "USE_TMA": True}]
         drafter = _tiny_drafter()
         spec = warmup.worker_spec(drafter, 7.0, "flex", 2048, "trunk", 9)
-        assert spec["flex_options"] == {"bwd_num_stages": 2, "USE_TMA": True}
+        assert spec["flex_options"] == {"GQA_EXPAND": True, "bwd_num_stages": 2, "USE_TMA": True}
         key_tuned = warmup.pair_key(spec, (1, 256, 16))
         dm.set_flex_options({})
         key_default = warmup.pair_key(warmup.worker_spec(drafter, 7.0, "flex", 2048, "trunk", 9), (1, 256, 16))
         assert key_tuned != key_default          # a graph compiled with other options is not "warm"
     finally:
         dm.set_flex_options({})
+
+
+def test_gqa_expand_hands_flex_one_kv_head_per_query_head_with_the_same_output_and_gradients(monkeypatch):
+    """GQA_EXPAND (the default) repeats each kv head for its query heads before flex: the kernel sees
+    as many kv heads as query heads, and the output equals flex's own GQA. (flex has no backward on
+    CPU: the gradients are checked with SDPA over the same mask standing in for the kernel.)"""
+    S, A, bs = 128, 8, 16
+    anchors = torch.tensor([[3, 20, 41, 60, 77, 90, 101, 112]])
+    bm = dm.create_dflash_block_mask(anchors, S, bs)
+    mask = dm.dense_dflash_mask(anchors, S, bs)
+    g = torch.Generator().manual_seed(5)
+    x = [torch.randn(1, h, L, 16, generator=g, dtype=torch.float64) for h, L in ((4, A * bs), (2, S + A * bs), (2, S + A * bs))]
+    heads, real_flex = [], dm.flex_attention
+    sdpa = lambda q, k, v, **kw: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    outs, grads = [], []
+    try:
+        for options in ('{"GQA_EXPAND": false}', ""):
+            dm.set_flex_options(options)
+            monkeypatch.setattr(dm, "flex_attention", lambda q, k, v, **kw: heads.append(k.shape[1]) or real_flex(q, k, v, **kw))
+            with torch.no_grad():
+                outs.append(dm._flex(*x, bm))
+            monkeypatch.setattr(dm, "flex_attention", sdpa)
+            q, k, v = (t.clone().requires_grad_() for t in x)
+            dm._flex(q, k, v, bm).pow(2).sum().backward()
+            grads.append((q.grad, k.grad, v.grad))
+    finally:
+        dm.set_flex_options({})
+    assert heads == [2, 4]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(outs[0], sdpa(*x), rtol=1e-10, atol=1e-10)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 def _tiny_drafter():
