@@ -65,6 +65,8 @@ def parse_args(argv):
     p.add_argument("--drafter-devices", default="", help="pipeline drafter devices (default: --device)")
     p.add_argument("--flex-options", default="", help="JSON kernel_options of our compiled flex attention "
                    "(as train_dflash.py --flex-options; the naive setup keeps torch's defaults)")
+    p.add_argument("--chunk-rows", type=int, default=0, help="LM head + CE rows per chunk of ours (as "
+                   "train_dflash.py --chunk-rows; default its default; the naive setup keeps 2048)")
     p.add_argument("--profile", action="store_true",
                    help="also profile steps of ours: device time by kernel class, top kernels, busy share")
     p.add_argument("--profile-steps", type=int, default=3, help="with --profile: steps recorded, after 3 "
@@ -77,8 +79,8 @@ def parse_args(argv):
         p.error("--target-devices / --drafter-devices need --pipeline-only")
     if a.trace and not a.profile:
         p.error("--trace needs --profile")
-    if a.steps < 1 or a.rounds < 1 or a.profile_steps < 1:
-        p.error("--steps, --rounds and --profile-steps must be >= 1")
+    if a.steps < 1 or a.rounds < 1 or a.profile_steps < 1 or a.chunk_rows < 0:
+        p.error("--steps, --rounds and --profile-steps must be >= 1, --chunk-rows >= 0")
     if a.warmup_workers and not (a.all_shapes or a.pipeline_only):
         p.error("--warmup-workers needs --all-shapes or --pipeline-only (one shape on one device has nothing "
                 "to compile in parallel)")
@@ -161,7 +163,9 @@ def main(argv=None):
     if dev.type == "cuda":
         torch.cuda.empty_cache()     # the target forward's cached blocks: free memory for the warm-up workers
     t0 = time.time()
-    rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log, compile_scope=a.compile_scope,
+    chunk_rows = a.chunk_rows or tr.TrainConfig.chunk_rows
+    res["chunk_rows"] = chunk_rows
+    rows = warmup.warm_up([drafter], shapes, 7.0, attn, chunk_rows, log=log, compile_scope=a.compile_scope,
                           workers=a.warmup_workers)
     res["compile_scope"], res["warmup_workers"] = a.compile_scope, a.warmup_workers
     res["warmup_cold_s"] = time.time() - t0
@@ -177,7 +181,7 @@ def main(argv=None):
                 loss = naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev)
             else:
                 loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, attn=attn,
-                                                     compile_scope=a.compile_scope)
+                                                     chunk_rows=chunk_rows, compile_scope=a.compile_scope)
         if naive:   # its compiled flex backward compiles lazily: also through the gate
             dm.GATE.run("naive_bwd", dev, (1, S, A), loss.backward)
         else:
@@ -419,6 +423,7 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
            "--drafter-devices", a.drafter_devices or str(dev), "--warmup-workers", str(a.warmup_workers),
            "--max-steps", str(a.pipeline_steps), "--log-interval", "5", "--ckpt-interval", "100000",
            "--compile-scope", a.compile_scope, "--flex-options", a.flex_options,
+           *(["--chunk-rows", str(a.chunk_rows)] if a.chunk_rows else []),
            "--compile-cache", cache, "--out-dir", out]
     log("[bench] pipeline: " + " ".join(cmd))
     t0 = time.time()
