@@ -79,7 +79,7 @@ class TrainConfig:
     compile_cache: str = ""             # "" = <out_dir>/compile_cache
     compile_scope: str = "trunk"        # trunk: whole drafter one graph | layer: one graph reused per layer | flex: only attention
     warmup_workers: int = -1            # cold-compile the flex shapes in up to N parallel processes first; -1 = auto (by free GPU memory, 0 on CPU)
-    chunk_rows: int = 2048              # LM head + CE rows per chunk
+    chunk_rows: int = dm.CHUNK_ROWS     # LM head + CE rows per chunk (3072)
     flex_options: str = ""              # JSON flex options over dflash_model.DEFAULT_FLEX_OPTIONS (GQA_EXPAND; torch's tiles), e.g. '{"USE_TMA": true}'
     queue_depth: int = 4
     no_gate: bool = False               # DEBUG ONLY: bypass the compile gate (reproduces the race)

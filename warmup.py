@@ -243,7 +243,7 @@ def autocast(dev):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
 
 
-def warm_up(drafters, shapes, gamma, attn, chunk_rows=2048, on_unwarmed="error", log=print,
+def warm_up(drafters, shapes, gamma, attn, chunk_rows=dm.CHUNK_ROWS, on_unwarmed="error", log=print,
             compile_scope="trunk", workers=0):
     """Warm every (replica, shape), size the recompile limit, then mark the gate warm.
     workers > 0: first cold-compile the shapes in up to that many child processes (precompile());
