@@ -423,6 +423,16 @@ def test_every_batch_has_its_buckets_warmed_shape_even_the_last_of_an_epoch(llam
     assert "not in the warmed shape plan" not in p.out
 
 
+def test_the_run_log_states_the_effective_flex_options_and_lm_head_chunk(llama, sharegpt, cache_dir, tmp_path):
+    """--flex-options "" means this version's defaults, which can change: the log says what was used
+    (the given options over the defaults) and the chunk of the LM head + CE."""
+    p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 30,
+              "--max-steps", 1, "--flex-options", '{"bwd_num_stages": 2}', "--chunk-rows", 512,
+              "--out-dir", tmp_path / "out")
+    assert_ok(p)
+    assert '[flex] options {"GQA_EXPAND": true, "bwd_num_stages": 2}; LM head + CE in chunks of up to 512 rows' in p.out
+
+
 def test_a_nan_gradient_stops_the_run_before_stepping_and_keeps_the_checkpoints(llama, sharegpt, cache_dir, tmp_path):
     """--lr 1e30: step 1 is finite, the weights then overflow and step 2's gradient norm is not:
     the run stops with an error naming the step, steps nothing, and the step-1 checkpoint stays."""

@@ -1126,6 +1126,8 @@ class Trainer:
                              "pass --resume to continue it, or use another --out-dir")
         self.compile_cache = warmup.use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"), log)
         dm.set_flex_options(cfg.flex_options)         # before anything compiles (checked by validate)
+        # the effective options: "" in the config means the defaults of this version, which can change
+        log(f"[flex] options {json.dumps(dm.FLEX_OPTIONS)}; LM head + CE in chunks of up to {cfg.chunk_rows} rows")
         t_setup = time.time()
         self.setup()
         t_models = time.time()
