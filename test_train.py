@@ -1146,7 +1146,7 @@ def test_warm_up_compiles_its_free_pairs_first_then_waits_for_a_pair_another_pro
     warm_up compiles the others - in workers and serially - then waits for that pair; here its holder
     lets go without listing it (as if it died), so warm_up compiles it itself."""
     dm, warmup, drafter = frozen_flex_drafter_on_a_fresh_cache(tmp_path, monkeypatch)
-    spec = warmup.worker_spec(drafter, 7.0, "flex", 2048, "trunk", 0)
+    spec = warmup.worker_spec(drafter, 7.0, "flex", dm.CHUNK_ROWS, "trunk", 0)   # warm_up's default chunk
     other = warmup.Claims()                        # "another process": its own lock files, so flock excludes
     for workers, shapes in ((0, [(1, 128, 8), (1, 256, 8)]), (2, [(1, 640, 8), (1, 384, 8)])):
         held = shapes[0]                           # a pair no earlier round compiled or listed
