@@ -1,14 +1,12 @@
-"""DFlash drafter: model, training mask, loss, compile gate, speculative decoding, save/load.
+"""DFlash drafter: compile gate, model, training mask, loss, speculative decoding, save/load.
 
-One file, read top to bottom:
-  1. the compile gate       - the ONE entry point of every compiled call in the process
-  2. config + model         - Qwen3-shaped layers with KV injection of target features
-  3. training mask          - flex_attention mask_mod, compiled block-mask creation, dense reference
+Read top to bottom:
+  1. the compile gate       - the one entry point of every compiled call in the process
+  2. config + model         - Qwen3-shaped layers with KV injection of the target's features
+  3. training mask          - the flex_attention mask, its tile-level BlockMask, a dense reference
   4. anchors, blocks, loss  - random anchors, same-position labels, decayed weights, chunked LM head
   5. speculative decoding   - dflash_generate (greedy is lossless; sampling is exact speculative sampling)
   6. save / load            - the serving format (config.json with dflash_config + model.safetensors)
-
-The method is described in ../shared/dflash-spec.md; the failure the gate prevents in compile-race.md.
 """
 import functools
 import json
@@ -16,35 +14,31 @@ import math
 import os
 import threading
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, asdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:               # CPU-only installs: the CE chunk runs as torch code (compiled or eager)
-    triton = None
+import kernels
 
 # -----------------------------------------------------------------------------
 # 1. The compile gate
 #
-# Why: torch.fx keeps a PROCESS-GLOBAL "FX tracing" flag (thread-local only from torch 2.14). While
-# one thread compiles (make_fx raises the flag), a compiled call in another thread either fails with
-# "Detected that you are using FX to symbolically trace a dynamo-optimized function" or, with
+# torch.fx keeps a process-global "FX tracing" flag (per thread only from torch 2.14). While one
+# thread compiles (make_fx raises the flag), a compiled call in another thread fails with "Detected
+# that you are using FX to symbolically trace a dynamo-optimized function", or, with
 # error_on_nested_fx_trace=False, silently runs the uncompiled (dense) function. So:
 #   * before warm-up is complete the gate is EXCLUSIVE: one compiled call at a time, process-wide;
-#   * warm-up compiles every (name, device, shape) the run will use, then marks the gate warm;
-#   * once warm, calls of warmed keys share the gate (no lock contention) under the
-#     "fail_on_recompile" stance, so a compile can never start behind our back;
-#   * an unwarmed key either fails with a clear error (default) or, by config, compiles while
-#     holding the gate exclusively (others wait), with a logged notice;
-#   * dynamo config is set in EVERY thread that passes the gate (torch >= 2.12 keeps it per thread)
-#     and read back, so recompile limits and error_on_nested_fx_trace are really in force.
+#   * warm-up compiles every (name, device, shape) the run uses, then marks the gate warm;
+#   * once warm, calls of warmed keys share the gate under the "fail_on_recompile" stance, so no
+#     compile can start behind its back;
+#   * an unwarmed key fails with a clear error, or (on_unwarmed="compile") compiles while holding the
+#     gate exclusively, with a logged notice;
+#   * dynamo's config is per thread from torch 2.12: every thread that passes the gate sets it and
+#     reads it back, so the recompile limits and error_on_nested_fx_trace are really in force.
 
 
 class UnwarmedShapeError(RuntimeError):
@@ -54,35 +48,32 @@ class UnwarmedShapeError(RuntimeError):
 class CompileGate:
     def __init__(self):
         self._cond = threading.Condition()
-        self._readers = 0            # threads inside a shared (post warm-up) call
-        self._writer = None          # thread holding the gate exclusively
-        self._writers_waiting = 0
         self._local = threading.local()
+        self.reset_state()
+
+    def reset_state(self):
+        self._readers = 0            # threads inside a shared (post warm-up) call
+        self._writer = None          # the thread holding the gate exclusively
+        self._writers_waiting = 0
         self.warm = False
         self.warmed = set()          # keys (see key()) compiled and safe to share
         self.on_unwarmed = "error"   # or "compile"
         self.recompile_limit = 8     # sized by warm-up to devices x shapes (+ margin)
-        self.enabled = True          # False only for the debug/race-test "no gate" mode
-        self.config_generation = 0
+        self.enabled = True          # False only for diagnose.py's "no gate" race mode
+        self.config_generation = getattr(self, "config_generation", 0) + 1
         self.log = print
         self.stats = {"calls": 0, "exclusive": 0, "late_compiles": 0, "max_waiting": 0}
 
-    # --- per-thread dynamo configuration --------------------------------------------------
     def configure_thread(self):
         """Set and verify the dynamo settings in the calling thread (idempotent)."""
         if getattr(self._local, "generation", -1) == self.config_generation:
             return
         import torch._dynamo.config as dcfg
-        wanted = {
-            "error_on_nested_fx_trace": True,      # never silently run uncompiled
-            "fail_on_recompile_limit_hit": True,   # never silently fall back to eager
-            "recompile_limit": self.recompile_limit,
-            "accumulated_recompile_limit": max(256, 4 * self.recompile_limit),
-        }
+        wanted = {"error_on_nested_fx_trace": True,      # never silently run uncompiled
+                  "fail_on_recompile_limit_hit": True,   # never silently fall back to eager
+                  "recompile_limit": self.recompile_limit,
+                  "accumulated_recompile_limit": max(256, 4 * self.recompile_limit)}
         for k, v in wanted.items():
-            if not hasattr(dcfg, k):
-                raise RuntimeError(f"torch {torch.__version__} has no torch._dynamo.config.{k}; "
-                                   "this trainer needs torch >= 2.6")
             setattr(dcfg, k, v)
         got = {k: getattr(dcfg, k) for k in wanted}
         if got != wanted:
@@ -95,17 +86,15 @@ class CompileGate:
         self.config_generation += 1   # every thread re-applies on its next call
         self.configure_thread()
 
-    # --- locking ------------------------------------------------------------------------------
     @contextmanager
     def _exclusive(self):
-        me = threading.current_thread()
         with self._cond:
             self._writers_waiting += 1
             self.stats["max_waiting"] = max(self.stats["max_waiting"], self._writers_waiting)
             while self._writer is not None or self._readers > 0:
                 self._cond.wait()
             self._writers_waiting -= 1
-            self._writer = me
+            self._writer = threading.current_thread()
         try:
             yield
         finally:
@@ -113,52 +102,48 @@ class CompileGate:
                 self._writer = None
                 self._cond.notify_all()
 
-    # Shared entry/exit are plain methods (no generator context manager) and exit wakes others only
-    # when a writer waits: this is the hot path, taken by every compiled call after warm-up.
-    def _enter_shared(self):
+    @contextmanager
+    def _shared(self):
+        # the hot path of every compiled call after warm-up: the exit wakes others only for a writer
         with self._cond:
             while self._writer is not None or self._writers_waiting > 0:
                 self._cond.wait()
             self._readers += 1
-
-    def _exit_shared(self):
-        with self._cond:
-            self._readers -= 1
-            if self._readers == 0 and self._writers_waiting:
-                self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0 and self._writers_waiting:
+                    self._cond.notify_all()
 
     @property
     def waiting(self):
         with self._cond:
             return self._writers_waiting
 
-    # --- the entry point ----------------------------------------------------------------------
     def run(self, name, device, shape, fn, *args, **kwargs):
         """Call the compiled `fn` for key (name, device, shape) under the gate's rules."""
         local = self._local
         if getattr(local, "generation", -1) != self.config_generation:
             self.configure_thread()
-        self.stats["calls"] += 1                       # approximate under threads (no lock): a statistic
-        if not self.enabled or getattr(local, "depth", 0) > 0:   # bypass, or nested: we already hold it
+        self.stats["calls"] += 1                       # approximate under threads: a statistic
+        if not self.enabled or getattr(local, "depth", 0) > 0:   # bypass, or nested: already held
             return fn(*args, **kwargs)
         key = self.key(name, device, shape)
-        if self.warm and key in self.warmed:           # the hot path after warm-up
-            self._enter_shared()
-            local.depth = 1
-            try:
-                return fn(*args, **kwargs)
-            except RuntimeError as e:
-                if "fail_on_recompile" not in str(e):
-                    raise
-                raise UnwarmedShapeError(
-                    f"compiled call '{name}' {tuple(shape)} on {device} was warmed, but dynamo wants "
-                    "to recompile it now (a guard changed: dtype, grad mode, module or a Python "
-                    f"constant). Refusing: under the warm gate nothing may compile. ({e})") from e
-            finally:
-                local.depth = 0
-                self._exit_shared()
         local.depth = 1
         try:
+            if self.warm and key in self.warmed:
+                with self._shared():
+                    try:
+                        return fn(*args, **kwargs)
+                    except RuntimeError as e:
+                        if "fail_on_recompile" not in str(e):
+                            raise
+                        raise UnwarmedShapeError(
+                            f"compiled call '{name}' {tuple(shape)} on {device} was warmed, but dynamo wants to "
+                            "recompile it now (a guard changed: dtype, grad mode, module or a Python constant). "
+                            f"Refusing: under the warm gate nothing may compile. ({e})") from e
             if not self.warm:
                 with self._exclusive():
                     self.stats["exclusive"] += 1
@@ -185,11 +170,11 @@ class CompileGate:
                 self.log(f"[gate] compiled '{name}' {tuple(shape)} on {device} in {time.time() - t0:.1f}s")
                 return out
         finally:
-            self._local.depth = 0
+            local.depth = 0
 
     @staticmethod
     def key(name, device, shape):
-        # grad mode and autocast are part of dynamo's guards, so they are part of the key too
+        # grad mode and autocast are dynamo guards, so they are part of the key too
         return (name, str(device), tuple(shape), torch.is_grad_enabled(),
                 torch.is_autocast_enabled("cuda") if str(device).startswith("cuda") else False)
 
@@ -206,25 +191,19 @@ class CompileGate:
                  f"unwarmed shapes -> {self.on_unwarmed}")
 
     def reset(self):
-        """Back to the cold, exclusive state (tests, diagnose.py)."""
+        """Back to the cold, exclusive state with default limits (tests, diagnose.py)."""
         with self._exclusive():
             torch.compiler.set_stance("default")
-            self.warm = False
-            self.warmed.clear()
-            self.on_unwarmed = "error"
-            self.enabled = True
-            self.log = print
-            self.recompile_limit = 8
-            self.config_generation += 1
-            self.stats = {"calls": 0, "exclusive": 0, "late_compiles": 0, "max_waiting": 0}
+            self.reset_state()
+        self.configure_thread()
 
 
 GATE = CompileGate()
 
 
 def _require_compiled(what):
-    # Inside a compiled region dynamo folds this check away. If the code ever runs eagerly (a dynamo
-    # fallback, a bypass), it raises instead of quietly running the dense math path.
+    # Inside a compiled region dynamo folds this check away. If the code ever runs eagerly (dynamo
+    # disabled, a bypass), it raises instead of quietly running the dense math path.
     if not torch.compiler.is_dynamo_compiling():
         raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x H x Q x KV "
                            "scores). Every flex call must go through the compiled functions and GATE.")
@@ -289,42 +268,14 @@ class DFlashConfig:
         """Take sizes from any transformers causal-LM config (Qwen3, Qwen2, Llama, ...)."""
         tcfg = getattr(tcfg, "text_config", None) or tcfg
         heads = tcfg.num_attention_heads
-        return cls(
-            hidden_size=tcfg.hidden_size,
-            intermediate_size=intermediate_size or tcfg.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
-            vocab_size=tcfg.vocab_size,
-            num_target_layers=tcfg.num_hidden_layers,
-            rope_theta=_rope_theta(tcfg),
-            rms_norm_eps=getattr(tcfg, "rms_norm_eps", None) or 1e-6,
-            max_position_embeddings=getattr(tcfg, "max_position_embeddings", 40960),
-            num_draft_layers=num_draft_layers,
-            block_size=block_size,
-            mask_token_id=mask_token_id,
-            target_layer_ids=list(target_layer_ids or []),
-        )
-
-
-def choose_mask_token_id(tokenizer, vocab_size):
-    """A token whose frozen embedding fills masked block positions (recorded in the saved config).
-
-    Preference: an existing <|MASK|>; else a spare embedding row past the tokenizer (Qwen3's case);
-    else a special token that the chat template and normal text never produce.
-    """
-    vocab = tokenizer.get_vocab()
-    if "<|MASK|>" in vocab:
-        return vocab["<|MASK|>"]
-    if len(tokenizer) < vocab_size:
-        return len(tokenizer)
-    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    template = tokenizer.chat_template or ""
-    for tok in getattr(tokenizer, "all_special_tokens", []) + sorted(getattr(tokenizer, "added_tokens_encoder", {})):
-        tid = vocab.get(tok)
-        if tid is not None and tid not in used and tok not in template:
-            return tid
-    raise ValueError("no spare or unused special token to use as the mask token; pass --mask-token-id")
+        return cls(hidden_size=tcfg.hidden_size, intermediate_size=intermediate_size or tcfg.intermediate_size,
+                   num_attention_heads=heads, num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads, vocab_size=tcfg.vocab_size,
+                   num_target_layers=tcfg.num_hidden_layers, rope_theta=_rope_theta(tcfg),
+                   rms_norm_eps=getattr(tcfg, "rms_norm_eps", None) or 1e-6,
+                   max_position_embeddings=getattr(tcfg, "max_position_embeddings", 40960),
+                   num_draft_layers=num_draft_layers, block_size=block_size, mask_token_id=mask_token_id,
+                   target_layer_ids=list(target_layer_ids or []))
 
 
 class RMSNorm(nn.Module):
@@ -336,7 +287,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight.to(x.dtype)   # stay in the compute dtype (bf16 under autocast)
+        return xf.to(x.dtype) * self.weight.to(x.dtype)   # stays in the compute dtype (bf16 under autocast)
 
 
 def rope_tables(n_positions, head_dim, theta):
@@ -348,12 +299,6 @@ def rope_tables(n_positions, head_dim, theta):
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     ang = torch.arange(n_positions, dtype=torch.float32)[:, None] * inv
     return ang.cos(), ang.sin()
-
-
-def rope_cos_sin(cos_table, sin_table, positions, dtype):
-    """cos/sin of shape (B, 1, L, head_dim) for integer positions (B, L), from rope_tables()."""
-    c, s = cos_table[positions], sin_table[positions]
-    return torch.cat([c, c], dim=-1)[:, None].to(dtype), torch.cat([s, s], dim=-1)[:, None].to(dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -453,30 +398,23 @@ class DFlashDrafter(nn.Module):
         self.lm_head_weight = target.get_output_embeddings().weight.detach()
         return self
 
-    def num_trainable(self):
-        return sum(p.numel() for p in self.parameters())
-
     def rope(self, positions, dtype):
-        return rope_cos_sin(self.rope_cos, self.rope_sin, positions, dtype)
+        """cos/sin of shape (B, 1, L, head_dim) for integer positions (B, L), gathered from the tables."""
+        c, s = self.rope_cos[positions], self.rope_sin[positions]
+        return torch.cat([c, c], dim=-1)[:, None].to(dtype), torch.cat([s, s], dim=-1)[:, None].to(dtype)
 
     def context(self, target_feats):
         """(B, S, n_ctx*H) target features -> (B, S, H), computed once, shared by all layers."""
         return self.hidden_norm(self.fc(target_feats))
 
-    def body(self, target_feats, block_ids, ctx_pos, block_pos, attend, run_layer=None):
-        """Drafter trunk: returns final-normed hidden states of the block tokens (B, Lq, H).
-        `run_layer(layer, h, ctx, cos_c, sin_c, cos_q, sin_q)` replaces the plain layer call (the
-        per-layer compiled path); by default each layer runs with `attend`."""
-        c = self.config
+    def body(self, target_feats, block_ids, ctx_pos, block_pos, attend):
+        """Drafter trunk: the final-normed hidden states of the block tokens (B, Lq, H)."""
         ctx = self.context(target_feats)
         h = F.embedding(block_ids, self.embed_weight).to(ctx.dtype)
         cos_c, sin_c = self.rope(ctx_pos, ctx.dtype)
         cos_q, sin_q = self.rope(block_pos, ctx.dtype)
         for layer in self.layers:
-            if run_layer is None:
-                h = layer.with_context(h, ctx, cos_c, sin_c, cos_q, sin_q, attend)
-            else:
-                h = run_layer(layer, h, ctx, cos_c, sin_c, cos_q, sin_q)
+            h = layer.with_context(h, ctx, cos_c, sin_c, cos_q, sin_q, attend)
         return self.norm(h)
 
 
@@ -491,10 +429,9 @@ class DFlashDrafter(nn.Module):
 
 
 def _visible(anchor_of_q, q_idx, kv_idx, S, bs):
-    # Anchors are always < S (sample_anchors guarantees it), so `kv < anchor` implies `kv < S`;
-    # and for kv < S, (kv - S) // bs is negative, so it never equals a block index. Written this way
-    # the predicate has two comparisons instead of four (and dodges a CPU-inductor codegen bug
-    # with chains of boolean masks on torch 2.13).
+    # Anchors are < S, so `kv < anchor` implies `kv < S`; and for kv < S, (kv - S) // bs is negative,
+    # never a block index. Two comparisons instead of four (and no chain of boolean masks, which
+    # CPU inductor miscompiles on torch 2.13).
     return (kv_idx < anchor_of_q) | ((kv_idx - S) // bs == q_idx // bs)
 
 
@@ -513,113 +450,15 @@ def dense_dflash_mask(anchors, S, bs):
     return _visible(a[:, :, None], q[None, :, None], kv[None, None, :], S, bs)[:, None]
 
 
-# flex_attention's kernel_options (Triton tile sizes, warps, stages, TMA) for every compiled flex call
-# of the drafter, over DEFAULT_FLEX_OPTIONS (no kernel option = torch's default for the device). Set
-# once, before anything compiles (set_flex_options): a compiled graph bakes them in, and the warm list
-# and warm-up workers key on them.
-FLEX_OPTION_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps",
-                     "num_stages", "USE_TMA", "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
-# Ours, not flex's: GQA_EXPAND repeats each key/value head for its query heads before the kernel.
-# Why: flex's backward gives each (kv tile, kv head) ONE program that loops over all the query heads
-# of the group and all the query tiles that see the tile; the first context tiles are seen by every
-# query, so those few programs are the longest by far and set the kernel's tail. Expanded, each of
-# them is split in (query heads per kv head) programs. Same math: the gradient of the repeat sums
-# the group's key/value gradients.
-# Measured on the H200 at the bench's shape (one layer's flex forward + backward, session 13):
-# backward 2.53 -> 2.06 ms, forward 0.76 -> 0.81 ms. Hence on by default; '{"GQA_EXPAND": false}' is
-# flex's own GQA.
-OUR_FLEX_OPTIONS = ("GQA_EXPAND",)
-DEFAULT_FLEX_OPTIONS = {"GQA_EXPAND": True}
-FLEX_OPTIONS = dict(DEFAULT_FLEX_OPTIONS)
-
-
-def parse_flex_options(options):
-    """The checked options dict of `options`: a dict or its JSON text ("" = defaults). Names are
-    FLEX_OPTION_NAMES, optionally with a "fwd_" / "bwd_" prefix (forward / backward kernel only);
-    values are ints or booleans. Raises ValueError naming what is wrong."""
-    if isinstance(options, str):
-        try:
-            options = json.loads(options) if options.strip() else {}
-        except ValueError as e:
-            raise ValueError(f"flex options must be a JSON object, got {options!r} ({e})") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"flex options must be a JSON object, got {options!r}")
-    for k, v in options.items():
-        name = k[4:] if k.startswith(("fwd_", "bwd_")) else k
-        if k in OUR_FLEX_OPTIONS:
-            if not isinstance(v, bool):
-                raise ValueError(f"flex option {k} must be a boolean, got {v!r}")
-            continue
-        if name not in FLEX_OPTION_NAMES:
-            raise ValueError(f"unknown flex kernel option {k!r}; known: {', '.join(FLEX_OPTION_NAMES)} "
-                             f"(optionally prefixed fwd_ or bwd_), and ours: {', '.join(OUR_FLEX_OPTIONS)}")
-        if not isinstance(v, (bool, int)):
-            raise ValueError(f"flex kernel option {k} must be an int or a boolean, got {v!r}")
-    return options
-
-
-def set_flex_options(options):
-    """Check `options` (parse_flex_options) and make DEFAULT_FLEX_OPTIONS updated with them every
-    compiled flex call's options ("" or {} = the defaults)."""
-    options = parse_flex_options(options)
-    FLEX_OPTIONS.clear()
-    FLEX_OPTIONS.update(DEFAULT_FLEX_OPTIONS, **options)
-
-
-def _flex(q, k, v, block_mask):
-    options = dict(FLEX_OPTIONS)
-    if options.pop("GQA_EXPAND", False) and k.shape[1] != q.shape[1]:
-        group = q.shape[1] // k.shape[1]                      # query head h uses kv head h // group
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=options or None)
-
-
-def _flex_impl(q, k, v, block_mask):
-    _require_compiled("flex_attention")
-    return _flex(q, k, v, block_mask)
-
-
-def _body_flex_impl(drafter, target_feats, block_ids, ctx_pos, block_pos, block_mask):
-    _require_compiled("drafter body (flex)")
-    return drafter.body(target_feats, block_ids, ctx_pos, block_pos, lambda q, k, v: _flex(q, k, v, block_mask))
-
-
-def _layer_flex_impl(layer, h, ctx, cos_c, sin_c, cos_q, sin_q, block_mask):
-    _require_compiled("drafter layer (flex)")
-    return layer.with_context(h, ctx, cos_c, sin_c, cos_q, sin_q, lambda q, k, v: _flex(q, k, v, block_mask))
-
-
-# The compiled callables. dynamic=False: every shape is its own, fully specialised entry, and the
-# bucketing keeps their number small. They are only ever called through GATE.run.
-#   compile_scope "trunk": the whole drafter trunk is one graph (the measured default);
-#   compile_scope "layer": one layer is the graph, reused by every layer (regional compilation:
-#   a fraction of the compile time; no fusion across layer boundaries);
-#   compile_scope "flex": only flex_attention is compiled, the layers run eagerly (the public
-#   trainers' layout: seconds to compile, slower steps; the CE stays compiled, the block mask needs
-#   no compile).
-compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
-compiled_body = torch.compile(_body_flex_impl, dynamic=False, fullgraph=True)
-compiled_layer = torch.compile(_layer_flex_impl, dynamic=False, fullgraph=True)
-COMPILE_SCOPES = ("trunk", "layer", "flex")
-# Dynamo cache entries per (device, shape) of the scope's drafter graph. "layer" needs two: the
-# first layer's input (an embedding of the frozen table) does not require grad, every later layer's
-# does, and requires_grad is a guard. (Found on the H200: sized for one, the 5-bucket warm-up hit
-# the recompile limit - loudly, as it should.)
-ENTRIES_PER_SHAPE = {"trunk": 1, "layer": 2, "flex": 1}
-
-
 # The block mask, built from the anchors at 128 x 128 tile level (flex's sparsity unit), eagerly.
-# create_block_mask would evaluate the mask_mod on every element (B x Q x KV) and then sort and
-# scatter tile lists; compiled, its index-put kernels took 2-7 minutes of Triton compile PER SHAPE on
-# the H200 (86% of a cold warm-up's Triton compile time, timed per kernel in session 10); eager, it is
-# the dense fallback.
-# The mask's structure gives every tile directly (a few small ops on (B, Q/128, KV/128) tensors):
+# create_block_mask evaluates the mask_mod on every element (B x Q x KV) and then sorts and scatters
+# tile lists: eagerly that is the dense computation, and compiled its index-put kernels take minutes
+# of Triton compile per shape. The mask's structure gives every tile directly instead:
 #   context tile u (kv in [128u, 128u+128), all < S): some row sees it iff 128u < the largest anchor
 #     of the query tile's rows; every row sees all of it iff 128u + 128 <= their smallest anchor;
 #   block tile (kv >= S): rows see their own block only, so it is visible iff the block ranges of the
 #     query tile and the kv tile overlap, and full only if both lie inside one and the same block.
-# Full tiles skip the mask_mod in the kernel, partial tiles apply it: test_smoke checks both sets
-# against the element-level formula for several shapes and block sizes.
+# Full tiles skip the mask_mod in the kernel, partial tiles apply it.
 TILE = 128
 
 
@@ -646,8 +485,8 @@ def create_dflash_block_mask(anchors, S, bs):
     B, A = anchors.shape
     Q = A * bs
     if S % TILE or Q % TILE:
-        # flex works on 128 x 128 tiles; ragged tiles cost masked loads on GPU and hit an inductor
-        # codegen bug on CPU (torch 2.13). The trainer's buckets and anchor counts respect this.
+        # ragged tiles cost masked loads on a GPU and hit an inductor codegen bug on CPU (torch 2.13);
+        # the trainer's buckets and anchor counts are multiples of the tile
         raise ValueError(f"flex path needs S ({S}) and anchors*block ({A}*{bs}) to be multiples of {TILE}")
     dev = anchors.device
     rows = anchors.repeat_interleave(bs, dim=1).view(B, Q // TILE, TILE)      # each query row's anchor
@@ -665,6 +504,37 @@ def create_dflash_block_mask(anchors, S, bs):
     return BlockMask(seq_lengths=(Q, S + Q), kv_num_blocks=kv_n, kv_indices=kv_i, full_kv_num_blocks=fkv_n,
                      full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i, full_q_num_blocks=fq_n,
                      full_q_indices=fq_i, BLOCK_SIZE=(TILE, TILE), mask_mod=make_mask_mod(anchors, S, bs))
+
+
+def _flex(q, k, v, block_mask):
+    # Each key/value head is repeated for its query heads before the kernel. flex's backward gives
+    # every (key tile, kv head) one program that loops over the group's query heads and every query
+    # tile that sees the tile; the first context tiles are seen by nearly every query, so those few
+    # programs set the kernel's tail. Split per query head, one layer's backward at S 3072 with 512
+    # anchors takes 2.06 ms instead of 2.53 on an H200 (forward 0.81 instead of 0.76). The gradient
+    # of the repeat sums the group's key/value gradients: the same math.
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]                      # query head h uses kv head h // group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return flex_attention(q, k, v, block_mask=block_mask)
+
+
+def _flex_impl(q, k, v, block_mask):
+    _require_compiled("flex_attention")
+    return _flex(q, k, v, block_mask)
+
+
+def _body_flex_impl(drafter, target_feats, block_ids, ctx_pos, block_pos, block_mask):
+    _require_compiled("drafter body (flex)")
+    return drafter.body(target_feats, block_ids, ctx_pos, block_pos, lambda q, k, v: _flex(q, k, v, block_mask))
+
+
+# The compiled callables, only ever called through GATE.run. dynamic=False: every shape is its own,
+# fully specialised entry, and the length buckets keep their number small. The whole drafter trunk is
+# one graph: inductor fuses norms, rope and the activations around the matmuls across the layers
+# (1.44x the step of an eager trunk around a compiled flex at Qwen3-8B size on an H200).
+compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
+compiled_body = torch.compile(_body_flex_impl, dynamic=False, fullgraph=True)
 
 
 def gated_flex_attention(q, k, v, block_mask):
@@ -686,12 +556,10 @@ def sample_anchors(loss_mask, lengths, num_anchors, block_size, generator=None):
     anchors = torch.zeros(B, num_anchors, dtype=torch.long)
     valid = torch.zeros(B, num_anchors, dtype=torch.bool)
     for b in range(B):
-        n = int(lengths[b])
-        last = n - block_size                   # the whole block fits inside the sequence
+        last = int(lengths[b]) - block_size          # the whole block fits inside the sequence
         if last < 0:
             continue
-        ok = lm[b, : last + 1] & lm[b, 1: last + 2]
-        cand = ok.nonzero().flatten()
+        cand = (lm[b, : last + 1] & lm[b, 1: last + 2]).nonzero().flatten()
         if len(cand) > num_anchors:
             cand = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
         anchors[b, : len(cand)] = cand
@@ -711,134 +579,19 @@ def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id,
     anchors, valid = anchors.to(dev), valid.to(dev)
     k = torch.arange(block_size, device=dev)
     pos = anchors[:, :, None] + k                                  # (B, A, bs)
-    in_range = pos < S
     pos_c = pos.clamp(max=S - 1)
     labels = torch.gather(input_ids, 1, pos_c.flatten(1)).view_as(pos)
     lm = torch.gather(loss_mask.to(torch.float32), 1, pos_c.flatten(1)).view_as(pos)
     decay = torch.exp(-(k.float() - 1) / gamma) * (k > 0)
-    weights = decay * lm * in_range * valid[:, :, None]
+    weights = decay * lm * (pos < S) * valid[:, :, None]
     block_ids = torch.full_like(labels, mask_token_id)
     block_ids[:, :, 0] = labels[:, :, 0]
     return block_ids.flatten(1), pos.flatten(1), labels, weights
 
 
-def _ce_chunk_impl(logits, y, w):
-    """One chunk of the weighted CE from its (n, V) logits: (sum of w*CE, correct, dCE/dlogits * w).
-
-    correct = the label's logit is the row's maximum: argmax == y, except that a label tied with an
-    earlier maximum also counts (rare, and only in the accuracy log); tracking argmax indices through
-    the looped reduction costs time on every logit.
-
-    Written as plain tensor code so that torch.compile turns it into two passes over the logits
-    (row max/sum/label logit, then the gradient) instead of ~10 eager kernels with fp32 temporaries:
-    at Qwen3 vocab (152K) that is ~45 bytes moved per logit eagerly vs ~6 compiled."""
-    x = logits.float()
-    m = x.amax(-1, keepdim=True)
-    e = torch.exp(x - m)
-    s = e.sum(-1, keepdim=True)
-    lse = (m + s.log()).squeeze(1)
-    tgt = x.gather(1, y[:, None]).squeeze(1)
-    loss = ((lse - tgt) * w).sum()
-    correct = tgt >= m.squeeze(1)           # the label's logit is the row max (no argmax pass with indices)
-    onehot = torch.arange(x.shape[1], device=x.device)[None] == y[:, None]
-    g = (e / s - onehot.float()) * w[:, None]
-    return loss, correct, g.to(logits.dtype)
-
-
-def _ce_chunk_eager(logits, y, w):
-    """The same result as _ce_chunk_impl, written for eager execution (fused library kernels,
-    in-place updates): the CPU/SDPA path, and the naive baseline in bench.py."""
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)
-    tgt = x.gather(1, y[:, None]).squeeze(1)
-    loss = ((lse - tgt) * w).sum()
-    correct = tgt >= x.amax(-1)
-    g = torch.softmax(x, dim=-1)
-    g[torch.arange(len(y), device=x.device), y] -= 1.0
-    g *= w[:, None]
-    return loss, correct, g.to(logits.dtype)
-
-
-compiled_ce_chunk = torch.compile(_ce_chunk_impl, dynamic=False, fullgraph=True)
-
-
-def gated_ce_chunk(logits, y, w):
-    return GATE.run("ce_chunk", logits.device, tuple(logits.shape), compiled_ce_chunk, logits, y, w)
-
-
-if triton is not None:
-    @triton.jit
-    def _ce_rows_kernel(x_ptr, g_ptr, y_ptr, w_ptr, loss_ptr, correct_ptr, stride, V: tl.constexpr,
-                        BLOCK: tl.constexpr):
-        # one program per row: pass 1 keeps a running max and rescaled sum over the row, pass 2
-        # writes (softmax - onehot) * w; the label's logit is one scalar load, not a gather pass
-        row = tl.program_id(0).to(tl.int64)
-        x_row, g_row = x_ptr + row * stride, g_ptr + row * stride
-        cols = tl.arange(0, BLOCK)
-        m = tl.max(tl.full([BLOCK], -1e30, tl.float32), 0)
-        s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-        for start in range(0, V, BLOCK):
-            x = tl.load(x_row + start + cols, mask=start + cols < V, other=-1e30).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-            m = m_new
-        y = tl.load(y_ptr + row)
-        w = tl.load(w_ptr + row)
-        tgt = tl.load(x_row + y).to(tl.float32)
-        tl.store(loss_ptr + row, (m + tl.log(s) - tgt) * w)
-        tl.store(correct_ptr + row, tgt >= m)
-        for start in range(0, V, BLOCK):
-            c = start + cols
-            x = tl.load(x_row + c, mask=c < V, other=0.0).to(tl.float32)
-            g = tl.exp(x - m) * (w / s) - tl.where(c == y, w, 0.0)
-            tl.store(g_row + c, g.to(g_ptr.dtype.element_ty), mask=c < V)
-
-
-_CE_CHECKED, _CE_CHECK_LOCK = set(), threading.Lock()
-
-
-def _ce_chunk_triton_unchecked(logits, y, w):
-    n, V = logits.shape
-    logits = logits.contiguous()
-    g = torch.empty_like(logits)
-    loss = torch.empty(n, device=logits.device, dtype=torch.float32)
-    correct = torch.empty(n, device=logits.device, dtype=torch.bool)
-    # Triton launches on the CURRENT device's stream (a CPU device: the Triton interpreter, in tests)
-    with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
-        _ce_rows_kernel[(n,)](logits, g, y.contiguous(), w.float().contiguous(), loss, correct,
-                              logits.stride(0), V=V, BLOCK=4096, num_warps=8)
-    return loss.sum(), correct, g
-
-
-def ce_chunk_triton(logits, y, w):
-    """_ce_chunk_impl's result from one hand-written Triton kernel (CUDA): 0.49 vs 0.72 ms (inductor's)
-    per 1920 x 152K chunk on an H200 (3.6 vs 2.4 TB/s), the same two passes over the logits. No
-    torch.compile, so nothing to warm or gate. On each device's first call it is checked against
-    the eager version on the chunk's first rows: a wrong kernel stops the run instead of training."""
-    dev = logits.device
-    if dev not in _CE_CHECKED:
-        with _CE_CHECK_LOCK:
-            if dev not in _CE_CHECKED:
-                _check_ce_kernel(logits[:16], y[:16], w[:16])
-                _CE_CHECKED.add(dev)
-    return _ce_chunk_triton_unchecked(logits, y, w)
-
-
-def _check_ce_kernel(logits, y, w):
-    w = torch.linspace(0.5, 1.5, len(w), device=w.device)    # real weights may be 0 on these rows
-    got, ref = _ce_chunk_triton_unchecked(logits, y, w), _ce_chunk_eager(logits, y, w)
-    loss_ok = abs(float(got[0]) - float(ref[0])) <= 1e-4 * max(abs(float(ref[0])), 1.0)
-    g_err = float((got[2].float() - ref[2].float()).abs().max())
-    g_ok = g_err <= 1e-2 * float(ref[2].float().abs().max()) + 1e-6
-    if not (loss_ok and g_ok and bool((got[1] == ref[1]).all())):
-        raise RuntimeError(f"the Triton CE kernel disagrees with the eager CE on {logits.device}: loss "
-                           f"{float(got[0])} vs {float(ref[0])}, max grad error {g_err:.3g}, correct "
-                           f"{got[1].tolist()} vs {ref[1].tolist()}; this triton/GPU is not supported")
-
-
 def chunk_plan(n, chunk_rows):
     """(rows per chunk, chunks): equal chunks of at most chunk_rows rows covering n rows (the last one
-    padded), so a batch shape has ONE compiled CE shape, counted by the recompile limit as one entry."""
+    padded), so one batch shape is one kernel shape."""
     k = max(1, math.ceil(n / chunk_rows))
     return math.ceil(n / k), k
 
@@ -846,12 +599,9 @@ def chunk_plan(n, chunk_rows):
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """sum(w * CE(h @ W^T, y)) with w pre-normalised, computed chunk by chunk.
 
-    The LM head is frozen, so the only gradient needed is d loss / d h. It is computed in the forward
-    chunk by chunk ((softmax - onehot) * w) @ W and kept (N x H, small), so no chunk of N x vocab
-    logits is ever stored for backward and fp32 logits exist for one chunk at a time.
-    `ce` is `_ce_chunk_eager` (the SDPA path), `ce_chunk_triton` (the flex path on CUDA) or
-    `gated_ce_chunk` (the flex path elsewhere: compiled, through the gate).
-    """
+    The LM head is frozen, so the only gradient needed is d loss / d h. It is computed in the forward,
+    chunk by chunk ((softmax - onehot) * w) @ W, and kept (N x H, small): no N x vocab logits are
+    stored for the backward, and fp32 logits exist for one chunk at a time."""
 
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk, ce):
@@ -882,21 +632,19 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None
 
 
-# LM head + CE rows per chunk (split into equal chunks: chunk_plan). 3072 on the bench's 7,680 scored
-# rows = 3 chunks of 2,560: drafter step 130.7-131.1 ms against 132.3 ms with 2048 (4 of 1,920) in
-# the same session on one H200 (session 13), for +0.5 GiB of peak memory.
+# LM head + CE rows per chunk. At Qwen3-8B size (7,680 scored rows per sequence): 3 chunks of 2,560
+# take a 130.7-131.1 ms drafter step against 132.3 ms for 4 of 1,920 on an H200, for +0.5 GiB of
+# peak memory (the fp32 logits of one chunk).
 CHUNK_ROWS = 3072
 
 
-def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None, compiled=False):
+def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None):
     """Weighted CE over block positions 1..bs-1 plus per-position accuracy.
 
     hidden (B, A*bs, H), labels/weights (B, A, bs). Returns loss (normalised by the weight sum),
     acc (bs-1,) = accuracy at positions k = 1..bs-1 over supervised positions, and counts (bs-1,).
-    `weight_sum`: normaliser shared by several micro-batches/replicas (default: this batch's own), so
-    that a step over R replicas x G micro-batches equals one step over their concatenation.
-    `compiled`: the flex training path: the per-chunk CE is the Triton kernel on CUDA, else compiled
-    through the gate.
+    `weight_sum`: the normaliser shared by several micro-batches/replicas (default: this batch's own),
+    so that a step over R replicas x G micro-batches equals one step over their concatenation.
     """
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
@@ -904,15 +652,11 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     w = weights[:, :, 1:].reshape(-1).float()
     if weight_sum is None:
         wsum = w.sum()
-    elif isinstance(weight_sum, torch.Tensor):
-        wsum = weight_sum.to(w.device, torch.float32)
     else:   # a host number: a fill kernel, not a blocking host-to-device copy (that would wait for the
-        wsum = torch.full((), float(weight_sum), device=w.device)     # forward just queued: a stall mid-step)
-    wsum = wsum.clamp(min=1e-6)
-    ce = _ce_chunk_eager
-    if compiled:
-        ce = ce_chunk_triton if triton is not None and h.is_cuda else gated_ce_chunk
-    loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum, chunk_rows, ce)
+        wsum = torch.full((), float(weight_sum), device=w.device)     # forward just queued: a stall)
+    ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager
+    loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum.clamp(min=1e-6),
+                                             chunk_rows, ce)
     sup = (w > 0).view(B * A, bs - 1)
     hits = (correct.view(B * A, bs - 1) & sup).sum(0).float()
     counts = sup.sum(0).float()
@@ -929,36 +673,24 @@ def sdpa_attend(mask):
 
 
 def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma,
-                         attn="flex", chunk_rows=CHUNK_ROWS, weight_sum=None, compile_scope="trunk"):
-    """One training forward: blocks -> mask -> drafter (compiled flex or explicit SDPA) -> loss."""
+                         attn="flex", chunk_rows=CHUNK_ROWS, weight_sum=None):
+    """One training forward: blocks -> mask -> drafter (compiled flex trunk, or explicit SDPA) -> loss."""
     c = drafter.config
     B, S = input_ids.shape
-    A = anchors.shape[1]
     anchors, valid = to_device(anchors, input_ids.device), to_device(valid, input_ids.device)
     block_ids, block_pos, labels, weights = make_blocks(
         input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
     ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
     if attn == "flex":
         bm = create_dflash_block_mask(anchors, S, c.block_size)
-        key = (B, S, A, c.block_size)
-        if compile_scope == "trunk":
-            hidden = GATE.run("drafter_fwd", input_ids.device, key, compiled_body,
-                              drafter, target_feats, block_ids, ctx_pos, block_pos, bm)
-        elif compile_scope == "layer":
-            run = lambda layer, *a: GATE.run("drafter_layer", input_ids.device, key, compiled_layer, layer, *a, bm)
-            hidden = drafter.body(target_feats, block_ids, ctx_pos, block_pos, None, run_layer=run)
-        elif compile_scope == "flex":
-            hidden = drafter.body(target_feats, block_ids, ctx_pos, block_pos,
-                                  lambda q, k, v: gated_flex_attention(q, k, v, bm))
-        else:
-            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
+        hidden = GATE.run("drafter_fwd", input_ids.device, (B, S, anchors.shape[1], c.block_size), compiled_body,
+                          drafter, target_feats, block_ids, ctx_pos, block_pos, bm)
     elif attn == "sdpa":
         hidden = drafter.body(target_feats, block_ids, ctx_pos, block_pos,
                               sdpa_attend(dense_dflash_mask(anchors, S, c.block_size)))
     else:
         raise ValueError(f"attn must be 'flex' or 'sdpa', got {attn!r}")
-    return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows, weight_sum,
-                       compiled=attn == "flex")
+    return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows, weight_sum)
 
 
 def to_device(t, dev):
@@ -987,21 +719,10 @@ def target_features(hidden_states, layer_ids):
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-class DrafterCache:
-    """Per-layer context keys/values of the drafter (block entries are never stored)."""
-
-    def __init__(self, n_layers):
-        self.k = [None] * n_layers
-        self.v = [None] * n_layers
-
-    def append(self, i, k, v):
-        self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k], dim=2)
-        self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v], dim=2)
-
-
 @torch.no_grad()
 def draft_block(drafter, cache, new_feats, new_pos, anchor_token, anchor_pos):
-    """Extend the drafter cache with new context features, then draft bs-1 tokens' logits."""
+    """Extend the drafter's context cache (per layer: keys, values; block entries are never kept) with
+    new context features, then draft bs-1 tokens' logits."""
     c = drafter.config
     dev = new_feats.device
     ctx = drafter.context(new_feats)
@@ -1013,9 +734,9 @@ def draft_block(drafter, cache, new_feats, new_pos, anchor_token, anchor_pos):
     cos_q, sin_q = drafter.rope(block_pos, ctx.dtype)
     attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # all visible
     for i, layer in enumerate(drafter.layers):
-        k, v = layer.self_attn.kv(ctx, cos_c, sin_c)
-        cache.append(i, k, v)
-        h = layer(h, cache.k[i], cache.v[i], cos_q, sin_q, attend)
+        kv = layer.self_attn.kv(ctx, cos_c, sin_c)
+        cache[i] = kv if cache[i] is None else [torch.cat([old, new], dim=2) for old, new in zip(cache[i], kv)]
+        h = layer(h, *cache[i], cos_q, sin_q, attend)
     h = drafter.norm(h)
     return (h[0, 1:] @ drafter.lm_head_weight.t().to(h.dtype)).float()     # (bs-1, V)
 
@@ -1050,7 +771,7 @@ def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=N
     feat_pos = torch.arange(P, device=dev)[None]
     token = _pick(out.logits[0, -1], temperature, generator)
     generated, accept_lengths = [int(token)], []
-    dcache = DrafterCache(len(drafter.layers))
+    dcache = [None] * len(drafter.layers)
     pos = P                                           # position of `token`, the next anchor
     while len(generated) < max_new_tokens and generated[-1] not in stops:
         d_logits = draft_block(drafter, dcache, feats.to(drafter.fc.weight.dtype), feat_pos, token, pos)
@@ -1116,29 +837,18 @@ def target_greedy(target, input_ids, max_new_tokens, stop_token_ids=None):
 # 6. Save / load in the serving format
 
 
+# config.json keys that are DFlashConfig fields of the same name
+HF_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+           "num_target_layers", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+
+
 def drafter_hf_config(cfg: DFlashConfig, dtype=torch.bfloat16):
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": cfg.num_draft_layers,
-        "num_target_layers": cfg.num_target_layers,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).replace("torch.", ""),
-        "block_size": cfg.block_size,
-        "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
-                          "mask_token_id": cfg.mask_token_id},
-    }
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **{k: getattr(cfg, k) for k in HF_KEYS},
+            "num_hidden_layers": cfg.num_draft_layers, "hidden_act": "silu", "attention_bias": False,
+            "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", ""),
+            "block_size": cfg.block_size,
+            "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
+                              "mask_token_id": cfg.mask_token_id}}
 
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
@@ -1149,7 +859,11 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
     os.makedirs(path, exist_ok=True)
     state = drafter.state_dict() if state is None else state
     sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
-    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(path, "model.safetensors")
+    save_file(sd, weights, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)     # safetensors creates it 0600; the other files get the umask's
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(drafter_hf_config(drafter.config, dtype), f, indent=2)
 
@@ -1165,17 +879,15 @@ def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
     if "dflash_config" not in hf:
         raise ValueError(f"{cfg_path} has no dflash_config: not a DFlash drafter")
     d = hf["dflash_config"]
-    cfg = DFlashConfig(
-        hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_attention_heads=hf["num_attention_heads"], num_key_value_heads=hf["num_key_value_heads"],
-        head_dim=hf["head_dim"], vocab_size=hf["vocab_size"],
-        num_target_layers=hf.get("num_target_layers", max(d["target_layer_ids"]) + 1),
-        rope_theta=hf["rope_theta"], rms_norm_eps=hf["rms_norm_eps"],
-        max_position_embeddings=hf.get("max_position_embeddings", 40960),
-        num_draft_layers=hf["num_hidden_layers"], block_size=d["block_size"],
-        mask_token_id=d["mask_token_id"], target_layer_ids=d["target_layer_ids"])
+    cfg = DFlashConfig(**{k: hf[k] for k in HF_KEYS}, num_draft_layers=hf["num_hidden_layers"],
+                       block_size=d["block_size"], mask_token_id=d["mask_token_id"],
+                       target_layer_ids=d["target_layer_ids"])
     drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=True)
+    weights = os.path.join(path, "model.safetensors")
+    try:
+        drafter.load_state_dict(load_file(weights), strict=True)
+    except Exception as e:       # a truncated or foreign file: name it, not safetensors' internals
+        raise ValueError(f"cannot load the drafter weights {weights}: {e}") from None
     if target is not None:
         drafter.attach_target(target)
     return drafter.to(device=device, dtype=dtype)

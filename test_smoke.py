@@ -1,18 +1,16 @@
-"""CPU smoke tests for dflash_model.py (run: python -m pytest -q test_smoke.py).
+"""CPU tests of the method and its machinery; `python test_smoke.py` runs the whole suite (every test_*.py).
 
-What is covered, in file order:
-  layer ids, config from HF target configs, the training mask (flex vs dense vs a naive loop),
-  compiled flex == SDPA, blocks/labels/weights/loss/gradient, anchor sampling, lossless greedy
-  speculative decoding (vs target_greedy and HF generate), an overfit run that proves mask, labels
-  and inference agree, save/load in the serving format, the compile gate, and: warmup.py builds the
-  trainer's drafter (same warm-list inputs), compiled flex refuses to run eagerly,
-  eval_dflash's stop ids and histogram.
+In file order: layer ids, the drafter config from HF target configs, the training mask (flex vs dense
+vs a naive loop, the tile-level BlockMask), compiled flex == SDPA, blocks / labels / weights / loss /
+gradient, anchor sampling, lossless greedy speculative decoding (vs target_greedy and HF generate),
+an overfit run that proves mask, labels and inference agree, save/load in the serving format, the
+compile gate, the warm-up, eval_dflash's stop ids and histogram.
 
-Compiles are expensive on this CPU (7-40 s each), so every flex test shares ONE shape set through
-the module-scoped `flex_case` fixture, and all flex calls run under torch.no_grad (grad mode is a
-dynamo guard: mixing modes would compile twice). FlexAttention has no backward on CPU, so training
-here uses attn="sdpa". The gate tests use tiny torch.compile(backend=<counting eager backend>)
-functions, which exercise dynamo's per-call checks, stances and recompile limits without inductor.
+Compiles are expensive on this CPU (7-40 s each), so every flex test shares ONE shape set through the
+module-scoped `flex_case` fixture, and all flex calls run under torch.no_grad (grad mode is a dynamo
+guard: mixing modes would compile twice). FlexAttention has no backward on CPU, so training here uses
+attn="sdpa". The gate tests use tiny torch.compile(backend=<counting eager backend>) functions, which
+exercise dynamo's per-call checks, stances and recompile limits without inductor.
 """
 import json
 import math
@@ -29,6 +27,7 @@ from torch.nn.attention.flex_attention import create_mask
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config, Qwen3ForCausalLM
 
 import dflash_model as dm
+import kernels
 from dflash_model import GATE
 
 FX_ERROR = "Detected that you are using FX to symbolically trace"
@@ -418,40 +417,27 @@ def test_flex_drafter_forward_equals_sdpa(flex_case):
     assert torch.allclose(acc_f, acc_s)
 
 
-def test_layer_and_flex_compile_scopes_equal_sdpa_with_one_graph_for_all_layers(flex_case):
-    """compile_scope="flex" (only attention compiled, eager layers) and compile_scope="layer" (regional
-    compilation) give the dense path's result, and in the layer scope every layer of the drafter runs
-    the SAME compiled graph (one compile, not one per layer)."""
-    from torch._dynamo.utils import counters
-    c = flex_case
-    d = c.drafter
-    assert len(d.layers) >= 2
-    args = (d, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid, c.gamma)
-    with torch.no_grad():
-        loss_s, acc_s, _ = dm.drafter_forward_loss(*args, attn="sdpa")
-        # flex first: it also compiles this shape's CE chunk, so the layer call below adds its graph only
-        loss_f, acc_f, _ = dm.drafter_forward_loss(*args, attn="flex", compile_scope="flex")
-        assert sum(key[0] == "flex" for key in GATE.warmed) == 1      # every layer: one warmed flex key
-        before = counters["stats"]["unique_graphs"]
-        loss_l, acc_l, _ = dm.drafter_forward_loss(*args, attn="flex", compile_scope="layer")
-    assert counters["stats"]["unique_graphs"] - before == 1
-    for loss, acc in ((loss_f, acc_f), (loss_l, acc_l)):
-        assert abs(float(loss) - float(loss_s)) / abs(float(loss_s)) < 1e-4
-        assert torch.allclose(acc, acc_s)
-    with pytest.raises(ValueError, match="compile_scope"):
-        dm.drafter_forward_loss(*args, attn="flex", compile_scope="everything")
-
-
-def test_warm_up_sizes_the_recompile_limit_for_the_scope(flex_case):
-    """Each (device, shape) is one dynamo entry of the trunk graph but TWO of the layer graph (the
-    first layer's input does not require grad, later layers' inputs do): the limit must count both,
-    or the warm-up of the last buckets fails (it did on the H200, 5 buckets, limit sized for one)."""
+def test_warm_up_compiles_each_replica_and_shape_sizes_the_recompile_limit_and_marks_the_gate_warm(flex_case):
+    """warm_up runs every (replica, shape) in turn, one dynamo entry each (+2 spare), then marks the gate
+    warm; the flex rows say how each compile went (here: the trunk this file already compiled for the
+    flex_case shape, in no-grad mode, so reused in process)."""
     import warmup
-    d, shapes = flex_case.drafter, [(1, 128, 8), (1, 256, 8)]
-    for scope, per_shape in (("trunk", 1), ("layer", 2)):
+    c, logs = flex_case, []
+    rows = warmup.warm_up([c.drafter, c.drafter], [(1, 128, 8), (1, 256, 8)], 7.0, "sdpa", log=logs.append)
+    assert [(r[1], r[3]) for r in rows] == [((1, 128, 8), "eager (sdpa)"), ((1, 256, 8), "eager (sdpa)")] * 2
+    assert GATE.recompile_limit == 2 * 2 + 2 and GATE.warm
+    assert "total" in warmup.format_table(rows) and len([m for m in logs if m.startswith("[warmup] cpu")]) == 4
+    GATE.reset()
+    with torch.no_grad():
+        dm.drafter_forward_loss(c.drafter, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid, c.gamma, attn="flex")
         GATE.reset()
-        warmup.warm_up([d, d], shapes, 7.0, "sdpa", compile_scope=scope, log=lambda m: None)
-        assert GATE.recompile_limit == 2 * len(shapes) * per_shape + 2
+        rows = warmup.warm_up([c.drafter], [(c.B, c.S, c.A)], 7.0, "flex", log=logs.append)
+        assert rows[0][3] in ("reused (in process)", "cache hit") and GATE.is_warmed(
+            "drafter_fwd", "cpu", (c.B, c.S, c.A, c.bs))
+        # an unwarmed shape is refused under the warm gate, naming it
+        with pytest.raises(dm.UnwarmedShapeError, match=r"\(3, 128, 8, 16\)"):
+            dm.drafter_forward_loss(c.drafter, c.feats[:, :128], c.input_ids[:, :128], c.loss_mask[:, :128],
+                                    c.anchors[:, :8].clamp(max=100), c.valid[:, :8], c.gamma, attn="flex")
 
 
 # -----------------------------------------------------------------------------
@@ -483,11 +469,9 @@ def test_make_blocks_hand_worked():
 
 
 @pytest.mark.parametrize("chunk_rows", [7, 5], ids=["equal-chunks", "padded-last-chunk"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_dflash_loss_matches_plain_weighted_ce_and_gradient(compiled, chunk_rows):
-    """The chunked LM head + CE, eager (CPU/SDPA path) and compiled through the gate (flex path);
-    24 rows in chunks of at most 7 (4 x 6) or 5 (5 x 5, the last one padded)."""
-    GATE.reset()
+def test_dflash_loss_matches_plain_weighted_ce_and_gradient(chunk_rows):
+    """The chunked LM head + CE (the CPU path; test_kernels checks the GPU kernel against the same
+    per-chunk function): 24 rows in chunks of at most 7 (4 x 6) or 5 (5 x 5, the last one padded)."""
     g = torch.Generator().manual_seed(3)
     B, A, bs, H, V = 2, 3, 5, 16, 50
     hidden = torch.randn(B, A * bs, H, generator=g)
@@ -498,15 +482,10 @@ def test_dflash_loss_matches_plain_weighted_ce_and_gradient(compiled, chunk_rows
     N = B * A * (bs - 1)
 
     h1 = hidden.clone().requires_grad_(True)
-    loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=chunk_rows, compiled=compiled)
+    loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=chunk_rows)
     size, k = dm.chunk_plan(N, chunk_rows)
     assert k > 2 and size * k >= N and size <= chunk_rows                 # several chunks ran
     assert (size * k > N) == (chunk_rows == 5)
-    # compiled: every chunk went through the gate as ONE warmed key (equal chunks: one shape), in
-    # no-grad mode (an autograd.Function's forward runs without grad)
-    with torch.no_grad():
-        assert GATE.is_warmed("ce_chunk", "cpu", (size, V)) == compiled
-        assert sum(key[0] == "ce_chunk" for key in GATE.warmed) == int(compiled)
     (3.0 * loss).backward()                                                # non-unit upstream gradient
 
     h2 = hidden.clone().requires_grad_(True)
@@ -705,7 +684,7 @@ def test_save_load_roundtrip_and_format(targets, tmp_path):
                                d.config.target_layer_ids)
     outs = []
     for m in (d, loaded):
-        outs.append(dm.draft_block(m, dm.DrafterCache(3), feats, torch.arange(20)[None], torch.tensor(5), 20))
+        outs.append(dm.draft_block(m, [None] * 3, feats, torch.arange(20)[None], torch.tensor(5), 20))
     assert torch.equal(outs[0], outs[1])
 
     # default save dtype (bf16): same names, bf16 tensors, loads to the bf16-rounded weights
@@ -724,8 +703,11 @@ def test_save_load_roundtrip_and_format(targets, tmp_path):
 
 
 def test_gate_fx_flag_bypass_fails_and_gated_call_waits():
-    g = torch.Generator().manual_seed(5)
-    logits, y, w = torch.randn(8, 64, generator=g), torch.randint(0, 64, (8,), generator=g), torch.rand(8, generator=g)
+    """While another thread holds the FX-tracing flag up (what make_fx does during a compile), a compiled
+    call that bypasses the gate fails with dynamo's FX error; through the gate it waits, then runs."""
+    cnt = CountingBackend()
+    fn = torch.compile(lambda x: x * 2 + 1, backend=cnt, dynamic=False)
+    x = torch.arange(4.0)
     fx = torch.fx._symbolic_trace
     assert fx._is_fx_tracing_flag is False
     raised, release = threading.Event(), threading.Event()
@@ -745,17 +727,9 @@ def test_gate_fx_flag_bypass_fails_and_gated_call_waits():
     try:
         assert raised.wait(30), "holder thread never raised the flag"
         assert fx.is_fx_symbolic_tracing()          # exactly what dynamo's per-call check reads
-
-        # bypassing the gate: a compiled function fails in this thread
-        with torch.no_grad(), pytest.raises(RuntimeError, match=FX_ERROR):
-            dm.compiled_ce_chunk(logits, y, w)
-
-        # through the gate: waits for the holder, then succeeds
-        def gated():
-            with torch.no_grad():
-                return dm.gated_ce_chunk(logits, y, w)
-
-        waiter = Worker(gated, "waiter")
+        with pytest.raises(RuntimeError, match=FX_ERROR):
+            fn(x)                                    # bypassing the gate: fails in this thread
+        waiter = Worker(lambda: GATE.run("toy", "cpu", (4,), fn, x), "waiter")
         waiter.start()
         wait_until(lambda: GATE.waiting == 1, 30, "the gated call to wait on the gate")
         assert waiter.is_alive() and waiter.result is None and waiter.error is None
@@ -766,8 +740,7 @@ def test_gate_fx_flag_bypass_fails_and_gated_call_waits():
     got = waiter.outcome(120)
     assert fx._is_fx_tracing_flag is False
     assert GATE.waiting == 0 and GATE.stats["max_waiting"] >= 1
-    for a, b in zip(got, dm._ce_chunk_eager(logits, y, w)):
-        assert torch.allclose(a.float(), b.float(), atol=1e-5)
+    assert torch.equal(got, x * 2 + 1) and cnt.compiles == 1
 
 
 def test_gate_unwarmed_shape_errors_or_compiles_with_notice():
@@ -879,57 +852,19 @@ def test_rope_table_gives_the_angle_formula_exactly_and_is_not_saved():
     assert not any(k.startswith("rope_") for k in d.state_dict())       # the saved format is unchanged
 
 
-def test_ce_correct_means_the_label_has_the_row_max_in_both_implementations():
-    GATE.reset()
+def test_ce_correct_means_the_label_has_the_row_max():
     logits = torch.tensor([[0.0, 3.0, 1.0, -2.0],      # label 1 is the max
                            [5.0, 3.0, 1.0, 4.0],       # label 3 is not
                            [2.0, 2.0, 0.5, 0.0],       # label 1 ties with an earlier max: counted correct
                            [0.0, 0.0, 0.0, 9.0]])      # label 3 is the max
-    y = torch.tensor([1, 3, 1, 3])
-    w = torch.ones(4)
-    expect = torch.tensor([True, False, True, True])
-    _, correct_eager, g_eager = dm._ce_chunk_eager(logits, y, w)
-    assert torch.equal(correct_eager, expect)
-    _, correct_c, g_c = dm.gated_ce_chunk(logits, y, w)
-    assert torch.equal(correct_c, expect)
-    torch.testing.assert_close(g_c, g_eager)
-
-
-def test_flex_options_are_checked_passed_to_flex_and_part_of_the_warm_list_key(monkeypatch):
-    import warmup
-    try:
-        for bad, needle in [('{"BLOCK_Q": 64}', "unknown flex kernel option 'BLOCK_Q'"),
-                            ('{"bwd_num_stages": "two"}', "must be an int or a boolean"),
-                            ('{"num_warps": 4', "must be a JSON object"),
-                            ('[1, 2]', "must be a JSON object")]:
-            with pytest.raises(ValueError, match=needle):
-                dm.set_flex_options(bad)
-        with pytest.raises(ValueError, match="GQA_EXPAND must be a boolean"):
-            dm.set_flex_options('{"GQA_EXPAND": 1}')
-        seen = []
-        monkeypatch.setattr(dm, "flex_attention", lambda q, k, v, **kw: seen.append(kw["kernel_options"]))
-        dm.set_flex_options("")
-        assert dm.FLEX_OPTIONS == dm.DEFAULT_FLEX_OPTIONS == {"GQA_EXPAND": True}
-        x = torch.zeros(1, 2, 128, 16)
-        dm._flex(x, x, x, None)                  # ours are not passed on to flex
-        dm.set_flex_options('{"bwd_num_stages": 2, "USE_TMA": true}')
-        dm._flex(x, x, x, None)
-        assert seen == [None, {"bwd_num_stages": 2, "USE_TMA": True}]
-        drafter = _tiny_drafter()
-        spec = warmup.worker_spec(drafter, 7.0, "flex", 2048, "trunk", 9)
-        assert spec["flex_options"] == {"GQA_EXPAND": True, "bwd_num_stages": 2, "USE_TMA": True}
-        key_tuned = warmup.pair_key(spec, (1, 256, 16))
-        dm.set_flex_options({})
-        key_default = warmup.pair_key(warmup.worker_spec(drafter, 7.0, "flex", 2048, "trunk", 9), (1, 256, 16))
-        assert key_tuned != key_default          # a graph compiled with other options is not "warm"
-    finally:
-        dm.set_flex_options({})
+    _, correct, _ = kernels.ce_chunk_eager(logits, torch.tensor([1, 3, 1, 3]), torch.ones(4))
+    assert correct.tolist() == [True, False, True, True]
 
 
 def test_gqa_expand_hands_flex_one_kv_head_per_query_head_with_the_same_output_and_gradients(monkeypatch):
-    """GQA_EXPAND (the default) repeats each kv head for its query heads before flex: the kernel sees
-    as many kv heads as query heads, and the output equals flex's own GQA. (flex has no backward on
-    CPU: the gradients are checked with SDPA over the same mask standing in for the kernel.)"""
+    """_flex repeats each kv head for its query heads before flex: the kernel sees as many kv heads as
+    query heads, and the output equals flex's own GQA. (flex has no backward on CPU: the gradients are
+    checked with SDPA over the same mask standing in for the kernel, against SDPA's own GQA.)"""
     S, A, bs = 128, 8, 16
     anchors = torch.tensor([[3, 20, 41, 60, 77, 90, 101, 112]])
     bm = dm.create_dflash_block_mask(anchors, S, bs)
@@ -937,32 +872,22 @@ def test_gqa_expand_hands_flex_one_kv_head_per_query_head_with_the_same_output_a
     g = torch.Generator().manual_seed(5)
     x = [torch.randn(1, h, L, 16, generator=g, dtype=torch.float64) for h, L in ((4, A * bs), (2, S + A * bs), (2, S + A * bs))]
     heads, real_flex = [], dm.flex_attention
+    monkeypatch.setattr(dm, "flex_attention", lambda q, k, v, **kw: heads.append(k.shape[1]) or real_flex(q, k, v, **kw))
+    with torch.no_grad():
+        ours = dm._flex(*x, bm)
+        theirs = real_flex(*x, block_mask=bm, enable_gqa=True)
+    assert heads == [4]
     sdpa = lambda q, k, v, **kw: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    outs, grads = [], []
-    try:
-        for options in ('{"GQA_EXPAND": false}', ""):
-            dm.set_flex_options(options)
-            monkeypatch.setattr(dm, "flex_attention", lambda q, k, v, **kw: heads.append(k.shape[1]) or real_flex(q, k, v, **kw))
-            with torch.no_grad():
-                outs.append(dm._flex(*x, bm))
-            monkeypatch.setattr(dm, "flex_attention", sdpa)
-            q, k, v = (t.clone().requires_grad_() for t in x)
-            dm._flex(q, k, v, bm).pow(2).sum().backward()
-            grads.append((q.grad, k.grad, v.grad))
-    finally:
-        dm.set_flex_options({})
-    assert heads == [2, 4]
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(outs[0], sdpa(*x), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours, sdpa(*x), rtol=1e-10, atol=1e-10)
+    monkeypatch.setattr(dm, "flex_attention", sdpa)
+    grads = []
+    for attend in (dm._flex, lambda q, k, v, bm: sdpa(q, k, v)):
+        q, k, v = (t.clone().requires_grad_() for t in x)
+        attend(q, k, v, bm).pow(2).sum().backward()
+        grads.append((q.grad, k.grad, v.grad))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
-
-
-def _tiny_drafter():
-    c = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                        head_dim=16, vocab_size=64, num_target_layers=4, max_position_embeddings=64,
-                        num_draft_layers=1)
-    return dm.DFlashDrafter(c, embed_weight=torch.randn(64, 32), lm_head_weight=torch.randn(64, 32))
 
 
 def test_generate_refuses_positions_beyond_the_rope_table(targets):
@@ -985,41 +910,46 @@ def tiny_config_json(path, **extra):
     return path
 
 
+def layout(t):
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.storage_offset(), t.untyped_storage().nbytes())
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
-    """Compiled graphs and warm-list keys depend on the drafter's config (mask token included), weight
-    dtype and the embedding/LM head tensors (dtype, layout, tying): `python warmup.py` must fill the
-    entries the trainer then uses, so its drafters must give the trainer's worker_spec and pair_key."""
+    """Compiled graphs depend on the drafter's config (mask token included), its weights' dtype, and the
+    embedding / LM head tensors it reads (dtype, layout, aliasing): `python warmup.py` must fill the
+    cache entries the trainer then hits, so it builds the trainer's drafters (without the target's
+    weights)."""
+    import config
     import train_dflash as tr
     import warmup
     path = tiny_config_json(tmp_path / "tiny.json", tie_word_embeddings=tied)
-    cfg = tr.parse_config(["--target", f"random:{path}", "--data", "synthetic:4", "--max-length", "256",
-                           "--num-anchors", "32", "--block-size", "8", "--num-draft-layers", "2",
-                           "--target-devices", "cpu", "--drafter-devices", "cpu", "--out-dir", str(tmp_path)])
+    cfg = config.parse_args(["--target", f"random:{path}", "--data", "synthetic:4", "--max-length", "256",
+                             "--num-anchors", "32", "--block-size", "8", "--num-draft-layers", "2",
+                             "--target-devices", "cpu", "--drafter-devices", "cpu", "--out-dir", str(tmp_path)])
     trainer = tr.Trainer(cfg, log=lambda m: None)
     trainer.setup()
     trainer.build_models()
     dcfg, drafters = warmup.build_drafters(cfg)
-    assert dcfg == trainer.dcfg and len(drafters) == len(trainer.drafters) == 1
-
-    def spec(dr):
-        return warmup.worker_spec(dr, 7.0, "sdpa", 2048, "trunk", 8)
-    want, got = spec(trainer.drafters[0]), spec(drafters[0])
-    assert got == want
-    assert got["tied"] is tied and got["embed_weight"]["dtype"] == got["lm_head_weight"]["dtype"] == "torch.float32"
-    assert got["config"]["mask_token_id"] == 511                  # the trainer's pick for a tokenizer-less target
-    shape = trainer.shapes[0]
-    assert warmup.pair_key(got, shape) == warmup.pair_key(want, shape)
+    mine, theirs = drafters[0], trainer.replicas.drafters[0]
+    assert dcfg == trainer.dcfg and len(drafters) == len(trainer.replicas.drafters) == 1
+    assert dcfg.mask_token_id == 511                                # the trainer's pick for a tokenizer-less target
+    assert [(n, p.dtype, p.shape, p.requires_grad) for n, p in mine.named_parameters()] == \
+        [(n, p.dtype, p.shape, p.requires_grad) for n, p in theirs.named_parameters()]
+    for name in ("embed_weight", "lm_head_weight"):
+        assert layout(getattr(mine, name)) == layout(getattr(theirs, name)), name
+    for d in (mine, theirs):      # tied: two tensor objects over one storage, in both
+        assert (d.embed_weight.data_ptr() == d.lm_head_weight.data_ptr()) is tied and d.embed_weight is not d.lm_head_weight
 
 
 def test_a_random_target_has_the_same_weights_on_every_device_and_in_every_run(tmp_path):
     """random:<config> targets (benchmarks) are seeded: with several target devices, a batch's features
     must not depend on which target thread took it, and two runs must see the same target."""
-    import train_dflash as tr
+    import config
     path = tiny_config_json(tmp_path / "tiny.json")
-    a = tr.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
+    a = config.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
     torch.randn(1000)        # whatever the global RNG did in between
-    b = tr.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
+    b = config.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert sa["model.layers.0.mlp.up_proj.weight"].std() > 0      # random, not zeros
@@ -1028,7 +958,7 @@ def test_a_random_target_has_the_same_weights_on_every_device_and_in_every_run(t
 def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
     """TORCHDYNAMO_DISABLE=1 turns every torch.compile into the plain function: flex_attention would
     then run its dense math path (B x H x Q x KV scores), silently. The guard makes it an error, for
-    the flex call alone, the compiled trunk and the compiled layer. (A subprocess: in this one, a dynamo skip of the
+    the flex call alone and the compiled trunk. (A subprocess: in this one, a dynamo skip of the
     code object would stick for every later test.)"""
     import subprocess
     import sys
@@ -1036,8 +966,7 @@ def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
             "anchors = torch.tensor([[0, 40, 100, 200, 0, 0, 0, 0]])\n"
             "bm = dm.create_dflash_block_mask(anchors, 256, 16)\n"
             "q, kv = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 384, 16)\n"
-            "calls = [lambda: dm.compiled_flex(q, kv, kv, bm), lambda: dm.compiled_body(None, None, None, None, None, bm),\n"
-            "         lambda: dm.compiled_layer(None, None, None, None, None, None, None, bm)]\n"
+            "calls = [lambda: dm.compiled_flex(q, kv, kv, bm), lambda: dm.compiled_body(None, None, None, None, None, bm)]\n"
             "for call in calls:\n"
             "    try:\n"
             "        call()\n"
@@ -1050,7 +979,6 @@ def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "refused: flex_attention ran uncompiled" in p.stdout, p.stdout
     assert "refused: drafter body (flex) ran uncompiled" in p.stdout, p.stdout
-    assert "refused: drafter layer (flex) ran uncompiled" in p.stdout, p.stdout
 
 
 def _word_tokenizer(words, eos):
@@ -1086,3 +1014,10 @@ def test_eval_histogram_without_drafting_rounds():
     assert [line.split() for line in empty] == [["1", "0"], ["2", "0"], ["3", "0"], ["4", "0"]]
     bars = eval_dflash.format_histogram(collections.Counter({1: 2, 3: 4}), 4).splitlines()
     assert [line.count("#") for line in bars] == [30, 0, 60, 0]
+
+
+if __name__ == "__main__":
+    # the test command: every test file of the project, on CPU (a few minutes)
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.exit(pytest.main(["-q", *sys.argv[1:], *sorted(str(p) for p in __import__("pathlib").Path(here).glob("test_*.py"))]))

@@ -1,0 +1,309 @@
+"""What a training run is built from: its options (one dataclass, the command line generated from it),
+the devices, the shape plan, and the target and drafter as the trainer and the warm-up build them.
+
+    python train_dflash.py --help            # every option, its default and one line on it
+"""
+import argparse
+import dataclasses
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+import dflash_model as dm
+
+
+def opt(default, help):
+    """A config field with its --help line."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # model and data
+    target: str = opt("", "HF folder or hub name of the target; '' = the embedded default (SmolLM2-135M-Instruct); "
+                          "random:<config.json> = random weights from a config (benchmarks)")
+    data: list = opt([], "ShareGPT JSON/JSONL, chat JSONL (messages) or hub data set names; '' = the embedded "
+                         "default (ShareGPT V3); synthetic:N[:varied] = random tokens (benchmarks)")
+    cache_dir: str = opt(".cache", "the embedded default's converted files and the tokenised data")
+    max_samples: int = opt(0, "tokenise and train on only the first N conversations (0 = all)")
+    heldout: int = opt(200, "the last N conversations (at most a tenth) are never trained on: written to "
+                            "<out_dir>/heldout.jsonl, the evaluation prompts")
+    num_draft_layers: int = opt(5, "drafter layers")
+    block_size: int = opt(16, "tokens drafted per block (the anchor + block_size - 1 masked)")
+    num_anchors: int = opt(512, "blocks per sequence, fewer where a sequence has fewer start positions")
+    gamma: float = opt(0.0, "loss decay over block positions; 0 = 7 for block 16, 5 for 10, 4 for 8")
+    mask_token_id: int = opt(-1, "token filling the masked positions; -1 = <|MASK|>, a spare embedding row, "
+                                 "or an unused special token")
+    target_layer_ids: str = opt("", "target layers whose hidden states feed the drafter, e.g. 1,9,17,25,33; "
+                                    "'' = spread over the depth")
+    max_length: int = opt(3072, "longer samples are truncated")
+    buckets: str = opt("", "sequence-length buckets, e.g. 512,1024,3072; '' = doubling from 256 to max_length")
+    tokens_per_batch: int = opt(0, "target tokens per micro-batch; 0 = max_length")
+    min_supervised: int = opt(32, "samples with fewer assistant tokens are skipped")
+    # optimisation
+    lr: float = opt(6e-4, "peak learning rate (AdamW, cosine decay)")
+    warmup_frac: float = opt(0.04, "linear warm-up share of the run")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    clip: float = opt(1.0, "gradient norm clip")
+    epochs: float = opt(6.0, "passes over the data")
+    grad_accum: int = opt(1, "micro-batches per optimiser step and drafter replica")
+    max_steps: int = opt(0, "stop after N optimiser steps (0 = the epochs decide); the schedule follows")
+    max_minutes: float = opt(0.0, "time budget of the whole run, resumes included (0 = none); the schedule follows")
+    seed: int = opt(0, "seed of the initial weights, batch order and anchors")
+    # devices and compilation
+    target_devices: str = opt("auto", "e.g. cuda:0,cuda:1; auto = 5/8 of the GPUs (one GPU: both roles; no GPU: "
+                                      "cpu); cuda:local = this torchrun process's GPU")
+    drafter_devices: str = opt("auto", "e.g. cuda:2,cuda:3; auto = the GPUs the target does not take")
+    attn: str = opt("auto", "flex (compiled, GPUs) | sdpa (dense mask: CPU) | auto (flex on GPUs, sdpa on CPU)")
+    on_unwarmed: str = opt("error", "a shape the warm-up did not compile: error | compile (exclusively, logged)")
+    compile_cache: str = opt("", "persistent inductor/triton cache; '' = <out_dir>/compile_cache")
+    queue_depth: int = opt(4, "batches buffered per target and drafter thread")
+    # output
+    out_dir: str = opt("out", "checkpoints, metrics.jsonl, train.log, heldout.jsonl")
+    ckpt_interval: int = opt(500, "optimiser steps between checkpoints")
+    keep_last: int = opt(3, "checkpoints kept")
+    log_interval: int = opt(10, "optimiser steps between log lines")
+    resume: bool = opt(False, "continue from the newest intact checkpoint in out_dir")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):         # one line naming the problem, not the usage text
+        raise SystemExit(f"error: {message} (see --help)")
+
+
+def parser():
+    p = _Parser(description="Train a DFlash drafter (python train_dflash.py --help).", allow_abbrev=False,
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        name, default = "--" + f.name.replace("_", "-"), TrainConfig.__dataclass_fields__[f.name]
+        default = default.default_factory() if f.type is list else f.default
+        if f.type is bool:
+            p.add_argument(name, action="store_true", help=f.metadata["help"])
+        elif f.type is list:
+            p.add_argument(name, nargs="+", default=default, metavar="FILE", help=f.metadata["help"])
+        else:
+            p.add_argument(name, type=f.type, default=default, help=f.metadata["help"])
+    return p
+
+
+def parse_args(argv):
+    """TrainConfig from the command line: unknown or mistyped options are errors, with the closest names."""
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        known = [a for action in p._actions for a in action.option_strings]
+        arg = extra[0]
+        if not arg.startswith("-"):
+            raise SystemExit(f"error: unexpected argument {arg!r} (options are --name value)")
+        close = difflib.get_close_matches(arg.split("=")[0], known, n=3, cutoff=0.6)
+        raise SystemExit(f"error: unknown option {arg}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    cfg = TrainConfig(**vars(args))
+    validate(cfg)
+    return cfg
+
+
+def is_local(name):
+    """A data name that means a file (a hub data set name is none of these)."""
+    return os.path.exists(os.path.expanduser(name)) or name.startswith(("/", ".", "~")) or os.sep in name \
+        or name.endswith((".json", ".jsonl"))
+
+
+def validate(cfg):
+    errs = []
+    if cfg.attn not in ("auto", "flex", "sdpa"):
+        errs.append(f"--attn must be auto|flex|sdpa, got {cfg.attn}")
+    if cfg.on_unwarmed not in ("error", "compile"):
+        errs.append(f"--on-unwarmed must be error|compile, got {cfg.on_unwarmed}")
+    if cfg.block_size < 2 or cfg.num_anchors < 1 or cfg.max_length < 2 * cfg.block_size:
+        errs.append("need --block-size >= 2, --num-anchors >= 1, --max-length >= 2 x block size")
+    if min(cfg.grad_accum, cfg.keep_last, cfg.log_interval, cfg.ckpt_interval, cfg.queue_depth) < 1:
+        errs.append("--grad-accum, --keep-last, --log-interval, --ckpt-interval, --queue-depth must be >= 1")
+    if not cfg.clip > 0:        # the clip factor clip/norm: 0 freezes the weights, < 0 steps uphill
+        errs.append(f"--clip must be > 0, got {cfg.clip}")
+    if not cfg.lr > 0 or cfg.weight_decay < 0 or cfg.epochs <= 0 or cfg.max_steps < 0 or cfg.max_minutes < 0:
+        errs.append("need --lr > 0, --weight-decay >= 0, --epochs > 0, --max-steps >= 0, --max-minutes >= 0")
+    if not 0 <= cfg.warmup_frac < 1 or cfg.heldout < 0:
+        errs.append("need 0 <= --warmup-frac < 1 and --heldout >= 0")
+    if cfg.buckets:
+        try:
+            b = [int(x) for x in cfg.buckets.split(",")]
+        except ValueError:
+            b = None
+            errs.append(f"--buckets must be comma-separated integers, got {cfg.buckets!r}")
+        if b and not all(2 * cfg.block_size <= x <= cfg.max_length for x in b):
+            errs.append(f"--buckets must lie in [2 x block size, max_length] = [{2 * cfg.block_size}, "
+                        f"{cfg.max_length}], got {cfg.buckets}")
+    for name in cfg.data:      # before any slow set-up: a typo is a one-line error at once
+        if not name.startswith("synthetic:") and is_local(name) and not os.path.isfile(os.path.expanduser(name)):
+            errs.append(f"data file not found: {name}")
+    if errs:
+        raise SystemExit("error: " + "; ".join(errs))
+
+
+def default_gamma(block_size):
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7 / 16))
+
+
+# -----------------------------------------------------------------------------
+# Devices and shapes
+
+
+def resolve_devices(cfg):
+    """(target devices, drafter devices). auto: the original 5 target + 3 drafter split scaled to the
+    node; one GPU does both; no GPU: cpu. cuda:local = cuda:LOCAL_RANK (one torchrun process per GPU)."""
+    def parse(s):
+        s = s.replace("local", os.environ.get("LOCAL_RANK", "0"))
+        return [torch.device(d.strip()) for d in s.split(",") if d.strip()]
+    n = torch.cuda.device_count()
+    nd = max(1, round(n * 3 / 8))
+    auto = {0: (["cpu"], ["cpu"]), 1: (["cuda:0"], ["cuda:0"])}.get(
+        n, ([f"cuda:{i}" for i in range(n - nd)], [f"cuda:{i}" for i in range(n - nd, n)]))
+    tdev = [torch.device(d) for d in auto[0]] if cfg.target_devices == "auto" else parse(cfg.target_devices)
+    ddev = [torch.device(d) for d in auto[1]] if cfg.drafter_devices == "auto" else parse(cfg.drafter_devices)
+    for d in tdev + ddev:
+        if d.type == "cuda" and (d.index or 0) >= n:
+            raise SystemExit(f"error: device {d} requested but only {n} CUDA device(s) visible")
+    if not tdev or not ddev:
+        raise SystemExit("error: need at least one target and one drafter device")
+    return tdev, ddev
+
+
+def resolve_attn(cfg, drafter_dev):
+    if cfg.attn == "flex" and drafter_dev.type == "cpu":
+        raise SystemExit("error: --attn flex cannot train on CPU (FlexAttention has no CPU backward); use --attn sdpa")
+    if cfg.attn != "auto":
+        return cfg.attn
+    return "flex" if drafter_dev.type == "cuda" else "sdpa"
+
+
+def param_dtype(dev):
+    """The weights' dtype on `dev`: bf16 on a GPU, fp32 on a CPU - the drafter's (fp32 masters in the
+    optimiser), the target's, and the embedding and LM head the drafter reads from it."""
+    return torch.bfloat16 if torch.device(dev).type == "cuda" else torch.float32
+
+
+def bucket_list(cfg):
+    import data_dflash
+    if not cfg.buckets:
+        return data_dflash.default_buckets(cfg.max_length)
+    return sorted({int(x) for x in cfg.buckets.split(",")} | {cfg.max_length})
+
+
+def anchors_for(cfg, S, block_size):
+    """Anchors per sequence of bucket S: num_anchors, capped by the S - block + 1 positions a block can
+    start at, rounded up so that anchors x block is a multiple of flex's 128-row tiles."""
+    m = 128 // math.gcd(block_size, 128)
+    return max(m, math.ceil(min(cfg.num_anchors, S - block_size + 1) / m) * m)
+
+
+def batch_size_for(cfg, S, block_size):
+    """Rows per batch of bucket S: tokens_per_batch // S, and no more blocks than a batch of max_length
+    sequences holds, so that every step costs the drafter about the same."""
+    tokens = cfg.tokens_per_batch or cfg.max_length
+    blocks = max(1, tokens // cfg.max_length) * anchors_for(cfg, cfg.max_length, block_size)
+    return max(1, min(tokens // S, blocks // anchors_for(cfg, S, block_size)))
+
+
+def shape_plan(cfg):
+    """Every (B, S, A) the drafter can see: one per bucket. This is what the warm-up compiles."""
+    return [(batch_size_for(cfg, S, cfg.block_size), S, anchors_for(cfg, S, cfg.block_size)) for S in bucket_list(cfg)]
+
+
+# -----------------------------------------------------------------------------
+# Target and drafter
+
+
+def target_path(cfg):
+    if cfg.target:
+        return cfg.target
+    import data_dflash
+    return data_dflash.prepare_embedded_default(cfg.cache_dir)[0]
+
+
+def load_target_config(path):
+    """(config, tokenizer). random:<config.json>: a config for random weights, and no tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+    if path.startswith("random:"):
+        with open(path[len("random:"):]) as f:
+            d = json.load(f)
+        return AutoConfig.for_model(d.pop("model_type"), **d), None
+    return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def choose_mask_token_id(tokenizer, vocab_size):
+    """A token whose frozen embedding fills masked block positions (recorded in the saved config):
+    an existing <|MASK|>; else a spare embedding row past the tokenizer (Qwen3's case); else a special
+    token that the chat template and normal text never produce."""
+    vocab = tokenizer.get_vocab()
+    if "<|MASK|>" in vocab:
+        return vocab["<|MASK|>"]
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = tokenizer.chat_template or ""
+    for tok in getattr(tokenizer, "all_special_tokens", []) + sorted(getattr(tokenizer, "added_tokens_encoder", {})):
+        tid = vocab.get(tok)
+        if tid is not None and tid not in used and tok not in template:
+            return tid
+    raise ValueError("no spare or unused special token to use as the mask token; pass --mask-token-id")
+
+
+def make_drafter_config(cfg, tcfg, tok):
+    """The drafter's DFlashConfig for this target config and tokenizer (None: random target, whose
+    last vocabulary row is the mask token)."""
+    vocab = getattr(tcfg, "text_config", tcfg).vocab_size
+    mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else (
+        vocab - 1 if tok is None else choose_mask_token_id(tok, vocab))
+    ids = [int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids else None
+    dcfg = dm.DFlashConfig.from_target_config(tcfg, cfg.num_draft_layers, cfg.block_size, mask_id,
+                                              target_layer_ids=ids)
+    if cfg.max_length > dcfg.max_position_embeddings:
+        raise SystemExit(f"error: --max-length {cfg.max_length} exceeds the target's max_position_embeddings "
+                         f"({dcfg.max_position_embeddings})")
+    return dcfg
+
+
+def new_drafter(dcfg, emb, head, dev, seed):
+    """One drafter replica on `dev` reading the target's embedding and LM head (copied there; a tensor
+    already there is kept, so a tied pair stays one storage). Compiled graphs key on these tensors'
+    dtype, layout and aliasing, so the warm-up builds its drafters with this too."""
+    torch.manual_seed(seed)
+    dr = dm.DFlashDrafter(dcfg, embed_weight=torch.empty(0)).to(dev)
+    dr.embed_weight, dr.lm_head_weight = emb.to(dev), head.to(dev)
+    return dr
+
+
+def load_target(path, device, dtype, layer_ids, log=print):
+    """The target, frozen, cut after the deepest captured layer (+1: transformers' hidden_states are
+    the layers' inputs, and the last entry is normed)."""
+    from transformers import AutoModelForCausalLM
+    if path.startswith("random:"):
+        tcfg, _ = load_target_config(path)
+        tcfg.num_hidden_layers = min(tcfg.num_hidden_layers, max(layer_ids) + 2)
+        # the same weights on every target device and in every run: a batch's features must not depend
+        # on which target thread took it (a real target is the same checkpoint everywhere)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
+        log(f"[target] random weights from {path[7:]} on {device}: {tcfg.num_hidden_layers} layers")
+        return model.eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+    base = model.model
+    n_keep = min(len(base.layers), max(layer_ids) + 2)
+    probe = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
+    with torch.no_grad():
+        full = dm.target_features(base(probe, output_hidden_states=True).hidden_states, layer_ids)
+        base.layers = base.layers[:n_keep]
+        cut = dm.target_features(base(probe, output_hidden_states=True).hidden_states, layer_ids)
+    # a transformers change in how hidden_states are indexed or normed would train on wrong features
+    if not torch.allclose(full.float(), cut.float(), atol=1e-3, rtol=1e-3):
+        raise RuntimeError("target features of the truncated model differ from the full model's: "
+                           "transformers' hidden_states indexing changed; cannot train safely")
+    log(f"[target] {path} on {device}: kept {n_keep}/{model.config.num_hidden_layers} layers, no LM head")
+    return model

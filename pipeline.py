@@ -1,0 +1,143 @@
+"""The thread plumbing of one training run: a stop flag every thread watches, bounded queues, the
+reorder buffer between target and drafter threads, and the barrier where drafter replicas meet.
+
+Any exception in any thread is recorded with its traceback and stops the whole run: every blocking
+wait here wakes at least every 0.2 s to look at the stop flag, and the replicas' barrier is aborted,
+so no thread hangs on a partner that died.
+"""
+import os
+import queue
+import threading
+import traceback
+
+import dflash_model as dm
+
+
+class Stop(Exception):
+    """Raised inside a thread when another thread failed: unwind quietly."""
+
+
+class Run:
+    """Shared state of one run: the stop flag, the failures, and waits that watch both."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.failures = []
+        self.lock = threading.Lock()
+        self.on_stop = []          # callables that wake threads blocked elsewhere (barriers)
+
+    def fail(self, name, exc):
+        with self.lock:
+            self.failures.append((name, "".join(traceback.format_exception(exc))))
+        self.stop.set()
+        for wake in self.on_stop:
+            wake()
+
+    def check(self):
+        if self.stop.is_set():
+            raise Stop()
+
+    def put(self, q, item):
+        while True:
+            self.check()
+            try:
+                return q.put(item, timeout=0.2)
+            except queue.Full:
+                pass
+
+    def get(self, q):
+        while True:
+            self.check()
+            try:
+                return q.get(timeout=0.2)
+            except queue.Empty:
+                pass
+
+    def start_thread(self, name, fn, *args):
+        def body():
+            try:
+                dm.GATE.configure_thread()     # dynamo's config is per thread on torch >= 2.12
+                fn(*args)
+            except Stop:
+                pass
+            except BaseException as e:       # noqa: B902 - every failure must stop the run loudly
+                self.fail(name, e)
+        t = threading.Thread(target=body, name=name, daemon=True)
+        t.start()
+        return t
+
+
+class ReorderBuffer:
+    """Features arrive from several target threads out of order; drafters take batch j exactly.
+
+    Bounded: only indices in [lo, lo + capacity) are accepted, lo = the lowest index not yet taken, so
+    a fast target thread cannot run away, and nothing deadlocks (earlier indices always fit)."""
+
+    def __init__(self, run, start, capacity):
+        self.run, self.lo, self.cap = run, start, capacity
+        self.items, self.taken = {}, set()
+        self.cond = threading.Condition()
+
+    def put(self, j, item):
+        with self.cond:
+            while j >= self.lo + self.cap:
+                self.run.check()
+                self.cond.wait(0.2)
+            self.items[j] = item
+            self.cond.notify_all()
+
+    def take(self, j):
+        with self.cond:
+            while j not in self.items:
+                self.run.check()
+                self.cond.wait(0.2)
+            item = self.items.pop(j)
+            self.taken.add(j)
+            while self.lo in self.taken:
+                self.taken.discard(self.lo)
+                self.lo += 1
+            self.cond.notify_all()
+            return item
+
+    def __len__(self):
+        return len(self.items)
+
+
+class StepSync:
+    """Where the drafter replicas meet: every replica hands in a value, the leader (replica 0) turns
+    them into one result while the others wait, and every replica gets that result."""
+
+    def __init__(self, run, n):
+        self.run = run
+        self.bar = threading.Barrier(n)
+        run.on_stop.append(self.bar.abort)     # a failure anywhere wakes every waiter
+        self.slots = [None] * n
+        self.result = None
+
+    def wait(self):
+        self.run.check()
+        try:
+            self.bar.wait()
+        except threading.BrokenBarrierError:
+            raise Stop() from None
+        self.run.check()
+
+    def gather(self, r, value, combine):
+        """combine(values of every replica) computed once, by replica 0; returned to every replica."""
+        self.slots[r] = value
+        self.wait()
+        if r == 0:
+            self.result = combine(list(self.slots))
+        self.wait()
+        return self.result
+
+
+def fault(kind):
+    """Tests only: N of DFLASH_FAULT=kind:N (kinds: target, drafter, kill, ckpt, ckpt_lag), else None."""
+    spec = os.environ.get("DFLASH_FAULT", "")
+    return int(spec.split(":")[1]) if spec.startswith(kind + ":") else None
+
+
+def inject(kind, n):
+    if fault(kind) == n:
+        raise RuntimeError(f"injected failure in {kind} at {n} (DFLASH_FAULT={os.environ['DFLASH_FAULT']})")
