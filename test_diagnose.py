@@ -1,24 +1,25 @@
-"""CPU tests of diagnose.py: env fingerprint and diff, --against, --fx-trace, --race-test.
+"""CPU tests of diagnose.py: the environment, what changed, the report, --fx-trace and --race-test.
 
-The two threaded exercises each compile cold in a child process (10-30 s on a small CPU), so they are
-started together at the top of the module and run while the quick tests do.
+The threaded exercise compiles flex cold in a child process (~30 s on a small CPU): it starts with
+the module and runs while the quick tests do.
 """
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 import diagnose
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DIAG = os.path.join(HERE, "diagnose.py")
+MISSING = diagnose.MISSING
 
 
 def _start(*args):
-    return subprocess.Popen([sys.executable, DIAG, *args], cwd=HERE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "diagnose.py"), *args], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc, timeout=600):
@@ -28,35 +29,49 @@ def _finish(proc, timeout=600):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def slow_runs():
-    runs = {"fx": _start("--fx-trace", "--exercise", "tiny", "--threads", "2", "--seconds", "1", "--device", "cpu",
-                         "--pace-ms", "1"),
-            # --pace-ms 1: threads that hammer compiled calls starve the compiling one of the GIL (~10x slower)
-            "race": _start("--race-test", "--threads", "2", "--seconds", "3", "--device", "cpu", "--pace-ms", "1",
-                           "--json")}
-    yield runs
-    for p in runs.values():
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+def race_run():
+    # the gate mode only: the flag rises in it as in the others (a compile is a compile), and one cold
+    # child is the slow part of this file. --pace-ms 1: threads that hammer compiled calls starve the
+    # compiling one of the GIL (~10x slower)
+    proc = _start("--race-test", "--modes", "gate", "--threads", "2", "--seconds", "1", "--device", "cpu",
+                  "--pace-ms", "1", "--json")
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
 
 
-def test_collect_env_never_raises_and_has_the_keys(tmp_path):
+def _checkpoint(tmp_path, env, name="step_000010"):
+    ckpt = tmp_path / name
+    ckpt.mkdir()
+    (ckpt / "env.json").write_text(json.dumps(env))
+    return str(ckpt)
+
+
+def _env(cache="/c", **env_vars):
+    return {"compile_cache": {"path": cache}, "env_vars": env_vars}
+
+
+# --- collect_env and the report
+
+def test_collect_env_never_raises_has_the_keys_and_starts_no_python(tmp_path, monkeypatch):
+    commands, run = [], subprocess.run
+    monkeypatch.setattr(diagnose.subprocess, "run", lambda cmd, *a, **k: commands.append(cmd) or run(cmd, *a, **k))
     env = diagnose.collect_env(cache_dir=str(tmp_path / "no_cache"))
-    for key in ("time", "time_unix", "hostname", "platform", "versions", "gpus", "env_vars", "compile_cache",
-                "project", "packages", "flex_fx_flag_thread_local", "dynamo_config_thread_local"):
+    assert not [c for c in commands if c[0] == sys.executable], commands   # the trainer calls it at every save
+    for key in ("time", "time_unix", "hostname", "platform", "cpu_count", "python_executable", "python_prefix",
+                "versions", "gpus", "env_vars", "compile_cache", "project", "packages", "natural_race_expected"):
         assert key in env, key
     for key in ("python", "torch", "torch_git", "cuda", "cudnn", "triton", "transformers", "datasets", "numpy",
                 "safetensors"):
         assert key in env["versions"], key
+    assert "flex_fx_flag_thread_local" not in env and "dynamo_config_thread_local" not in env
     assert env["versions"]["torch"] == diagnose.torch.__version__
     assert env["compile_cache"]["exists"] is False and env["compile_cache"]["source"] == "argument"
     assert env["project"]["commit"] or env["project"]["error"], env["project"]   # a copy may have no .git
-    # both probes measured on this torch (2.13 here): global FX flag, per-thread dynamo config
-    assert isinstance(env["flex_fx_flag_thread_local"], bool)
-    assert isinstance(env["dynamo_config_thread_local"], bool)
-    json.dumps(env)                                           # it goes into env.json as is
-    assert "torch" in diagnose.format_report(env)
+    json.dumps(env)                                                               # env.json takes it as is
+    text = diagnose.format_report(env)
+    assert "torch" in text and "FX-tracing flag" not in text                     # no probes, no probe lines
 
 
 def test_collect_env_survives_broken_parts(monkeypatch):
@@ -69,6 +84,52 @@ def test_collect_env_survives_broken_parts(monkeypatch):
     diagnose.format_report(env)
 
 
+def test_env_records_the_python_in_use_not_the_interpreter_its_symlink_points_to(tmp_path, monkeypatch):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    monkeypatch.setattr(diagnose.sys, "executable", str(venv / "bin" / "python"))
+    monkeypatch.setattr(diagnose.sys, "prefix", str(venv))
+    env = diagnose.collect_env(cache_dir=str(tmp_path / "cache"))
+    assert env["python_executable"] == str(venv / "bin" / "python") and env["python_prefix"] == str(venv)
+    assert f"{venv}/bin/python  (prefix {venv})" in diagnose.format_report(env)
+
+
+def test_command_line_report_has_the_thread_probes_and_help_works(capsys):
+    assert diagnose.main(["--json"]) == 0
+    env = json.loads(capsys.readouterr().out)["env"]
+    # measured on this torch: both are answers, not "unknown"
+    assert isinstance(env["flex_fx_flag_thread_local"], bool) and isinstance(env["dynamo_config_thread_local"], bool)
+    assert diagnose.main([]) == 0
+    text = capsys.readouterr().out
+    assert "FX-tracing flag: " in text and "dynamo config: " in text and "15 most recently installed" in text
+    with pytest.raises(SystemExit) as e:
+        diagnose.main(["--help"])
+    assert e.value.code == 0 and "--race-test" in capsys.readouterr().out
+
+
+def test_cache_state_counts_files_and_ages_them_without_lock_files(tmp_path):
+    """Some filelock versions truncate a lock file (new mtime) each time a process takes the lock:
+    its age says nothing about when the cache was filled."""
+    cache = tmp_path / "cache"
+    (cache / "locks").mkdir(parents=True)
+    (cache / "fxgraph").mkdir()
+    (cache / "locks" / "k.lock").write_text("")
+    (cache / "fxgraph" / "entry").write_bytes(b"x" * 10)
+    (cache / diagnose.CACHE_INFO_FILE).write_text('{"torch": "2.0.0"}')
+    for path, t in (("locks/k.lock", 500.0), ("fxgraph/entry", 1000.0), (diagnose.CACHE_INFO_FILE, 1500.0)):
+        os.utime(cache / path, (t, t))
+    c = diagnose._cache_state(str(cache))
+    assert (c["file_count"], c["oldest_mtime"], c["newest_mtime"]) == (3, 1000.0, 1500.0)
+    assert c["size_bytes"] == 10 + len('{"torch": "2.0.0"}') and c["info"] == {"torch": "2.0.0"}
+    assert "WARNING: filled by another build (torch 2.0.0" in diagnose.format_report(
+        {"compile_cache": c, "versions": {"torch": diagnose.torch.__version__}})
+    (cache / diagnose.CACHE_INFO_FILE).write_text("{not json")
+    assert "unreadable" in diagnose._cache_state(str(cache))["info"]["error"]
+
+
+# --- diff_env and --against
+
 def test_against_reports_exactly_the_changed_fields(tmp_path, capsys):
     cache = str(tmp_path / "cache")
     old = diagnose.collect_env(cache_dir=cache)
@@ -76,63 +137,43 @@ def test_against_reports_exactly_the_changed_fields(tmp_path, capsys):
     t_old = pkgs[2][2] - 1e-3                                 # just before the 3rd newest package
     old["versions"]["torch"] = "2.0.0+fake"                   # versions no real machine has
     old["versions"]["triton"] = "0.0.1-fake"
-    old["time_unix"] = t_old
-    old["time"] = "2020-01-01T00:00:00+00:00"
-    ckpt = tmp_path / "step_000690"
-    ckpt.mkdir()
-    (ckpt / "env.json").write_text(json.dumps(old))
+    old["time_unix"], old["time"] = t_old, "2020-01-01T00:00:00+00:00"
+    ckpt = _checkpoint(tmp_path, old, "step_000690")
 
-    out = json.loads(_finish(_start("--against", str(ckpt), "--cache-dir", cache, "--json"), timeout=300))
+    assert diagnose.main(["--against", ckpt, "--cache-dir", cache, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     # project.* may move on meanwhile: other people commit and edit in this checkout
     fields = {d["field"] for d in out["differences"] if not d["field"].startswith("project.")}
     assert fields == {"versions.torch", "versions.triton"}, out["differences"]
     by = {d["field"]: d for d in out["differences"]}
-    assert by["versions.torch"]["old"] == "2.0.0+fake"
-    assert by["versions.torch"]["new"] == diagnose.torch.__version__
+    assert (by["versions.torch"]["old"], by["versions.torch"]["new"]) == ("2.0.0+fake", diagnose.torch.__version__)
     newer = {n for n, _, t in pkgs if t > t_old}
     assert newer and newer <= {p["name"] for p in out["packages_after"]}
     assert all(p["mtime"] > t_old for p in out["packages_after"])
 
-    assert diagnose.main(["--against", str(ckpt), "--cache-dir", cache]) == 0   # the text form, in-process
+    assert diagnose.main(["--against", ckpt, "--cache-dir", cache]) == 0
     text = capsys.readouterr().out
     assert "versions.torch" in text and "2.0.0+fake" in text and "installed or modified after" in text
 
 
 def test_against_lists_what_changed_while_the_checkpointed_run_was_going(tmp_path, capsys):
-    """train_dflash records the start environment plus changed_during_run: --against shows those rows
+    """The trainer records the start environment plus changed_during_run: --against shows those rows
     apart, and does not count the note itself as a difference."""
     cache = str(tmp_path / "cache")
     old = diagnose.collect_env(cache_dir=cache)
     old["changed_during_run"] = [["versions.transformers", "5.16.0", "5.17.0"]]
-    ckpt = tmp_path / "step_000010"
-    ckpt.mkdir()
-    (ckpt / "env.json").write_text(json.dumps(old))
-    assert diagnose.main(["--against", str(ckpt), "--cache-dir", cache]) == 0
+    assert diagnose.main(["--against", _checkpoint(tmp_path, old), "--cache-dir", cache]) == 0
     text = capsys.readouterr().out
     assert "While that run was going, 1 field(s) changed" in text and '"5.16.0"  ->  "5.17.0"' in text
     assert not any(line.strip().startswith("changed_during_run") for line in text.splitlines())
 
 
-def test_installed_packages_skip_vendored_copies(monkeypatch, tmp_path):
-    """Once setuptools is imported (inductor's CPU compiler does), its _vendor folder is on sys.path
-    and importlib lists the copies bundled there; they are not installed, and a report written after
-    a compile must not differ from one written before (seen: 'packages.autocommand ... (missing)')."""
-    from types import SimpleNamespace
-    real = tmp_path / "site-packages" / "numpy-2.0.0.dist-info"
-    vendored = tmp_path / "site-packages" / "setuptools" / "_vendor" / "autocommand-2.2.2.dist-info"
-    for p in (real, vendored):
-        p.mkdir(parents=True)
-    fake = [SimpleNamespace(metadata={"Name": "autocommand"}, version="2.2.2", _path=vendored),
-            SimpleNamespace(metadata={"Name": "numpy"}, version="2.0.0", _path=real)]
-    monkeypatch.setattr(diagnose.importlib.metadata, "distributions", lambda: fake)
-    assert [(n, v) for n, v, _ in diagnose.installed_packages()] == [("numpy", "2.0.0")]
-
-
 def test_against_clear_errors(tmp_path, capsys):
     assert diagnose.main(["--against", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert diagnose.main(["--against", str(tmp_path)]) == 2
-    assert "has no env.json" in capsys.readouterr().err
+    assert diagnose.main(["--against", str(tmp_path), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert "has no env.json" in err and "has no env.json" in json.loads(out)["error"]
 
 
 def test_diff_ignores_growing_cache_but_reports_a_rebuilt_one():
@@ -146,68 +187,45 @@ def test_diff_ignores_growing_cache_but_reports_a_rebuilt_one():
     assert diagnose.diff_env(old, grown) == []
     rebuilt = json.loads(json.dumps(grown))
     rebuilt["compile_cache"].update(oldest_mtime=300.0, info={"torch": "2.13.0"})
-    fields = [f for f, _, _ in diagnose.diff_env(old, rebuilt)]
-    assert fields == ["compile_cache.info.torch", "compile_cache.rebuilt"]
+    assert [f for f, _, _ in diagnose.diff_env(old, rebuilt)] == ["compile_cache.info.torch", "compile_cache.rebuilt"]
 
 
-def test_fx_trace_names_thread_and_tracing_frame(slow_runs):
-    out = _finish(slow_runs["fx"])
-    assert "raised via Tracer.trace in thread worker-" in out, out
-    assert "tracing frame: torch/fx/" in out, out                  # make_fx's dispatch_trace
-    assert "requested by:  torch/_functorch/" in out, out           # AOTAutograd's graph capture
-    assert "user frame:    diagnose.py" in out, out
-    assert "stack (innermost last):" in out
+def test_diff_judges_the_cache_against_its_state_at_the_checkpoint_not_the_run_start():
+    """A run records its environment at its start (time_unix) and creates its cache seconds later;
+    env.json holds the cache as it was at the save. Right after the run nothing was rebuilt."""
+    def env(exists=True, count=5, oldest=105.0):
+        return {"time_unix": 100.0, "compile_cache": {"path": "/c", "exists": exists, "file_count": count,
+                                                      "oldest_mtime": oldest, "newest_mtime": oldest and 110.0}}
+    ckpt = env()
+    assert diagnose.diff_env(ckpt, env(count=9)) == []                          # the same cache, grown
+    assert [f for f, _, _ in diagnose.diff_env(ckpt, env(count=9, oldest=300.0))] == ["compile_cache.rebuilt"]
+    assert diagnose.diff_env(ckpt, env(count=3)) == [("compile_cache.shrank", "5 files", "3 files (some removed)")]
+    # no cache at the checkpoint, one now: a change, but nothing was rebuilt
+    assert diagnose.diff_env(env(exists=False, count=0, oldest=None), env(oldest=300.0)) == [
+        ("compile_cache.exists", False, True)]
 
 
-def test_race_test_structure_and_gate_has_no_fx_errors(slow_runs):
-    out = json.loads(_finish(slow_runs["race"]))
-    modes = {r["mode"]: r for r in out["modes"]}
-    assert set(modes) == {"nogate", "gate"}
-    for r in modes.values():
-        assert not r.get("failed"), r.get("failed")
-        for key in ("fx_errors", "other_errors", "exposed_calls", "calls_per_s_per_thread", "calls_per_s_total",
-                    "per_thread", "torch", "natural_race_expected"):
-            assert key in r, key
-        assert len(r["calls_per_s_per_thread"]) == 2 and r["exercise"] == "flex" and r["device"] == "cpu"
-        assert all(p["calls"] >= 1 for p in r["per_thread"]), r["per_thread"]
-        assert r["other_errors"] == 0, r["error_samples"]
-    gate = modes["gate"]
-    assert gate["fx_errors"] == 0 and gate["exposed_calls"] == 0     # no call ever overlaps a compile
-    assert gate["gate_stats"]["exclusive"] >= 2
-    if diagnose.torch.__version__.startswith(("2.12", "2.13")):      # masked here: no natural error
-        assert modes["nogate"]["fx_errors"] == 0
-
-
-# --- compile-cache switches, git diff hash, recorded variables, nvidia-smi failures, package mtimes
-
-def _env(cache="/c", **env_vars):
-    return {"fingerprint_version": diagnose.FINGERPRINT_VERSION, "compile_cache": {"path": cache},
-            "env_vars": env_vars}
-
-
-def test_diff_reports_fx_graph_and_autograd_cache_turned_off():
-    """The trainer only setdefaults these to "1": a user's "0" takes effect and is a change, while
-    absent on one side and "1" on the other (the trainer's default) is none, whatever the cache path."""
+def test_diff_of_the_variables_the_trainer_sets_or_defaults():
+    """warm-up sets the cache variables from the cache path and only setdefaults the FX graph and
+    autograd caches to "1": a checkpoint's values against a shell without them are no change, a user's
+    "0" takes effect and is one, whatever the cache path."""
     fx, ag = "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"
-    ckpt = _env(**{fx: "1", ag: "1"})
-    assert diagnose.diff_env(ckpt, _env()) == []                              # a shell: the default
+    ckpt = _env(**{fx: "1", ag: "1", "TORCHINDUCTOR_CACHE_DIR": "/c", "TRITON_CACHE_DIR": "/c/triton"})
+    assert diagnose.diff_env(ckpt, _env()) == []                              # a shell: the defaults
     assert diagnose.diff_env(_env(), ckpt) == []
-    assert diagnose.diff_env(ckpt, _env("/other")) == [("compile_cache.path", "/c", "/other")]
+    assert diagnose.diff_env(ckpt, _env("/other")) == [
+        ("compile_cache.path", "/c", "/other"), ("env_vars.TORCHINDUCTOR_CACHE_DIR", "/c", MISSING),
+        ("env_vars.TRITON_CACHE_DIR", "/c/triton", MISSING)]
     assert diagnose.diff_env(ckpt, _env(**{fx: "0"})) == [(f"env_vars.{fx}", "1", "0")]
     assert diagnose.diff_env(ckpt, _env(**{fx: "1", ag: "0"})) == [(f"env_vars.{ag}", "1", "0")]
-    assert diagnose.diff_env(_env(), _env(**{ag: "0"})) == [(f"env_vars.{ag}", diagnose.MISSING, "0")]
+    assert diagnose.diff_env(_env(), _env(**{ag: "0"})) == [(f"env_vars.{ag}", MISSING, "0")]
+    # every other recorded variable is compared as it is, whatever wrote the env.json
+    assert diagnose.diff_env(_env(), _env(HF_HOME="/hf")) == [("env_vars.HF_HOME", MISSING, "/hf")]
+    assert diagnose.diff_env(_env(CUDA_VISIBLE_DEVICES="1,0"), _env()) == [
+        ("env_vars.CUDA_VISIBLE_DEVICES", "1,0", MISSING)]
 
 
-def test_diff_compares_the_cuda_visible_devices_a_torchrun_rank_found_not_its_rotation():
-    """pin_local_gpu() lists each rank's GPU first and keeps the value it found: a checkpoint of a
-    pinned rank against a shell that set nothing is no change; a different value the user set is."""
-    pinned = _env(CUDA_VISIBLE_DEVICES="1,0", **{diagnose.UNPINNED_VAR: "(unset)"})
-    assert diagnose.diff_env(pinned, _env()) == []
-    assert diagnose.diff_env(_env(), pinned) == []
-    pinned_from_user = _env(CUDA_VISIBLE_DEVICES="5,4", **{diagnose.UNPINNED_VAR: "4,5"})
-    assert diagnose.diff_env(pinned_from_user, _env(CUDA_VISIBLE_DEVICES="4,5")) == []
-    assert diagnose.diff_env(pinned_from_user, _env()) == [("env_vars.CUDA_VISIBLE_DEVICES", "4,5", diagnose.MISSING)]
-
+# --- git, variables, nvidia-smi, packages
 
 def _git(repo, *args):
     subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
@@ -233,18 +251,16 @@ def test_git_state_hashes_the_diff_and_against_reports_a_further_edit(tmp_path, 
     assert first["untracked_files"] == [] and second["untracked_files"] == ["new_module.py"]
     assert second["untracked_count"] == 1
 
-    # --against, in-process, with this repo as the project: the hash row names the edit
+    # --against, with this repo as the project: the hash row names the edit
     (repo / "model.py").write_text("x = 2\n")
     (repo / "new_module.py").unlink()
     monkeypatch.setattr(diagnose, "_git_state", lambda path=str(repo), real=diagnose._git_state: real(path))
     cache = str(tmp_path / "cache")
     old = diagnose.collect_env(cache_dir=cache)
     assert old["project"]["diff_sha256"] == first["diff_sha256"]
-    ckpt = tmp_path / "step_000001"
-    ckpt.mkdir()
-    (ckpt / "env.json").write_text(json.dumps(old))
+    ckpt = _checkpoint(tmp_path, old, "step_000001")
     (repo / "model.py").write_text("x = 3\n")
-    assert diagnose.main(["--against", str(ckpt), "--cache-dir", cache, "--json"]) == 0
+    assert diagnose.main(["--against", ckpt, "--cache-dir", cache, "--json"]) == 0
     by = {d["field"]: d for d in json.loads(capsys.readouterr().out)["differences"]}
     assert by["project.diff_sha256"]["old"] == first["diff_sha256"]
     assert by["project.diff_sha256"]["new"] != first["diff_sha256"]
@@ -285,20 +301,6 @@ def test_env_vars_records_more_names_and_never_a_secret(monkeypatch):
     assert "sEcReT" not in json.dumps(env) + diagnose.format_report({"env_vars": env})
 
 
-def test_against_old_fingerprint_does_not_list_newly_recorded_fields():
-    """An env.json written before LD_LIBRARY_PATH, HF_* and the diff hash were recorded lacks them: no rows
-    for those (the fingerprint_version row says it recorded less); a current one does get them."""
-    new = _env(LD_LIBRARY_PATH="/cuda", HF_HOME="/hf", TORCH_LOGS="x")
-    new["project"] = {"commit": "a", "diff_sha256": "h", "untracked_files": [], "untracked_count": 0}
-    old = {"compile_cache": {"path": "/c"}, "env_vars": {}, "project": {"commit": "a"}}
-    assert diagnose.diff_env(old, new) == [("env_vars.TORCH_LOGS", diagnose.MISSING, "x"),
-                                           ("fingerprint_version", diagnose.MISSING, diagnose.FINGERPRINT_VERSION)]
-    old["fingerprint_version"] = diagnose.FINGERPRINT_VERSION
-    fields = [f for f, _, _ in diagnose.diff_env(old, new)]
-    assert fields == ["env_vars.HF_HOME", "env_vars.LD_LIBRARY_PATH", "env_vars.TORCH_LOGS", "project.diff_sha256",
-                      "project.untracked_count", "project.untracked_files"]
-
-
 def _fake_nvidia_smi(tmp_path, monkeypatch, stdout, rc):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -333,10 +335,23 @@ def test_gpus_nvidia_smi_normal_output(tmp_path, monkeypatch):
     assert g["nvidia_smi"] == lines and g["driver"] == "570.86.15" and "nvidia_smi_raw" not in g
 
 
+def test_installed_packages_skip_vendored_copies(monkeypatch, tmp_path):
+    """Once setuptools is imported (inductor's CPU compiler does), its _vendor folder is on sys.path
+    and importlib lists the copies bundled there: they are not installed, and a report written after
+    a compile must not differ from one written before."""
+    real = tmp_path / "site-packages" / "numpy-2.0.0.dist-info"
+    vendored = tmp_path / "site-packages" / "setuptools" / "_vendor" / "autocommand-2.2.2.dist-info"
+    for p in (real, vendored):
+        p.mkdir(parents=True)
+    fake = [SimpleNamespace(metadata={"Name": "autocommand"}, version="2.2.2", _path=vendored),
+            SimpleNamespace(metadata={"Name": "numpy"}, version="2.0.0", _path=real)]
+    monkeypatch.setattr(diagnose.importlib.metadata, "distributions", lambda: fake)
+    assert [(n, v) for n, v, _ in diagnose.installed_packages()] == [("numpy", "2.0.0")]
+
+
 def test_installed_packages_count_torch_files_changed_in_place(monkeypatch, tmp_path):
     """A torch whose own files were overwritten after its dist-info (a copied build) counts as modified
     then; a newer .pyc or __pycache__ folder (written by any import) does not, nor does numpy's own folder."""
-    from types import SimpleNamespace
     site = tmp_path / "site-packages"
     fake = []
     for name in ("torch", "numpy"):
@@ -352,3 +367,27 @@ def test_installed_packages_count_torch_files_changed_in_place(monkeypatch, tmp_
         fake.append(SimpleNamespace(metadata={"Name": name}, version="1.0", _path=info))
     monkeypatch.setattr(diagnose.importlib.metadata, "distributions", lambda: fake)
     assert [(n, t) for n, _, t in diagnose.installed_packages()] == [("torch", 2000.0), ("numpy", 1000.0)]
+
+
+# --- the threaded exercise (started by the fixture, at the top)
+
+def test_race_test_gate_keeps_calls_off_compiles_and_fx_trace_names_who_raises_the_flag(race_run):
+    out = json.loads(_finish(race_run))
+    assert out["command"] == "race-test" and [r.get("mode") for r in out["modes"]] == ["gate"], out
+    r = out["modes"][0]
+    assert not r.get("failed"), r["failed"]
+    assert r["exercise"] == "flex" and r["device"] == "cpu" and len(r["calls_per_s_per_thread"]) == 2
+    assert isinstance(r["flex_fx_flag_thread_local"], bool) and r["natural_race_expected"]
+    assert all(p["calls"] >= 1 for p in r["per_thread"]), r["per_thread"]
+    assert r["other_errors"] == 0, r["error_samples"]
+    assert r["fx_errors"] == 0 and r["exposed_calls"] == 0              # no call ever overlaps a compile
+    assert r["gate_stats"]["exclusive"] >= 2                             # each thread compiled its shape
+    assert r["flag_raises"] >= 2 and r["flag_up_after_run"] is False
+    table = diagnose.format_race_table([r]).splitlines()
+    assert table[2].split()[:4] == ["gate", "0", "0", "0"], table
+
+    text = diagnose.format_fx_trace([r], depth=30)
+    assert "raised by Tracer.trace in thread worker-" in text, text
+    assert "tracing frame: torch/fx/" in text, text                     # make_fx's dispatch_trace
+    assert "requested by:  torch/_functorch/" in text, text             # AOTAutograd's graph capture
+    assert "user frame:    diagnose.py" in text and "stack (innermost last):" in text, text
