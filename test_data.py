@@ -1,6 +1,9 @@
 """CPU tests for data_dflash.py. Tokenizers are built here or from the pip-shipped GGUF: no network."""
+import copy
 import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -93,6 +96,14 @@ def _write_jsonl(path, lines):
         for line in lines:
             f.write((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)) + "\n")
     return str(path)
+
+
+def _built(logs):
+    """Did this build_dataset call tokenise (True) or reuse the cache (False)? Exactly one of the two."""
+    built = sum(line.startswith("data: tokenised in") for line in logs)
+    reused = sum(line.startswith("data: reusing tokenised cache") for line in logs)
+    assert built + reused == 1, logs
+    return bool(built)
 
 
 def _sharegpt(conv):
@@ -229,6 +240,7 @@ def test_load_conversations_counts_skips(tmp_path):
         {"conversations": []},                                            # empty conversation
         {"conversations": [{"from": "human", "value": "anyone?"}]},       # no assistant turn
         {"conversations": [{"from": "human", "value": None}]},            # malformed record
+        '{"conversations": [{"from": "human", "value": "\\ud83d"}, {"from": "gpt", "value": "?"}]}',  # lone surrogate
         {"text": "no conversation here"},                                 # malformed record
         {"conversations": [{"from": "gpt", "value": "orphan reply"},      # leading reply trimmed
                            {"from": "human", "value": "q"}, {"from": "chatgpt", "value": "a"},
@@ -237,7 +249,8 @@ def test_load_conversations_counts_skips(tmp_path):
     ])
     chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONV_SYS}])
     convs, skipped = D.load_conversations([path, chat])
-    assert skipped == {"malformed record": 4, "unknown role": 1, "empty conversation": 1, "no assistant turn": 1}
+    assert skipped == {"malformed record": 4, "unknown role": 1, "empty conversation": 1, "no assistant turn": 1,
+                       "invalid UTF-8": 1}
     assert convs[0] == CONV
     assert convs[1] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     assert convs[2] == CONV_SYS
@@ -250,7 +263,7 @@ def test_missing_file_is_an_early_error(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# build_dataset: skips, cache
+# build_dataset: skips, cache, held-out split
 
 def test_build_dataset_counts_and_cache(qwen_tok, tmp_path):
     short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
@@ -265,19 +278,97 @@ def test_build_dataset_counts_and_cache(qwen_tok, tmp_path):
     assert stats["conversations"] == 4 and stats["truncated"] >= 1
     assert all(len(x) <= 128 and x.dtype == np.int32 for x in data["input_ids"])
     assert all(m.dtype == np.uint8 and m.sum() >= 20 for m in data["loss_mask"])
-    assert not any("reusing" in line for line in logs)
+    assert _built(logs)
     assert sum(line.startswith("data: 4 conversations -> 2 samples") for line in logs) == 1
 
     logs.clear()
     again = D.build_dataset(qwen_tok, [path], **kw)
-    assert any("reusing tokenised cache" in line for line in logs)
-    assert again["stats"] == stats
+    assert not _built(logs)
+    assert again["stats"] == stats and again["heldout"] == data["heldout"] == []
+    assert len(again["input_ids"]) == 2
     assert all(np.array_equal(a, b) for a, b in zip(again["input_ids"], data["input_ids"]))
     assert all(np.array_equal(a, b) for a, b in zip(again["loss_mask"], data["loss_mask"]))
 
-    logs.clear()  # a different setting is a different cache entry
-    D.build_dataset(qwen_tok, [path], **{**kw, "max_length": 96})
-    assert not any("reusing" in line for line in logs)
+
+def test_cache_is_rebuilt_when_the_file_the_max_length_or_the_chat_template_changes(qwen_tok, tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [_sharegpt(CONV), _sharegpt(CONV_SYS)])
+    kw = dict(max_length=128, block_size=4, cache_dir=str(tmp_path / "cache"))
+
+    def build(tok=qwen_tok, **change):
+        logs = []
+        data = D.build_dataset(tok, [path], **{**kw, **change}, log=logs.append)
+        return data, _built(logs)
+
+    assert build()[1] and not build()[1]
+    assert build(max_length=96)[1]
+    assert not build(tok=copy.deepcopy(qwen_tok))[1]        # an equal tokenizer, another object: reused
+    tok = copy.deepcopy(qwen_tok)
+    tok.chat_template = QWEN_TEMPLATE.replace("You are a helpful assistant.", "You are terse.")
+    assert build(tok=tok)[1]
+    st = os.stat(path)                                      # the same bytes, touched: read again
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert build()[1]
+    with open(path, "a", encoding="utf-8") as f:            # a record added: read again, and counted
+        f.write(json.dumps(_sharegpt(CONV)) + "\n")
+    data, built = build()
+    assert built and data["stats"]["conversations"] == data["stats"]["samples"] == 3
+
+
+def test_cache_is_reused_by_a_new_process_but_not_for_another_template_or_max_length(smollm, tmp_path):
+    """datasets fingerprints the tokenizer by content: a fresh process loading the same folder gets the
+    cached rows; a changed chat template or max_length in that process does not."""
+    with open(smollm["data_jsonl"], encoding="utf-8") as f:
+        path = _write_jsonl(tmp_path / "d.jsonl", [line.rstrip("\n") for _, line in zip(range(20), f)])
+    cache, logs = str(tmp_path / "cache"), []
+    D.build_dataset(smollm["tok"], [path], 256, 8, cache, log=logs.append)
+    assert _built(logs)
+    script = (f"import data_dflash as D\nfrom transformers import AutoTokenizer\n"
+              f"tok = AutoTokenizer.from_pretrained({smollm['target_dir']!r})\n"
+              f"D.build_dataset(tok, [{path!r}], 256, 8, {cache!r})\n"
+              f"D.build_dataset(tok, [{path!r}], 200, 8, {cache!r})\n"
+              f"tok.chat_template = tok.chat_template.replace('named SmolLM', 'named Bob')\n"
+              f"D.build_dataset(tok, [{path!r}], 256, 8, {cache!r})\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.abspath(D.__file__)),
+                         capture_output=True, text=True, check=True).stdout
+    lines = [line for line in out.splitlines() if line.startswith("data: ")]
+    assert len(lines) == 6, out
+    assert not _built(lines[0:1]) and lines[1] == logs[-1]       # reused: the same summary
+    assert _built(lines[2:3]) and _built(lines[4:5])
+
+
+def test_heldout_split_is_the_last_usable_conversations_and_never_trained_on(qwen_tok, tmp_path):
+    convs = [[{"role": "user", "content": f"question number {i}?"},
+              {"role": "assistant", "content": f"the answer to question number {i} is {i * 7}, said the assistant"}]
+             for i in range(25)]
+    lines = ([_sharegpt(c) for c in convs[:20]] + ["{bad"] + [_sharegpt(c) for c in convs[20:]]
+             + [{"conversations": []}])
+    path = _write_jsonl(tmp_path / "d.jsonl", lines)
+    kw = dict(max_length=128, block_size=4, cache_dir=str(tmp_path / "cache"))
+
+    def build(**settings):
+        logs = []
+        return D.build_dataset(qwen_tok, [path], **kw, **settings, log=logs.append), logs
+
+    data, logs = build(heldout=5)        # 25 usable: min(5, 25 // 10) = 2
+    assert data["heldout"] == convs[23:] and data["stats"]["heldout"] == 2
+    assert data["stats"]["samples"] == 23 and data["stats"]["usable"] == 25 and data["stats"]["conversations"] == 27
+    assert logs[-1].startswith("data: 27 conversations -> 23 samples")
+    trained = [qwen_tok.decode(ids) for ids in data["input_ids"]]
+    assert not any(c[1]["content"] in text for c in data["heldout"] for text in trained)
+    assert all(any(c[1]["content"] in text for text in trained) for c in convs[:23])
+    again, logs = build(heldout=5)
+    assert not _built(logs) and again["heldout"] == convs[23:] and again["stats"] == data["stats"]
+    assert build(heldout=1)[0]["heldout"] == convs[24:]
+
+    first, logs = build(heldout=5, max_conversations=3)   # counted on what is left once the held-out are off
+    assert first["heldout"] == convs[23:] and first["stats"]["used"] == first["stats"]["samples"] == 3
+    assert [qwen_tok.decode(ids) for ids in first["input_ids"]] == trained[:3]
+    assert logs[-1].startswith("data: 27 conversations (the first 3 of 25 readable ones tokenised) -> 3 samples")
+
+    out = str(tmp_path / "heldout.jsonl")
+    D.write_chat_jsonl(out, data["heldout"])
+    assert D.load_conversations([out]) == (convs[23:], {})
+    assert sorted(os.listdir(tmp_path)) == ["cache", "d.jsonl", "heldout.jsonl"]     # no temporary file left
 
 
 def test_build_dataset_counts_template_errors(tmp_path):
