@@ -3,7 +3,6 @@
     python bench.py                    # Qwen3-8B-shaped random target, 5-layer drafter, S 3072, 512 anchors
     python bench.py --tiny             # the same code at toy size (CPU: seconds)
     python bench.py --all-shapes       # cold warm-up of every default bucket, then the pipeline's warm start
-    python bench.py --profile          # + where a drafter step's device time goes (kernel classes, top kernels)
     python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1
                                        # only the threaded loop, on any layout of GPUs
 
@@ -49,17 +48,12 @@ def parse_args(argv):
     p.add_argument("--drafter-devices", default="", help="pipeline drafter devices (default: --device)")
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
     p.add_argument("--device", default="", help="device of the one-device measurements (default cuda:0, or cpu)")
-    p.add_argument("--profile", action="store_true", help="profile steps of ours: device time by kernel class")
-    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled, after 3 dropped ones")
-    p.add_argument("--trace", default="", help="with --profile: write a Chrome trace (open in Perfetto)")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)
     if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
         p.error("--target-devices / --drafter-devices need --pipeline-only")
-    if a.trace and not a.profile:
-        p.error("--trace needs --profile")
-    if min(a.steps, a.rounds, a.profile_steps) < 1:
-        p.error("--steps, --rounds and --profile-steps must be >= 1")
+    if min(a.steps, a.rounds) < 1:
+        p.error("--steps and --rounds must be >= 1")
     return a
 
 
@@ -155,8 +149,6 @@ def main(argv=None):
     log(f"[bench] drafter step (ours): {1e3 * t_ours:.1f} ms = {S / t_ours:,.0f} target tok/s, "
         f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {res['drafter_peak_mem_gib']:.1f} GiB"
                                             if res["drafter_peak_mem_gib"] is not None else ""))
-    if a.profile:
-        res["profile"] = profile(step, dev, log, steps=a.profile_steps, trace=a.trace)
 
     # --- the drafter, naive: its flex compile is an unwarmed key of the (warm) gate, which compiles
     # it exclusively and says so
@@ -208,70 +200,6 @@ def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
                                          q, k, v, block_mask=bm, enable_gqa=True)
     hidden = drafter.body(feats, block_ids, torch.arange(S, device=dev).expand(B, S), block_pos, attend)
     return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048)[0]
-
-
-# Kernel classes, by the first pattern found in a kernel's name (lower case), in this order.
-KERNEL_CLASSES = (("flex attention", ("flex", "attention")),
-                  ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "::mm", "addmm", "bmm")),
-                  ("optimizer", ("adam",)),
-                  ("LM-head cross entropy (Triton)", ("_ce_rows",)),
-                  ("communication", ("nccl",)),
-                  ("fused pointwise / reductions (inductor)", ("triton",)),
-                  ("copies / fills", ("copy", "memcpy", "memset", "fill")))
-
-
-def profile(fn, dev, log, steps=3, top=20, trace="", lead=3):
-    """Where a step's device time goes: kernels by class, the top kernels, and the device's busy share
-    of the wall time (the rest is launch overhead, host syncs or idle). `lead` steps run first and are
-    dropped, all back to back, so the GPU is at the clock it sustains in training. On CPU: the top
-    operators by self CPU time."""
-    import torch
-    from torch.profiler import ProfilerActivity, schedule
-    from torch.profiler import profile as torch_profile
-    from train_dflash import sync_device
-    cuda = dev.type == "cuda"
-    fn()
-    sync_device(dev)
-    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
-                       schedule=schedule(wait=0, warmup=lead, active=steps, repeat=1)) as prof:
-        for i in range(lead + steps):
-            if i == lead:
-                t0 = time.perf_counter()
-            fn()
-            if i == lead + steps - 1:
-                sync_device(dev)
-            prof.step()
-    wall_us = (time.perf_counter() - t0) * 1e6 / steps
-    if trace:
-        prof.export_chrome_trace(trace)
-        log(f"[bench] profile trace: {trace}")
-    per_name = {}
-    if cuda:
-        for e in prof.events():
-            # kernels only: a record_function range also shows on the device timeline, around its kernels
-            if (e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-                    and not e.name.startswith("ProfilerStep")):
-                per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
-    else:
-        for e in prof.key_averages():
-            if not e.key.startswith("ProfilerStep"):
-                per_name[e.key] = e.self_cpu_time_total / steps
-    busy = sum(per_name.values())
-    classes = {}
-    for name, us in per_name.items():
-        cls = next((c for c, pats in KERNEL_CLASSES if any(p in name.lower() for p in pats)), "other")
-        classes[cls] = classes.get(cls, 0.0) + us
-    res = {"wall_ms_profiled": wall_us / 1e3, "device_busy_ms": busy / 1e3, "busy_share": busy / wall_us if cuda else None,
-           "by_class_ms": {c: round(us / 1e3, 2) for c, us in sorted(classes.items(), key=lambda kv: -kv[1])},
-           "top_ms": [[n[:120], round(us / 1e3, 3)] for n, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:top]]}
-    log(f"[bench] profile of one step ({steps} profiled): wall {res['wall_ms_profiled']:.1f} ms, "
-        + (f"device busy {res['device_busy_ms']:.1f} ms ({res['busy_share']:.0%})" if cuda else
-           f"CPU operators {res['device_busy_ms']:.1f} ms"))
-    for c, ms in res["by_class_ms"].items():
-        log(f"[bench]   {c:42s} {ms:8.2f} ms  {ms / max(busy / 1e3, 1e-9):5.1%}")
-    for n, ms in res["top_ms"]:
-        log(f"[bench]   top: {ms:8.3f} ms  {n}")
-    return res
 
 
 def median_time(fn, n, dev, rounds=1):

@@ -2,8 +2,9 @@
 
     python diagnose.py                               this machine's environment + the 15 newest packages
     python diagnose.py --against out/step_000690     what changed since that checkpoint's env.json
-    python diagnose.py --fx-trace [--exercise tiny]  who raises torch.fx's FX-tracing flag, and where
-    python diagnose.py --race-test [--threads 3 --seconds 20 --modes nogate,gate,warm]
+    python diagnose.py --race-test [--threads 3 --seconds 20 --modes nogate,gate,warm --exercise tiny]
+                                                     threads compiling flex at once, without and with the
+                                                     gate: errors, calls/s, and who raises the FX flag
     --json prints one JSON object instead; --cache-dir describes another compile cache.
 
 train_dflash.py writes collect_env() into every checkpoint (env.json) and format_report() at the top
@@ -134,8 +135,7 @@ def _nvidia_smi():
         return {"nvidia_smi": lines, "driver": fields[0][2]}
     first = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[0][:200]
     why = f"exit {r.returncode}" if r.returncode else "unexpected output"
-    return {"nvidia_smi": [f"error: {why}: {first}"],
-            "nvidia_smi_raw": {"returncode": r.returncode, "stdout": r.stdout[:1000], "stderr": r.stderr[:1000]}}
+    return {"nvidia_smi": [f"error: {why}: {first}"]}
 
 
 def _env_vars():
@@ -484,27 +484,22 @@ FRAME_ROOTS = [(os.path.dirname(os.path.dirname(torch.__file__)) + os.sep, ""), 
                (os.path.dirname(os.__file__) + os.sep, "<stdlib>/")]
 
 
-def _frame_str(f):
-    """file:line in function, without the site-packages, project or stdlib folder."""
-    root, label = next(((r, lab) for r, lab in FRAME_ROOTS if f.filename.startswith(r)), ("", ""))
-    return f"{label}{f.filename[len(root):]}:{f.lineno} in {f.name}"
-
-
 def _group_raises(events):
-    """One dict per distinct stack, most frequent first: the threads that raised the flag there, the
-    tracing frame, who asked for the graph and the innermost frame outside torch."""
+    """One dict per distinct site that raised the flag, most frequent first: the threads, the tracing
+    frame, who asked for the graph, and the innermost frame outside torch."""
     groups = {}
     for thread, stack in events:
-        frames = [_frame_str(f) for f in stack]
-        gr = groups.setdefault(tuple(frames), {"count": 0, "threads": Counter(), "stack": frames})
+        frames = []
+        for f in stack[::-1]:     # innermost first, without the site-packages, project or stdlib folder
+            root, label = next(((r, lab) for r, lab in FRAME_ROOTS if f.filename.startswith(r)), ("", ""))
+            frames.append(f"{label}{f.filename[len(root):]}:{f.lineno} in {f.name}")
+        key = (frames[0] if frames else None, next((f for f in frames if not f.startswith(PLUMBING)), None),
+               next((f for f in frames if not f.startswith(("torch/", "<stdlib>"))), None))
+        gr = groups.setdefault(key, {"count": 0, "threads": Counter(), "tracing_frame": key[0],
+                                     "requested_by": key[1], "user_frame": key[2]})
         gr["count"] += 1
         gr["threads"][thread] += 1
-    for gr in groups.values():
-        inner = gr["stack"][::-1]
-        gr.update(threads=dict(gr["threads"]), tracing_frame=inner[0] if inner else None,
-                  requested_by=next((f for f in inner if not f.startswith(PLUMBING)), None),
-                  user_frame=next((f for f in inner if not f.startswith(("torch/", "<stdlib>"))), None))
-    return sorted(groups.values(), key=lambda gr: -gr["count"])
+    return sorted(({**gr, "threads": dict(gr["threads"])} for gr in groups.values()), key=lambda gr: -gr["count"])
 
 # -----------------------------------------------------------------------------
 # 4. The threaded exercise, in a child process with an empty compile cache. Every thread calls one
@@ -512,9 +507,6 @@ def _group_raises(events):
 #   nogate  the compiled function called directly (GATE.enabled = False)
 #   gate    through dflash_model.GATE before warm-up: every compiled call exclusive
 #   warm    every shape compiled serially first, then GATE.mark_warm(): shared calls, no compiles
-
-STARVED_AFTER_S = 600   # a thread still without its first call this long after --seconds is starved
-
 
 def _exercise_inputs(kind, dev, n):
     """Per thread: (label, shape, args). flex: the drafter's attention; tiny: a pointwise function."""
@@ -535,7 +527,7 @@ def _exercise_inputs(kind, dev, n):
     return out
 
 
-def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cpu", pace_ms=0.0):
+def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cpu"):
     """The threaded exercise in this process: meaningful only in a fresh one with a cold cache (_run_child)."""
     sys.path.insert(0, HERE)
     import dflash_model as dm
@@ -575,9 +567,8 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
         barrier.wait()
         start = time.time()
         # until --seconds are up and every thread has made its first (compiling) call: the others'
-        # compiles are the windows
-        while time.time() < start + seconds or (len(called) < threads
-                                                 and time.time() < start + seconds + STARVED_AFTER_S):
+        # compiles are the windows (a thread starved for 10 more minutes gives up)
+        while time.time() < start + seconds or (len(called) < threads and time.time() < start + seconds + 600):
             tc = time.time()
             try:
                 one_call(*args)
@@ -591,8 +582,7 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
                 if len(samples) < 5:
                     samples.append(f"{me}: {msg[:300]}")
             called.add(me)
-            if pace_ms:   # the rest of a training step
-                time.sleep(pace_ms / 1000)
+            time.sleep(0.001)   # the rest of a training step: threads that hammer starve the compiling one
         sync()
         s["run_s"] = round(time.time() - start, 3)
 
@@ -613,7 +603,7 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
                   for n, (_, shape, _) in zip(names, inputs)]
     total = lambda key: sum(s[key] for s in stats.values())
     return {"mode": mode, "exercise": kind, "device": str(dev), "threads": threads, "seconds": seconds,
-            "pace_ms": pace_ms, "torch": torch.__version__, "torch_git": getattr(torch.version, "git_version", None),
+            "torch": torch.__version__, "torch_git": getattr(torch.version, "git_version", None),
             **probes, "natural_race_expected": natural_race_expected(torch.__version__,
                                                                      probes["flex_fx_flag_thread_local"]),
             "fx_errors": total("fx_errors"), "other_errors": total("other_errors"),
@@ -624,7 +614,7 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
             "flag_up_after_run": _fx_flag(), "raises": _group_raises(events)}
 
 # -----------------------------------------------------------------------------
-# 5. --fx-trace and --race-test: one child process per mode, each with an empty compile cache
+# 5. --race-test: one child process per mode, each with an empty compile cache
 
 
 def _run_child(spec, timeout):
@@ -642,29 +632,6 @@ def _run_child(spec, timeout):
             return {"mode": spec["mode"], "failed": f"exit {r.returncode}: {r.stderr[-3000:]}"}
         with open(out) as f:
             return json.load(f)
-
-
-def format_fx_trace(results, depth):
-    """The race table, then each distinct stack that raised the FX flag: who, where, and for whom."""
-    lines = [format_race_table(results)]
-    for r in (r for r in results if not r.get("failed")):
-        stuck = "UP (stuck: every compiled call now fails or runs uncompiled)" if r["flag_up_after_run"] else "down"
-        lines += ["", f"FX-flag rises in mode {r['mode']}: {r['flag_raises']}, from {len(r['raises'])} distinct "
-                  f"stacks; the flag after the run: {stuck}"]
-        for i, gr in enumerate(r["raises"], 1):
-            threads = ", ".join(f"{t} ({n})" for t, n in sorted(gr["threads"].items()))
-            lines += [f"  [{i}] {gr['count']}x raised by Tracer.trace in thread {threads}",
-                      f"      tracing frame: {gr['tracing_frame']}",
-                      f"      requested by:  {gr['requested_by']}",
-                      f"      user frame:    {gr['user_frame']}",
-                      "      stack (innermost last):"]
-            # from just above the innermost user frame down to the tracer: the thread bootstrap is noise
-            frames = gr["stack"]
-            frames = frames[max(max((j for j, f in enumerate(frames) if f == gr["user_frame"]), default=2) - 2, 0):]
-            if len(frames) > depth:
-                frames = frames[:3] + [f"... {len(frames) - depth} frames ..."] + frames[-(depth - 3):]
-            lines += [f"        {f}" for f in frames]
-    return "\n".join(lines)
 
 
 def format_race_table(results):
@@ -690,6 +657,14 @@ def format_race_table(results):
                   "torch 2.11, masked on 2.12/2.13; the gate must show 0.",
                   "calls/s include each thread's cold compile (and, with the gate, the wait for the others'); "
                   "raise --seconds to see steady state."]
+    for r in (r for r in results if not r.get("failed")):     # who raised the FX flag, where, for whom
+        stuck = "UP (stuck: every compiled call now fails or runs uncompiled)" if r["flag_up_after_run"] else "down"
+        lines += ["", f"mode {r['mode']}: the FX flag rose {r['flag_raises']} times at {len(r['raises'])} sites; "
+                  f"after the run it is {stuck}"]
+        for gr in r["raises"]:
+            threads = ", ".join(f"{t} ({n})" for t, n in sorted(gr["threads"].items()))
+            lines += [f"  {gr['count']}x in {threads}: traced at {gr['tracing_frame']}, for "
+                      f"{gr['requested_by']}, called from {gr['user_frame']}"]
     return "\n".join(lines)
 
 # -----------------------------------------------------------------------------
@@ -724,19 +699,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", metavar="CHECKPOINT", help="checkpoint folder with env.json: what changed since")
-    ap.add_argument("--fx-trace", action="store_true", help="who raises the FX flag in a threaded cold compile")
     ap.add_argument("--race-test", action="store_true", help="threaded cold-cache compile race, without and with "
-                    "the gate")
+                    "the gate; who raises the FX flag, where")
     ap.add_argument("--threads", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=None, help="per mode (default: 20 race test, 3 fx trace)")
-    ap.add_argument("--modes", default=None, help="comma list of nogate,gate,warm (default: race test "
-                    "nogate,gate; fx trace nogate)")
+    ap.add_argument("--seconds", type=float, default=20.0, help="per mode")
+    ap.add_argument("--modes", default="nogate,gate", help="comma list of nogate,gate,warm")
     ap.add_argument("--exercise", choices=("flex", "tiny"), default="flex",
                     help="compiled function: the drafter's flex attention, or a tiny pointwise one (quick)")
-    ap.add_argument("--pace-ms", type=float, default=0.0, help="sleep between a thread's calls (the rest of a "
-                    "step); 0 hammers, and on a small CPU starves the compiling thread of the GIL")
     ap.add_argument("--device", default=None, help="default cuda:0 when available, else cpu")
-    ap.add_argument("--stack-depth", type=int, default=30, help="frames per stack printed by --fx-trace")
     ap.add_argument("--cache-dir", default=None, help="compile cache to describe (default: with --against the "
                     "checkpoint's, else TORCHINDUCTOR_CACHE_DIR or inductor's default)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -749,10 +719,8 @@ def main(argv=None):
         with open(a.child_out, "w") as f:
             json.dump(run_exercise(**json.loads(a.child)), f, default=str)
         return 0
-    if a.fx_trace or a.race_test:
-        device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-        seconds = a.seconds if a.seconds is not None else (20.0 if a.race_test else 3.0)
-        modes = (a.modes or ("nogate,gate" if a.race_test else "nogate")).split(",")
+    if a.race_test:
+        device, seconds, modes = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu"), a.seconds, a.modes.split(",")
         if bad := [m for m in modes if m not in MODES]:
             ap.error(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
         results = []
@@ -760,11 +728,9 @@ def main(argv=None):
             if not a.json:
                 print(f"[diagnose] mode {mode}: {a.threads} threads, {a.exercise} on {device}, {seconds:g} s, "
                       "cold cache (compiles take a while)...", file=sys.stderr, flush=True)
-            spec = dict(kind=a.exercise, mode=mode, threads=a.threads, seconds=seconds, device=device,
-                        pace_ms=a.pace_ms)
+            spec = dict(kind=a.exercise, mode=mode, threads=a.threads, seconds=seconds, device=device)
             results.append(_run_child(spec, timeout=int(seconds) + 1800))
-        emit({"command": "race-test" if a.race_test else "fx-trace", "device": device, "modes": results},
-             format_race_table(results) if a.race_test else format_fx_trace(results, a.stack_depth))
+        emit({"command": "race-test", "device": device, "modes": results}, format_race_table(results))
         return 1 if any(r.get("failed") for r in results) else 0
     if a.against:
         try:

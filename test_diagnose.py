@@ -1,9 +1,10 @@
-"""CPU tests of diagnose.py: the environment, what changed, the report, --fx-trace and --race-test.
+"""CPU tests of diagnose.py: the environment, what changed, the report and --race-test.
 
 The threaded exercise compiles flex cold in a child process (~30 s on a small CPU): it starts with
 the module and runs while the quick tests do.
 """
 import json
+import re
 import os
 import subprocess
 import sys
@@ -31,10 +32,8 @@ def _finish(proc, timeout=600):
 @pytest.fixture(scope="module", autouse=True)
 def race_run():
     # the gate mode only: the flag rises in it as in the others (a compile is a compile), and one cold
-    # child is the slow part of this file. --pace-ms 1: threads that hammer compiled calls starve the
-    # compiling one of the GIL (~10x slower)
-    proc = _start("--race-test", "--modes", "gate", "--threads", "2", "--seconds", "1", "--device", "cpu",
-                  "--pace-ms", "1", "--json")
+    # child is the slow part of this file
+    proc = _start("--race-test", "--modes", "gate", "--threads", "2", "--seconds", "1", "--device", "cpu", "--json")
     yield proc
     if proc.poll() is None:
         proc.kill()
@@ -317,22 +316,20 @@ def test_gpus_keep_nvidia_smi_failure_message(tmp_path, monkeypatch):
     _fake_nvidia_smi(tmp_path, monkeypatch, msg + "\nNVML library version: 570.86\n", 18)
     g = diagnose._gpus()
     assert g["nvidia_smi"] == [f"error: exit 18: {msg}"] and g["driver"] is None
-    assert g["nvidia_smi_raw"]["returncode"] == 18 and msg in g["nvidia_smi_raw"]["stdout"]
     assert msg in diagnose.format_report({"gpus": g})
 
 
-def test_gpus_nvidia_smi_unexpected_output_and_truncation(tmp_path, monkeypatch):
+def test_gpus_nvidia_smi_unexpected_output(tmp_path, monkeypatch):
     _fake_nvidia_smi(tmp_path, monkeypatch, "No devices were found\n" + "z" * 5000 + "\n", 0)
     g = diagnose._gpus()
     assert g["nvidia_smi"] == ["error: unexpected output: No devices were found"] and g["driver"] is None
-    assert 0 < len(g["nvidia_smi_raw"]["stdout"]) <= 1000
 
 
 def test_gpus_nvidia_smi_normal_output(tmp_path, monkeypatch):
     lines = ["0, NVIDIA H200, 570.86.15, 143771 MiB", "1, NVIDIA H200, 570.86.15, 143771 MiB"]
     _fake_nvidia_smi(tmp_path, monkeypatch, "\n".join(lines) + "\n", 0)
     g = diagnose._gpus()
-    assert g["nvidia_smi"] == lines and g["driver"] == "570.86.15" and "nvidia_smi_raw" not in g
+    assert g["nvidia_smi"] == lines and g["driver"] == "570.86.15"
 
 
 def test_installed_packages_skip_vendored_copies(monkeypatch, tmp_path):
@@ -371,7 +368,7 @@ def test_installed_packages_count_torch_files_changed_in_place(monkeypatch, tmp_
 
 # --- the threaded exercise (started by the fixture, at the top)
 
-def test_race_test_gate_keeps_calls_off_compiles_and_fx_trace_names_who_raises_the_flag(race_run):
+def test_race_test_gate_keeps_calls_off_compiles_and_names_who_raises_the_flag(race_run):
     out = json.loads(_finish(race_run))
     assert out["command"] == "race-test" and [r.get("mode") for r in out["modes"]] == ["gate"], out
     r = out["modes"][0]
@@ -383,11 +380,9 @@ def test_race_test_gate_keeps_calls_off_compiles_and_fx_trace_names_who_raises_t
     assert r["fx_errors"] == 0 and r["exposed_calls"] == 0              # no call ever overlaps a compile
     assert r["gate_stats"]["exclusive"] >= 2                             # each thread compiled its shape
     assert r["flag_raises"] >= 2 and r["flag_up_after_run"] is False
-    table = diagnose.format_race_table([r]).splitlines()
-    assert table[2].split()[:4] == ["gate", "0", "0", "0"], table
-
-    text = diagnose.format_fx_trace([r], depth=30)
-    assert "raised by Tracer.trace in thread worker-" in text, text
-    assert "tracing frame: torch/fx/" in text, text                     # make_fx's dispatch_trace
-    assert "requested by:  torch/_functorch/" in text, text             # AOTAutograd's graph capture
-    assert "user frame:    diagnose.py" in text and "stack (innermost last):" in text, text
+    text = diagnose.format_race_table([r])
+    assert text.splitlines()[2].split()[:4] == ["gate", "0", "0", "0"], text
+    sites = re.findall(r"^  \d+x in worker-.*: traced at (\S+).*, for (\S+).*, called from (\S+)", text, re.M)
+    assert sites and all(s[0].startswith("torch/fx/") for s in sites), text
+    # AOTAutograd's graph capture, asked for by the exercise's own compiled call
+    assert any(s[1].startswith("torch/_functorch/") and s[2].startswith("diagnose.py") for s in sites), text
