@@ -65,6 +65,7 @@ def main(argv=None):
     import torch
     import config
     import dflash_model as dm
+    import replicas
     import train_dflash as tr
     from master_adamw import MasterAdamW
 
@@ -137,7 +138,7 @@ def main(argv=None):
         else:
             dm.backward(loss, dev, (1, S, A), attn)
         # the trainer's lone-replica step: the norm read by the host, the clip inside the update
-        tr.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)
+        replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)
         opt.zero_grad(set_to_none=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)

@@ -1,4 +1,4 @@
-"""The hand-written Triton kernels, tested on CPU by Triton's interpreter (python -m pytest -q test_kernels.py).
+"""The hand-written Triton kernels of kernels.py, tested on CPU by Triton's interpreter.
 
 On a GPU each kernel is also checked against its torch version on each device's first call; these
 tests run the same kernel code (TRITON_INTERPRET=1 runs it with numpy) against the torch versions on
@@ -26,7 +26,7 @@ def run_interpreted(code):
 def test_ce_kernel_equals_the_eager_ce_and_its_check_catches_a_wrong_kernel():
     out = run_interpreted("""
         import torch
-        import dflash_model as dm
+        import kernels as dm
         assert dm.triton is not None and dm.triton.__version__, "triton must be installed for this test"
         torch.manual_seed(0)
         for n, V in [(8, 5000), (6, 1000), (3, 4096)]:       # ragged last block, V < block, V = block
@@ -36,7 +36,7 @@ def test_ce_kernel_equals_the_eager_ce_and_its_check_catches_a_wrong_kernel():
             w = torch.rand(n)
             w[2] = 0.0                                        # a row that is not scored
             loss, correct, g = dm._ce_chunk_triton_unchecked(logits, y, w)
-            ref_loss, ref_correct, ref_g = dm._ce_chunk_eager(logits, y, w)
+            ref_loss, ref_correct, ref_g = dm.ce_chunk_eager(logits, y, w)
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
             assert torch.equal(correct, ref_correct) and correct[:2].all(), (correct, ref_correct)
             assert g.dtype == torch.bfloat16 and g.shape == logits.shape
@@ -70,7 +70,7 @@ def test_ce_kernel_equals_the_eager_ce_and_its_check_catches_a_wrong_kernel():
 def test_adamw_kernel_equals_the_torch_update_with_a_clip_factor_over_steps_and_skips_a_nan_factor():
     out = run_interpreted("""
         import math, torch
-        import master_adamw as ma
+        import kernels as ma
         assert ma.triton is not None
         gen = torch.Generator().manual_seed(0)
         n = 2 * 1024 + 37                                     # two full blocks and a ragged tail
@@ -82,7 +82,7 @@ def test_adamw_kernel_equals_the_torch_update_with_a_clip_factor_over_steps_and_
             scale = torch.tensor(0.25 * t)
             args = (0.9, 0.95, 1e-8, 1 - 1e-3 * 0.1, 1e-3 / (1 - 0.9 ** t), math.sqrt(1 - 0.95 ** t))
             ma._update_triton(p, g, st, scale, *args)
-            ma._update_torch(p_ref, g, ref, scale, *args)
+            ma.adamw_torch(p_ref, g, ref, scale, *args)
         for k in st:
             torch.testing.assert_close(st[k], ref[k], rtol=1e-6, atol=1e-7)
         # the weights are written from the masters: bf16(master), within one bf16 step (the interpreter
@@ -92,8 +92,7 @@ def test_adamw_kernel_equals_the_torch_update_with_a_clip_factor_over_steps_and_
         before = [t.clone() for t in (p, *st.values())]
         ma._update_triton(p, torch.full((n,), float("nan"), dtype=torch.bfloat16), st, torch.tensor(math.nan), *args)
         assert all(torch.equal(a, b) for a, b in zip(before, (p, *st.values())))
-        opt = ma.MasterAdamW([torch.nn.Parameter(torch.randn(4))], param_dtype=torch.float32)
-        opt._check_kernel(torch.device("cpu"))                  # the per-device check passes a right kernel
+        ma._check_adamw_kernel(torch.device("cpu"))            # the per-device check passes a right kernel
         print("adamw ok")
     """)
     assert out.split() == ["adamw", "ok"], out
@@ -105,7 +104,7 @@ def test_adamw_kernel_compiles_for_the_h200_ahead_of_time():
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    import master_adamw as ma
+    import kernels as ma
     sig = {"param_ptr": "*bf16", "grad_ptr": "*bf16", "master_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32",
            "scale_ptr": "*fp32", "n": "i32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "decay": "fp32",
            "step_size": "fp32", "bc2_sqrt": "fp32", "BLOCK": "constexpr"}

@@ -36,7 +36,7 @@ import checkpoint as ck
 import config
 import dflash_model as dm
 import warmup
-from master_adamw import MasterAdamW
+from replicas import Replicas
 from pipeline import ReorderBuffer, Run, StepSync, fault, inject
 
 
@@ -65,7 +65,8 @@ class Trainer:
         if self.step >= self.total_steps:
             log(f"[run] already at step {self.step} of {self.total_steps}: nothing to do")
             return 0
-        if cfg.max_minutes and self.seconds_before >= 60 * cfg.max_minutes:
+        # the budget's rule: a step runs only if it ends within the budget (here by the mean step so far)
+        if cfg.max_minutes and self.step and self.seconds_before * (1 + 1 / self.step) > 60 * cfg.max_minutes:
             log(f"[run] the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
                 f"{self.step}: nothing to do (a larger --max-minutes continues)")
             return 0
@@ -401,197 +402,6 @@ class Trainer:
 
 
 # -----------------------------------------------------------------------------
-# The replicas: one drafter per drafter device, stepped identically
-
-
-class Replicas:
-    """The drafter replicas, their MasterAdamW optimisers, schedules and gradient buffers. They must
-    stay bit-identical: a fingerprint of every replica's weights and fp32 masters is compared every log
-    interval (across ranks too), at every checkpoint and at the end."""
-
-    def __init__(self, dcfg, emb, head, devices, cfg, world, lr_lambda, log):
-        self.world, self.drafters, self.opts, self.scheds, self.flats, self.grads = world, [], [], [], [], []
-        self.pending_fp = None
-        # Where gradients are summed (several replicas or ranks, or micro-batches), an fp32 buffer per
-        # replica holds them: one collective per step sums them, and micro-batches add in fp32. A lone
-        # replica with one micro-batch takes each backward's fresh gradients, with no zeroing pass.
-        summed = len(devices) > 1 or world > 1 or cfg.grad_accum > 1
-        for d in devices:
-            dr = config.new_drafter(dcfg, emb, head, d, cfg.seed)      # identical initial replicas
-            params = list(dr.parameters())
-            # the optimiser keeps the fp32 masters and moments; the weights the matmuls read become bf16
-            # on a GPU, and one pass per tensor writes both
-            opt = MasterAdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                              param_dtype=config.param_dtype(d))
-            flat, grads = None, None
-            if summed:
-                flat = torch.zeros(sum(p.numel() for p in params), device=d, dtype=torch.float32)
-                grads = [g.view_as(p) for g, p in zip(torch.split(flat, [p.numel() for p in params]), params)]
-                for p, g in zip(params, grads):
-                    p.register_post_accumulate_grad_hook(add_into(g))
-            self.drafters.append(dr)
-            self.opts.append(opt)
-            self.scheds.append(torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
-            self.flats.append(flat)
-            self.grads.append(grads)
-        n = sum(p.numel() for p in self.drafters[0].parameters())
-        log(f"[model] {len(devices)} drafter replica(s) x {n / 1e6:.1f}M trainable params on {[str(d) for d in devices]} "
-            f"({str(config.param_dtype(devices[0])).removeprefix('torch.')} weights, fp32 masters in the optimiser); "
-            "grads: " + ("one flat fp32 buffer per replica (summed across replicas/ranks/micro-batches)" if summed
-                         else "handed over by each backward (lone replica)"))
-
-    def zero_grads(self):
-        for flat in self.flats:
-            if flat is not None:
-                flat.zero_()
-
-    def all_max(self, values):
-        """Element-wise max over the ranks of a list of floats."""
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.world > 1:
-            import torch.distributed as dist
-            t = t.to(self.flats[0].device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
-
-    def sum_scalar(self, values):
-        """The sum of the replicas' values, over the ranks too."""
-        t = torch.tensor([float(sum(values))], dtype=torch.float64)
-        if self.world > 1:
-            import torch.distributed as dist
-            t = t.to(self.flats[0].device)
-            dist.all_reduce(t)
-        return float(t)
-
-    def reduce(self, stats_list):
-        """Sum the replicas' gradient buffers (and the ranks'), and their stats; the stats to the host."""
-        flats = self.flats
-        if len(flats) > 1:
-            if all(f.is_cuda for f in flats) and len({f.device for f in flats}) == len(flats):
-                torch.cuda.nccl.all_reduce(flats)                         # in-process NCCL across GPUs
-            else:
-                total = flats[0].clone()
-                for f in flats[1:]:
-                    total += f.to(total.device)
-                for f in flats:
-                    f.copy_(total)
-        stats = sum(s.to(stats_list[0].device) for s in stats_list)
-        if self.world > 1:
-            import torch.distributed as dist
-            dist.all_reduce(flats[0])
-            dist.all_reduce(stats)
-            for f in flats[1:]:
-                f.copy_(flats[0])
-        # read now (they are ready with the gradients), not after the optimiser: the log costs no wait,
-        # and this thread prepares the next step while the device runs the AdamW pass
-        return stats.to("cpu")
-
-    def step(self, clip):
-        """Clip and step every replica; returns the gradient norm."""
-        gnorms = []
-        for dr, opt, sched, flat, grads in zip(self.drafters, self.opts, self.scheds, self.flats, self.grads):
-            gnorms.append(clip_and_step(opt, grads if grads is not None else [p.grad for p in dr.parameters()], clip))
-            sched.step()
-            if flat is None:
-                opt.zero_grad(set_to_none=True)
-            else:
-                flat.zero_()
-        return gnorms[0]
-
-    # --- checkpoints -----------------------------------------------------------------------------
-    def checkpoint_state(self):
-        """What a checkpoint saves of the replicas (replica 0's state; the others are identical)."""
-        dr, opt = self.drafters[0], self.opts[0]
-        opt_state = opt.state_dict()
-        masters = dict(zip([n for n, _ in dr.named_parameters()], opt.masters()))
-        return {"optimizer": opt_state, "scheduler": self.scheds[0].state_dict(),
-                # the fp32 masters by name (the same tensors as the optimiser's: stored once)
-                "master_weights": {k: masters.get(k, v) for k, v in dr.state_dict().items()},
-                "replica_fingerprints": self.digests(),
-                "resume_fingerprint": ck.optimizer_digest(opt_state)}
-
-    def load(self, state, path):
-        for dr, opt, sched in zip(self.drafters, self.opts, self.scheds):
-            dr.load_state_dict(state["master_weights"], strict=True)
-            try:
-                opt.load_state_dict(state["optimizer"])      # fp32 masters and moments; weights written from them
-            except ValueError as e:
-                raise SystemExit(f"error: {path}/state.pt: cannot resume its optimiser state: {e}") from None
-            sched.load_state_dict(state["scheduler"])
-        if ck.optimizer_digest(self.opts[0].state_dict()) != state["resume_fingerprint"]:
-            raise RuntimeError(f"{path}: the optimiser state loaded from it is not the one saved (a load path "
-                               "that rounds or skips a tensor)")
-
-    # --- bit-identical replicas --------------------------------------------------------------------
-    def tensors(self, r):
-        """(names, tensors) of replica r: its weights and the fp32 masters (bf16 weights can hide a
-        master that differs below their rounding)."""
-        names, tensors = map(list, zip(*self.drafters[r].named_parameters()))
-        return names + [n + " (master)" for n in names], tensors + self.opts[r].masters()
-
-    def queue_fingerprints(self, step):
-        """Queue every replica's fingerprint, copied to the host without a wait; check_fingerprints()
-        compares them at the next step. Across ranks, replica 0's min and max (equal iff all agree)."""
-        pending = []
-        for r in range(len(self.drafters)):
-            fp = ck.fingerprint(self.tensors(r)[1])
-            rows = [fp]
-            if r == 0 and self.world > 1:
-                import torch.distributed as dist
-                lo, hi = fp.clone(), fp.clone()
-                dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-                rows += [lo, hi]
-            fp = torch.stack(rows)
-            host = torch.empty(fp.shape, dtype=fp.dtype, pin_memory=fp.is_cuda).copy_(fp, non_blocking=True)
-            ev = torch.cuda.Event() if fp.is_cuda else None
-            if ev is not None:
-                ev.record(torch.cuda.current_stream(fp.device))
-            pending.append((host, ev))
-        self.pending_fp = (step, pending)
-
-    def check_fingerprints(self):
-        """Raise (stopping the run) if the last queued fingerprints differ, naming the tensors."""
-        if self.pending_fp is None:
-            return
-        (step, pending), self.pending_fp = self.pending_fp, None
-        for _, ev in pending:
-            if ev is not None:
-                ev.synchronize()
-        fps = [host for host, _ in pending]
-        bad = self.differing([fp[0] for fp in fps])
-        if self.world > 1:
-            bad += self.differing([fps[0][1], fps[0][2]], who="another rank")
-        if bad:
-            raise RuntimeError(f"drafter replicas diverged by step {step}: {len(bad)} tensor fingerprint(s) differ, "
-                               f"first {bad[:5]} (a bug, not noise: replicas must stay bit-identical)")
-
-    def differing(self, fps, who=None):
-        names = self.tensors(0)[0]
-        return [f"{who or f'replica {r}'}: {names[i]}" for r in range(1, len(fps))
-                for i in (fps[r] != fps[0]).nonzero()[:, 0].tolist()]
-
-    def digests(self):
-        """Each replica's fingerprint as a digest; replicas that differ are an error naming the tensors."""
-        fps = [ck.fingerprint(self.tensors(r)[1]).cpu() for r in range(len(self.drafters))]
-        bad = self.differing(fps)
-        if bad:
-            raise RuntimeError(f"drafter replicas differ: {len(bad)} tensor fingerprint(s), first {bad[:5]}")
-        return [ck.digest(fp) for fp in fps]
-
-    def check_identical(self, step, log):
-        """At the end of the run, on every rank: every replica of every rank as rank 0's replica 0."""
-        if len(self.drafters) == 1 and self.world == 1:
-            return
-        self.check_fingerprints()
-        self.queue_fingerprints(step)
-        self.check_fingerprints()
-        n = sum(p.numel() for p in self.drafters[0].parameters())
-        log(f"[replicas] {len(self.drafters)} replica(s) x {self.world} rank(s) bit-identical after step {step} "
-            f"({n:,} parameters each; fingerprint {self.digests()[0]})")
-
-
-# -----------------------------------------------------------------------------
 # What a run reports: metrics.jsonl, the log line, the summary
 
 
@@ -739,51 +549,7 @@ def synthetic_data(spec, length, vocab, seed):
 
 
 # -----------------------------------------------------------------------------
-# The optimiser step, the schedule, FLOPs
-
-
-def clip_and_step(opt, grads, clip):
-    """Clip the gradients' global norm to `clip` and take the optimiser step; returns the norm (float).
-
-    clip_grad_norm_'s factor, min(1, clip / (norm + 1e-6)), stays on the device and MasterAdamW's pass
-    multiplies the gradients by it: no scaling pass, no host sync. On a GPU the host queues the step
-    BEFORE it waits for the norm (an event after its copy), so the device runs the update while the
-    host goes on to the next step (waiting first left the GPU idle ~3.8 ms of a 133 ms Qwen3-8B-size
-    step on an H200). A nan/inf norm makes the factor nan, which makes the update store nothing; then
-    FloatingPointError, with nothing stepped (the step counts are put back)."""
-    norm = total_norm(grads)
-    scale = torch.where(torch.isfinite(norm), (clip / (norm + 1e-6)).clamp(max=1.0), math.nan)
-    if norm.is_cuda:
-        host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        host.copy_(norm, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(norm.device))
-    else:
-        host, ready = norm, None
-    counts = [opt.state[p]["step"] for p in opt.params()]
-    opt.step(grads=grads, grad_scale=scale)
-    if ready is not None:
-        ready.synchronize()
-    value = float(host)
-    if not math.isfinite(value):      # a nan/inf step would poison every weight and every later checkpoint
-        for p, n in zip(opt.params(), counts):
-            opt.state[p]["step"] = n
-        raise FloatingPointError(f"the gradient norm is {value}")
-    return value
-
-
-def total_norm(grads):
-    """Global L2 norm of the gradients, accumulated in fp32 whatever their dtype (bf16 on a GPU)."""
-    norms = torch._foreach_norm([g for g in grads if g is not None], 2.0, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def add_into(buf):
-    """A post-accumulate-grad hook: add the fresh gradient into `buf` (an fp32 view) and free it."""
-    def hook(p):
-        buf.add_(p.grad)
-        p.grad = None
-    return hook
+# The schedule, FLOPs
 
 
 def lr_factor(progress, warmup_frac):
