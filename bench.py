@@ -185,8 +185,9 @@ def report(a, res):
 
 def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
     """The public trainers' setup: eager trunk, compiled flex only (flex's own GQA, torch's tiles),
-    eager create_block_mask every step, LM head + CE in chunks of 2048."""
+    eager create_block_mask every step, LM head + eager CE in chunks of 2048."""
     import torch
+    import kernels
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     global _naive_flex
     if "_naive_flex" not in globals():
@@ -200,7 +201,7 @@ def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
     attend = lambda q, k, v: dm.GATE.run("naive_flex", dev, tuple(q.shape) + tuple(k.shape), _naive_flex,
                                          q, k, v, block_mask=bm, enable_gqa=True)
     hidden = drafter.body(feats, block_ids, torch.arange(S, device=dev).expand(B, S), block_pos, attend)
-    return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048)[0]
+    return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048, ce=kernels.ce_chunk_eager)[0]
 
 
 def median_time(fn, n, dev, rounds=1):

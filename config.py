@@ -274,7 +274,8 @@ def new_drafter(dcfg, emb, head, dev, seed):
     already there is kept, so a tied pair stays one storage). Compiled graphs key on these tensors'
     dtype, layout and aliasing, so the warm-up builds its drafters with this too."""
     torch.manual_seed(seed)
-    dr = dm.DFlashDrafter(dcfg, embed_weight=torch.empty(0)).to(dev)
+    with torch.device(dev):        # initialised where it runs: 1B parameters take seconds on a CPU
+        dr = dm.DFlashDrafter(dcfg, embed_weight=torch.empty(0))
     dr.embed_weight, dr.lm_head_weight = emb.to(dev), head.to(dev)
     return dr
 

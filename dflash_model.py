@@ -638,13 +638,14 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
 CHUNK_ROWS = 3072
 
 
-def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None):
+def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None, ce=None):
     """Weighted CE over block positions 1..bs-1 plus per-position accuracy.
 
     hidden (B, A*bs, H), labels/weights (B, A, bs). Returns loss (normalised by the weight sum),
     acc (bs-1,) = accuracy at positions k = 1..bs-1 over supervised positions, and counts (bs-1,).
     `weight_sum`: the normaliser shared by several micro-batches/replicas (default: this batch's own),
     so that a step over R replicas x G micro-batches equals one step over their concatenation.
+    `ce`: the per-chunk CE (default: the Triton kernel on a GPU, else kernels.ce_chunk_eager).
     """
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
@@ -654,7 +655,8 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
         wsum = w.sum()
     else:   # a host number: a fill kernel, not a blocking host-to-device copy (that would wait for the
         wsum = torch.full((), float(weight_sum), device=w.device)     # forward just queued: a stall)
-    ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager
+    if ce is None:
+        ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum.clamp(min=1e-6),
                                              chunk_rows, ce)
     sup = (w > 0).view(B * A, bs - 1)
