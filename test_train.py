@@ -392,8 +392,8 @@ def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_
 
 
 def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, sharegpt, cache_dir, tmp_path):
-    """--max-minutes: the progress line estimates the last step (~N), the run stops at the last step
-    that ends within the budget and checkpoints it once; a resume counts the time already used (a spent
+    """--max-minutes: the progress line gives the share of the budget used, the run stops at the last
+    step that ends within the budget and checkpoints it once; a resume counts the time already used (a spent
     budget: nothing to do). Without --resume an out dir with checkpoints is refused before any work; a
     different --lr is an error (the optimiser's settings come from the checkpoint); a resume drops the
     metrics of steps after the checkpoint and continues, with a notice, on a larger data set."""
@@ -405,7 +405,7 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     m = re.search(r"\[run\] time budget of 0.1 min: step (\d+) is the last that ends within it", p.out)
     assert m, p.tail()
     last = int(m.group(1))
-    assert re.search(r"step 5/~\d+ \|", p.out) and last > 5, p.tail()
+    assert re.search(r"step 5 \(\d+% of 0.1 min\) \|", p.out) and last > 5, p.tail()
     assert checkpoints(out) == [f"step_{last:06d}"] and [r["step"] for r in metrics(out)][-1] == last
     state = load_state(out / f"step_{last:06d}")
     assert state["train_seconds"] < 6 + 2.0, state["train_seconds"]          # the budget, within one step's jitter

@@ -361,16 +361,6 @@ class Trainer:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def end_step(self):
-        """The last step this run trains (a time budget's estimate until its last step is known)."""
-        if self.finish_at is not None:
-            return self.finish_at
-        if self.cfg.max_minutes and self.meter.last_step > self.step and self.time_frac > 0:
-            done = self.meter.last_step - self.step
-            left = done * (1 - self.time_frac) / max(self.time_frac - self.seconds_before / (60 * self.cfg.max_minutes), 1e-9)
-            return min(self.total_steps, self.meter.last_step + int(left))
-        return self.total_steps
-
     # --- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step):
         r = self.replicas
@@ -378,7 +368,7 @@ class Trainer:
                  "batches_per_epoch_by_rank": self.nb_by_rank, "train_seconds": self.train_seconds(),
                  "config": dataclasses.asdict(self.cfg), **r.checkpoint_state()}
         pause = self.ckpt.save(step, state, r.drafters[0].state_dict(), r.drafters[0], self.checkpoint_env,
-                               lambda: self.meter.last_step if self.finish_at is None else max(self.meter.last_step, 10**9))
+                               lambda: self.meter.last_step)
         self.meter.ckpt_pause += pause
 
     def checkpoint_env(self):
@@ -445,10 +435,13 @@ class Meter:
         tok_s = (self.tokens - self.tokens_log) / dt
         mfu = (self.flops - self.flops_log) / dt / (t.peak_flops * len(set(t.ddevs)) * t.world)
         self.t_log, self.tokens_log, self.flops_log = now, self.tokens, self.flops
-        end = t.end_step()
-        eta = (end - step) * (now - self.t_start) / max(1, step - t.step)
+        eta = (t.total_steps - step) * (now - self.t_start) / max(1, step - t.step)
+        progress = f"{step}/{t.total_steps}"
+        if t.cfg.max_minutes:       # the budget, not the step count, ends such a run
+            eta = min(eta, 60 * t.cfg.max_minutes - t.train_seconds())
+            progress = f"{step} ({t.time_frac:.0%} of {t.cfg.max_minutes:g} min)"
         mem = f"{torch.cuda.max_memory_allocated(t.ddevs[0]) / 2**30:.1f}GiB" if t.ddevs[0].type == "cuda" else "-"
-        t.log(f"step {step}/{'~' if t.cfg.max_minutes and t.finish_at is None else ''}{end} | loss {rec['loss']:.4f} "
+        t.log(f"step {progress} | loss {rec['loss']:.4f} "
               f"| acc@1 {rec['acc'][0]:.3f} acc@{bs - 1} {rec['acc'][-1]:.3f} | sim_tau {rec['sim_tau']:.2f} "
               f"| lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.2f} | {tok_s:,.0f} tok/s | MFU drafter {mfu:.1%} "
               f"| queues load {t.load_q.qsize()} feat {len(t.buf)} | sync {1000 * t.t_sync_last:.0f}ms | mem {mem} "
