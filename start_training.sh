@@ -2,7 +2,7 @@
 # The one command: set up (idempotent), prepare the embedded default (SmolLM2-135M-Instruct + ShareGPT),
 # warm up, train, checkpoint, summarise.   bash start_training.sh [train_dflash.py options...]
 # With no options it runs the embedded default: on CPU sized to finish in about 10 minutes, on GPUs
-# the spec's recipe on every visible GPU. Options override those defaults. Output also goes to logs/.
+# the DFlash recipe on every visible GPU. Options override those defaults. Output also goes to logs/.
 # Run again, it continues from the newest checkpoint (--resume; a finished run has nothing to do).
 # DFLASH_SKIP_INSTALL=1 skips the package checks (tests); PYTHON picks the interpreter.
 set -euo pipefail

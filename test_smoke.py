@@ -80,7 +80,7 @@ class CountingBackend:
 
 
 def naive_mask(anchors, S, bs):
-    """The spec's formula, one element at a time: (B, Q, KV) bool."""
+    """The DFlash mask's formula, one element at a time: (B, Q, KV) bool."""
     B, A = anchors.shape
     Q, KV = A * bs, S + A * bs
     al = anchors.tolist()
@@ -255,7 +255,7 @@ def test_build_target_layer_ids():
     assert dm.build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     for L in (1, 6, 7, 36):
         assert dm.build_target_layer_ids(L, 1) == [L // 2]
-    # the spec's formula round(1 + i*(L-4)/(n-1)) for another shape
+    # the formula round(1 + i*(L-4)/(n-1)) for another shape
     assert dm.build_target_layer_ids(28, 5) == [round(1 + i * 24 / 4) for i in range(5)] == [1, 7, 13, 19, 25]
 
 
@@ -296,7 +296,7 @@ def test_mask_mod_dense_and_naive_agree(flex_case):
     c = flex_case
     ref = naive_mask(c.anchors, c.S, c.bs)                                   # (B, Q, KV)
     B, Q, KV = ref.shape
-    # the reference itself encodes the formula (spot checks of the spec's rules)
+    # the reference itself encodes the formula (spot checks of its rules)
     a = int(c.anchors[0, -1])
     assert a == c.S - c.bs                                                   # last valid position
     assert ref[0, Q - 1, a - 1] and not ref[0, Q - 1, a]                     # strictly before the anchor
@@ -1010,7 +1010,7 @@ def test_eval_stop_ids_take_the_generation_config_eos_list():
 def test_eval_histogram_without_drafting_rounds():
     import collections
     import eval_dflash
-    empty = eval_dflash.format_histogram(collections.Counter(), 4).splitlines()    # used to raise ValueError
+    empty = eval_dflash.format_histogram(collections.Counter(), 4).splitlines()    # no rounds: all zero, no error
     assert [line.split() for line in empty] == [["1", "0"], ["2", "0"], ["3", "0"], ["4", "0"]]
     bars = eval_dflash.format_histogram(collections.Counter({1: 2, 3: 4}), 4).splitlines()
     assert [line.count("#") for line in bars] == [30, 0, 60, 0]
