@@ -140,6 +140,14 @@ class Replicas:
         names, tensors = map(list, zip(*self.drafters[r].named_parameters()))
         return names + [n + " (master)" for n in names], tensors + self.opts[r].masters()
 
+    def watch(self, step, interval):
+        """Every step: compare the fingerprints queued an interval ago (ready by now: this step's stats
+        came after them on every stream); every interval: queue new ones, without a wait."""
+        if len(self.drafters) > 1 or self.world > 1:
+            self.check_fingerprints()
+            if step % interval == 0:
+                self.queue_fingerprints(step)
+
     def queue_fingerprints(self, step):
         """Queue every replica's fingerprint, copied to the host without a wait; check_fingerprints()
         compares them at the next step. Across ranks, replica 0's min and max (equal iff all agree)."""

@@ -42,7 +42,8 @@ from pipeline import ReorderBuffer, Run, StepSync, fault, inject
 
 class Trainer:
     def __init__(self, cfg, log, env=None):
-        self.cfg, self.log, self.env_at_start = cfg, log, env
+        self.cfg, self.log, self.env_at_start, self.env_change_said = cfg, log, env, False
+        self.time_frac = 0.0          # the share of a --max-minutes budget used
         self.run = Run()
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
@@ -58,7 +59,7 @@ class Trainer:
         t_models = time.time()
         self.build_models()
         self.resume()
-        steps = self.gather_ints(self.step)
+        steps = gather_ints(self.rank, self.world, self.step)
         if len(set(steps)) > 1:
             raise SystemExit(f"error: the ranks resumed at different steps {steps} (rank order): every rank "
                              "must see the same --out-dir (a file system all nodes share)")
@@ -77,13 +78,12 @@ class Trainer:
         warmup.warm_up(self.replicas.drafters, self.shapes, self.gamma, self.attn, cfg.on_unwarmed, log)
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers
-        t_peak = time.time()
         self.peak_flops = measure_peak_flops(self.ddevs[0])
-        log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s")
         now = time.time()
+        log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s")
         log(f"[run] start-up {now - T_PROCESS:.1f}s: imports + environment report {t_setup - T_PROCESS:.1f}s, "
-            f"setup + data {t_models - t_setup:.1f}s, models + resume {t_warm - t_models:.1f}s, warm-up "
-            f"{t_peak - t_warm:.1f}s, matmul peak {now - t_peak:.1f}s")
+            f"setup + data {t_models - t_setup:.1f}s, models + resume {t_warm - t_models:.1f}s, warm-up + matmul "
+            f"peak {now - t_warm:.1f}s")
         return self.run_threads()
 
     # --- config, data ------------------------------------------------------------------------
@@ -91,14 +91,7 @@ class Trainer:
         cfg, log = self.cfg, self.log
         import data_dflash
         if self.world > 1:
-            import torch.distributed as dist
-            kw = {}
-            if torch.cuda.is_available():   # before any collective: else every rank's NCCL runs on cuda:0
-                local = int(os.environ.get("LOCAL_RANK", 0))
-                torch.cuda.set_device(local)
-                kw["device_id"] = torch.device("cuda", local)
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **kw)
-            log(f"[dist] rank {self.rank}/{self.world} backend {dist.get_backend()}")
+            init_distributed(self.rank, self.world, log)
         self.tdevs, self.ddevs = config.resolve_devices(cfg)
         self.attn = config.resolve_attn(cfg, self.ddevs[0])
         if cfg.target and not cfg.data:
@@ -114,27 +107,13 @@ class Trainer:
         log(f"[model] drafter {self.dcfg}")
         log(f"[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {self.gamma}, attention {self.attn}"
             + (" (CPU: FlexAttention has no backward, dense-mask SDPA)" if self.ddevs[0].type == "cpu" else ""))
-        self.heldout = None
-        if files[0].startswith("synthetic:"):
-            self.data = synthetic_data(files[0], cfg.max_length, self.dcfg.vocab_size, cfg.seed)
-        else:
-            if self.tok is None:
-                raise SystemExit("error: a random:<config> target has no tokenizer; use --data synthetic:N")
-            self.data = data_dflash.build_dataset(self.tok, files, cfg.max_length, cfg.block_size, cfg.cache_dir,
-                                                  min_supervised=cfg.min_supervised, log=log,
-                                                  max_conversations=cfg.max_samples, heldout=cfg.heldout)
-            if self.data["heldout"] and self.rank == 0:
-                self.heldout = os.path.join(cfg.out_dir, "heldout.jsonl")
-                data_dflash.write_chat_jsonl(self.heldout, self.data["heldout"])
-                log(f"[data] {len(self.data['heldout'])} held-out conversations (never trained on) -> {self.heldout}")
-        if not self.data["input_ids"]:
-            raise SystemExit("error: no usable training samples (see the skip counts above)")
+        self.data, self.heldout = load_data(cfg, files, self.tok, self.dcfg.vocab_size, self.rank, log)
         self.stream = BatchStream(cfg, [len(x) for x in self.data["input_ids"]], self.rank, self.world)
         self.per_step = len(self.ddevs) * cfg.grad_accum             # batches per optimiser step (this node)
         steps_per_epoch = max(1, self.stream.nb // self.per_step)
         # shards differ in size: all ranks must agree (the same schedule, no hang at the end)
-        self.total_steps = min(self.gather_ints(cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))))
-        self.nb_by_rank = self.gather_ints(self.stream.nb)     # a rank's resume position is read against its own
+        self.total_steps = min(gather_ints(self.rank, self.world, cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))))
+        self.nb_by_rank = gather_ints(self.rank, self.world, self.stream.nb)     # a rank's resume position is read against its own
         self.shapes = config.shape_plan(cfg)
         if self.attn == "flex" and any(S % 128 for _, S, _ in self.shapes):
             raise SystemExit(f"error: flex attention needs bucket lengths that are multiples of 128, got "
@@ -142,16 +121,6 @@ class Trainer:
         log(f"[data] {len(self.stream.indices)} samples on this node, {self.stream.nb} batches/epoch, "
             f"buckets {self.stream.buckets}, shapes (B,S,A) {self.shapes}, padding waste "
             f"{100 * self.stream.padding_waste:.1f}%, {steps_per_epoch} steps/epoch, {self.total_steps} steps planned")
-
-    def gather_ints(self, value):
-        """[value of rank 0, value of rank 1, ...] (a collective: every rank calls it at the same point)."""
-        if self.world == 1:
-            return [int(value)]
-        import torch.distributed as dist
-        t = torch.zeros(self.world, dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-        t[self.rank] = int(value)
-        dist.all_reduce(t)
-        return t.tolist()
 
     # --- models, resume ----------------------------------------------------------------------
     def build_models(self):
@@ -161,12 +130,12 @@ class Trainer:
         t0 = self.targets[0]
         self.replicas = Replicas(self.dcfg, t0.get_input_embeddings().weight.detach(),
                                  t0.get_output_embeddings().weight.detach(), self.ddevs, self.cfg, self.world,
-                                 lambda s: lr_factor(self.progress(s), self.cfg.warmup_frac), self.log)
+                                 self.lr_factor, self.log)
 
-    def progress(self, s):
-        """Fraction of the run reached at (the middle of) step s, 0-based: never 0 or 1, so no step runs
-        at lr 0. Under a time budget the elapsed fraction of it counts too (the same on every rank)."""
-        return min(1.0, max((s + 0.5) / self.total_steps, getattr(self, "time_frac", 0.0)))
+    def lr_factor(self, s):
+        """The schedule at (the middle of) step s, 0-based: never at progress 0 or 1, so no step runs at
+        lr 0. Under a time budget the elapsed share of it counts too (the same on every rank)."""
+        return lr_factor(min(1.0, max((s + 0.5) / self.total_steps, self.time_frac)), self.cfg.warmup_frac)
 
     def resume(self):
         """The newest intact checkpoint -> weights, optimiser, schedule, step, data position, and the
@@ -186,14 +155,12 @@ class Trainer:
             raise SystemExit(f"error: {path} continues with its own optimiser settings, but {', '.join(changed)}: "
                              "drop the option(s) or start a new run")
         self.replicas.load(state, path)
-        self.step = state["step"]
-        self.seconds_before = state["train_seconds"]
-        nb_old, cur = state["batches_per_epoch_by_rank"][self.rank], state["cursor"]
-        if nb_old != self.stream.nb:
-            self.log(f"[resume] NOTICE: the data set changed ({nb_old} -> {self.stream.nb} batches/epoch); "
-                     "continuing at the same epoch and position within it")
-            cur = (cur // nb_old) * self.stream.nb + min(cur % nb_old, self.stream.nb - 1)
-        self.cursor = cur
+        self.step, self.seconds_before, self.cursor = state["step"], state["train_seconds"], state["cursor"]
+        nb_old, nb = state["batches_per_epoch_by_rank"][self.rank], self.stream.nb
+        if nb_old != nb:
+            self.log(f"[resume] NOTICE: the data set changed ({nb_old} -> {nb} batches/epoch); continuing at "
+                     "the same epoch and position within it")
+            self.cursor = (self.cursor // nb_old) * nb + min(self.cursor % nb_old, nb - 1)
         self.log(f"[resume] {path}: step {self.step}, batch cursor {self.cursor}, fp32 masters + moments "
                  "match the saved digest")
 
@@ -206,7 +173,7 @@ class Trainer:
             keep_metrics_upto(metrics, self.step)
         self.meter = Meter(self, open(metrics if self.rank == 0 else os.devnull, "a"))
         self.ckpt = ck.Checkpointer(self.run, cfg.out_dir, cfg.keep_last, log)
-        self.finish_at, self.time_frac = None, 0.0
+        self.finish_at = None
         self.load_q = queue.Queue(maxsize=cfg.queue_depth * len(self.tdevs))
         self.buf = ReorderBuffer(self.run, self.cursor,
                                  cfg.queue_depth * len(self.ddevs) * cfg.grad_accum + len(self.tdevs))
@@ -277,14 +244,7 @@ class Trainer:
             base = self.cursor + (step - self.step) * self.per_step
             items = [self.buf.take(base + g * R + r) for g in range(G)]
             t0 = time.time()
-            prepared, wsum, flops = [], 0.0, 0.0
-            for S, sids, ids, lm, lengths, feats in items:
-                A = config.anchors_for(cfg, S, cfg.block_size)
-                anchors, valid = sample_anchors_for(cfg.seed, sids, lm, lengths, A, cfg.block_size)
-                w = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, self.dcfg.mask_token_id, self.gamma)[3]
-                wsum += float(w[:, :, 1:].sum())
-                flops += batch_flops(self.dcfg, S, anchors, valid)
-                prepared.append((S, ids, lm, feats, anchors, valid))
+            prepared, wsum, flops = prepare_batches(cfg, self.dcfg, self.gamma, items)
             # the loss normaliser is global over replicas x micro-batches (x ranks): a step over them
             # equals one step over their concatenation
             wsum = sync.gather(r, wsum, self.replicas.sum_scalar)
@@ -341,12 +301,7 @@ class Trainer:
     def after_step(self, step, stats, gnorm):
         cfg = self.cfg
         rec = self.meter.record(step, stats, gnorm, self.lr_used)
-        if len(self.replicas.drafters) > 1 or self.world > 1:
-            # the previous interval's fingerprints (ready by now: this step's stats came after them on
-            # every stream), then this interval's, queued without a wait
-            self.replicas.check_fingerprints()
-            if step % cfg.log_interval == 0:
-                self.replicas.queue_fingerprints(step)
+        self.replicas.watch(step, cfg.log_interval)
         if cfg.max_minutes and self.finish_at is None and self.next_frac >= 1.0:
             self.finish_at = step
             self.log(f"[run] time budget of {cfg.max_minutes} min: step {step} is the last that ends within it")
@@ -372,23 +327,75 @@ class Trainer:
         self.meter.ckpt_pause += pause
 
     def checkpoint_env(self):
-        """env.json: the environment this run STARTED in (its code and packages were loaded then), the
-        compile cache as it is now, and under changed_during_run what differs now (said once)."""
-        import diagnose
-        now = diagnose.collect_env(self.cfg.compile_cache or os.path.join(self.cfg.out_dir, "compile_cache"))
-        if self.env_at_start is None:
-            return now
-        changed = [r for r in diagnose.diff_env(self.env_at_start, now) if not r[0].startswith("compile_cache.")]
-        if changed and not getattr(self, "env_change_logged", False):
-            self.env_change_logged = True
+        cache = self.cfg.compile_cache or os.path.join(self.cfg.out_dir, "compile_cache")
+        env, changed = checkpoint_env(self.env_at_start, cache)
+        if changed and not self.env_change_said:     # once: every later checkpoint has the same news
+            self.env_change_said = True
             self.log(f"WARNING: the environment changed while this run was going ({len(changed)} field(s): "
                      + "; ".join(f"{k} {a} -> {b}" for k, a, b in changed[:3])[:300] + "). Checkpoints keep "
                      "the environment the run started with, and these changes under changed_during_run")
-        return {**self.env_at_start, "compile_cache": now["compile_cache"], "changed_during_run": [list(r) for r in changed]}
+        return env
 
     def train_seconds(self):
         """Training time of the whole run, the runs it resumed included: what --max-minutes budgets."""
         return self.seconds_before + time.time() - self.meter.t_start
+
+
+# -----------------------------------------------------------------------------
+# Set-up pieces
+
+
+def init_distributed(rank, world, log):
+    import torch.distributed as dist
+    kw = {}
+    if torch.cuda.is_available():   # before any collective: else every rank's NCCL runs on cuda:0
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        kw["device_id"] = torch.device("cuda", local)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **kw)
+    log(f"[dist] rank {rank}/{world} backend {dist.get_backend()}")
+
+
+def gather_ints(rank, world, value):
+    """[value of rank 0, value of rank 1, ...] (a collective: every rank calls it at the same point)."""
+    if world == 1:
+        return [int(value)]
+    import torch.distributed as dist
+    t = torch.zeros(world, dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    t[rank] = int(value)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def load_data(cfg, files, tok, vocab, rank, log):
+    """(samples, path of the held-out conversations or None): tokenised chats, or synthetic samples."""
+    import data_dflash
+    if files[0].startswith("synthetic:"):
+        return synthetic_data(files[0], cfg.max_length, vocab, cfg.seed), None
+    if tok is None:
+        raise SystemExit("error: a random:<config> target has no tokenizer; use --data synthetic:N")
+    data = data_dflash.build_dataset(tok, files, cfg.max_length, cfg.block_size, cfg.cache_dir,
+                                     min_supervised=cfg.min_supervised, log=log,
+                                     max_conversations=cfg.max_samples, heldout=cfg.heldout)
+    if not data["input_ids"]:
+        raise SystemExit("error: no usable training samples (see the skip counts above)")
+    heldout = None
+    if data["heldout"] and rank == 0:
+        heldout = os.path.join(cfg.out_dir, "heldout.jsonl")
+        data_dflash.write_chat_jsonl(heldout, data["heldout"])
+        log(f"[data] {len(data['heldout'])} held-out conversations (never trained on) -> {heldout}")
+    return data, heldout
+
+
+def checkpoint_env(start, cache_dir):
+    """(env.json, what changed): the environment the run STARTED in (its code and packages were loaded
+    then), the compile cache as it is now, and under changed_during_run what differs now."""
+    import diagnose
+    now = diagnose.collect_env(cache_dir)
+    if start is None:
+        return now, []
+    changed = [r for r in diagnose.diff_env(start, now) if not r[0].startswith("compile_cache.")]
+    return {**start, "compile_cache": now["compile_cache"], "changed_during_run": [list(r) for r in changed]}, changed
 
 
 # -----------------------------------------------------------------------------
@@ -511,6 +518,19 @@ class BatchStream:
     def batch(self, j):
         S, local = self._epoch(j // self.nb)[j % self.nb]
         return S, [self.indices[i] for i in local]
+
+
+def prepare_batches(cfg, dcfg, gamma, items):
+    """Anchors of each micro-batch of a step, the step's loss-weight sum and its FLOPs."""
+    prepared, wsum, flops = [], 0.0, 0.0
+    for S, sids, ids, lm, lengths, feats in items:
+        A = config.anchors_for(cfg, S, cfg.block_size)
+        anchors, valid = sample_anchors_for(cfg.seed, sids, lm, lengths, A, cfg.block_size)
+        w = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, gamma)[3]
+        wsum += float(w[:, :, 1:].sum())
+        flops += batch_flops(dcfg, S, anchors, valid)
+        prepared.append((S, ids, lm, feats, anchors, valid))
+    return prepared, wsum, flops
 
 
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
