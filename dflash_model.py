@@ -5,7 +5,7 @@ Read top to bottom:
   2. config + model         - Qwen3-shaped layers with KV injection of the target's features
   3. training mask          - the flex_attention mask, its tile-level BlockMask, a dense reference
   4. anchors, blocks, loss  - random anchors, same-position labels, decayed weights, chunked LM head
-  5. speculative decoding   - dflash_generate (greedy is lossless; sampling is exact speculative sampling)
+  5. speculative decoding   - dflash_generate: greedy, token-identical to the target's own
   6. save / load            - the serving format (config.json with dflash_config + model.safetensors)
 """
 import functools
@@ -743,22 +743,10 @@ def draft_block(drafter, cache, new_feats, new_pos, anchor_token, anchor_pos):
     return (h[0, 1:] @ drafter.lm_head_weight.t().to(h.dtype)).float()     # (bs-1, V)
 
 
-def _pick(logits, temperature, generator):
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
 @torch.no_grad()
-def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=None, temperature=0.0,
-                    generator=None):
-    """Speculative decoding with a DFlash drafter. Returns (ids (1, P+n), acceptance lengths per round).
-
-    Greedy (temperature 0) output is token-identical to the target's own greedy decoding. With
-    temperature > 0, drafts are sampled from the drafter and accepted by speculative sampling, which
-    keeps the target's sampling distribution exactly.
-    """
+def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=None):
+    """Greedy speculative decoding with a DFlash drafter: (ids (1, P+n), acceptance length of each round).
+    The output is token-identical to the target's own greedy decoding (target_greedy)."""
     from transformers import DynamicCache
     c = drafter.config
     dev = input_ids.device
@@ -771,22 +759,18 @@ def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=N
     out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
     feats = target_features(out.hidden_states, c.target_layer_ids)
     feat_pos = torch.arange(P, device=dev)[None]
-    token = _pick(out.logits[0, -1], temperature, generator)
+    token = out.logits[0, -1].argmax()
     generated, accept_lengths = [int(token)], []
     dcache = [None] * len(drafter.layers)
     pos = P                                           # position of `token`, the next anchor
     while len(generated) < max_new_tokens and generated[-1] not in stops:
         d_logits = draft_block(drafter, dcache, feats.to(drafter.fc.weight.dtype), feat_pos, token, pos)
-        draft = _pick(d_logits, temperature, generator)                       # (bs-1,)
+        draft = d_logits.argmax(-1)                                           # (bs-1,)
         verify = torch.cat([token.view(1), draft])[None]
         out = target(input_ids=verify, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        t_logits = out.logits[0].float()                                      # (bs, V)
-        if temperature <= 0:
-            t_tok = t_logits.argmax(-1)
-            n = int((draft == t_tok[:-1]).int().cumprod(0).sum())
-            bonus = t_tok[n]
-        else:
-            n, bonus = _speculative_accept(d_logits, t_logits, draft, temperature, generator)
+        t_tok = out.logits[0].argmax(-1)                                      # (bs,)
+        n = int((draft == t_tok[:-1]).int().cumprod(0).sum())                 # the agreeing prefix
+        bonus = t_tok[n]
         committed = draft[:n].tolist() + [int(bonus)]
         if n + 1 < c.block_size:                      # keep target KV only for accepted tokens
             cache.crop(-(c.block_size - n - 1))
@@ -801,21 +785,6 @@ def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=N
                 break
     new = torch.tensor(generated[:max_new_tokens], device=dev, dtype=input_ids.dtype)[None]
     return torch.cat([input_ids, new], dim=1), accept_lengths
-
-
-def _speculative_accept(d_logits, t_logits, draft, temperature, generator):
-    """Standard speculative sampling over a block: accept d_j w.p. min(1, p/q), else resample."""
-    q = torch.softmax(d_logits / temperature, dim=-1)
-    p = torch.softmax(t_logits / temperature, dim=-1)
-    for j in range(draft.shape[0]):
-        tok = draft[j]
-        r = torch.rand((), generator=generator, device=p.device if generator is None else generator.device)
-        if r.item() * q[j, tok] <= p[j, tok]:
-            continue
-        resid = (p[j] - q[j]).clamp(min=0)
-        resid = resid / resid.sum() if resid.sum() > 0 else p[j]
-        return j, torch.multinomial(resid, 1, generator=generator).squeeze()
-    return draft.shape[0], torch.multinomial(p[-1], 1, generator=generator).squeeze()
 
 
 @torch.no_grad()

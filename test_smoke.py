@@ -615,30 +615,6 @@ def test_trained_drafter_lossless_with_partial_acceptance_and_stop(trained):
     assert 1 + sum(al_s) > j + 1                                           # the last block was cut at the stop
 
 
-def test_speculative_sampling_keeps_the_target_distribution():
-    """temperature > 0: the first committed token of a round is distributed exactly as the target's
-    p, whatever the drafter's q (accept d ~ q w.p. min(1, p/q), else resample from max(0, p - q))."""
-    g = torch.Generator().manual_seed(0)
-    p_logits = torch.tensor([[2.0, 0.5, 0.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
-    q_logits = torch.tensor([[0.0, 2.0, 1.0, 0.5, -1.0]])          # deliberately unlike p
-    q = torch.softmax(q_logits[0], -1)
-    n, counts = 20000, torch.zeros(5)
-    for _ in range(n):
-        d = torch.multinomial(q, 1, generator=g)
-        k, bonus = dm._speculative_accept(q_logits, p_logits, d, 1.0, g)
-        counts[int(d[0]) if k == 1 else int(bonus)] += 1
-    p = torch.softmax(p_logits[0], -1)
-    assert torch.allclose(counts / n, p, atol=0.015), (counts / n, p)
-
-
-def test_sampled_generation_runs_within_block_bounds(trained):
-    t = trained
-    g = torch.Generator().manual_seed(1)
-    out, al = dm.dflash_generate(t.drafter, t.target, t.seq[:, : t.P], 40, temperature=0.7, generator=g)
-    assert out.shape == (1, t.P + 40) and torch.equal(out[:, : t.P], t.seq[:, : t.P])
-    assert all(1 <= a <= t.bs for a in al) and 1 + sum(al) >= 40
-
-
 # -----------------------------------------------------------------------------
 # 9. save / load
 
