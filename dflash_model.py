@@ -1,6 +1,4 @@
-"""DFlash drafter: compile gate, model, training mask, loss, speculative decoding, save/load.
-
-Read top to bottom:
+"""DFlash drafter, in six parts read top to bottom:
   1. the compile gate       - the one entry point of every compiled call in the process
   2. config + model         - Qwen3-shaped layers with KV injection of the target's features
   3. training mask          - the flex_attention mask, its tile-level BlockMask, a dense reference
@@ -27,18 +25,17 @@ import kernels
 # -----------------------------------------------------------------------------
 # 1. The compile gate
 #
-# torch.fx keeps a process-global "FX tracing" flag (per thread only from torch 2.14). While one
-# thread compiles (make_fx raises the flag), a compiled call in another thread fails with "Detected
-# that you are using FX to symbolically trace a dynamo-optimized function", or, with
-# error_on_nested_fx_trace=False, silently runs the uncompiled (dense) function. So:
-#   * before warm-up is complete the gate is EXCLUSIVE: one compiled call at a time, process-wide;
-#   * warm-up compiles every (name, device, shape) the run uses, then marks the gate warm;
-#   * once warm, calls of warmed keys share the gate under the "fail_on_recompile" stance, so no
-#     compile can start behind its back;
-#   * an unwarmed key fails with a clear error, or (on_unwarmed="compile") compiles while holding the
-#     gate exclusively, with a logged notice;
-#   * dynamo's config is per thread from torch 2.12: every thread that passes the gate sets it and
-#     reads it back, so the recompile limits and error_on_nested_fx_trace are really in force.
+# torch.fx keeps a process-global "FX tracing" flag (per thread only from torch 2.14). While one thread
+# compiles (make_fx raises the flag), a compiled call in another thread fails with "Detected that you are
+# using FX to symbolically trace a dynamo-optimized function", or, with error_on_nested_fx_trace=False,
+# silently runs the uncompiled (dense) function. So:
+#   * until warm-up has compiled every (name, device, shape) the run uses and marked the gate warm, the
+#     gate is EXCLUSIVE: one compiled call at a time, process-wide;
+#   * once warm, calls of warmed keys share it under the "fail_on_recompile" stance, so no compile can
+#     start behind its back; an unwarmed key fails with a clear error, or (on_unwarmed="compile") compiles
+#     holding the gate exclusively, with a logged notice;
+#   * dynamo's config is per thread from torch 2.12: every thread passing the gate sets it and reads it
+#     back, so the recompile limits and error_on_nested_fx_trace are really in force.
 
 
 class UnwarmedShapeError(RuntimeError):
@@ -91,8 +88,7 @@ class CompileGate:
         with self._cond:
             self._writers_waiting += 1
             self.stats["max_waiting"] = max(self.stats["max_waiting"], self._writers_waiting)
-            while self._writer is not None or self._readers > 0:
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._writer is None and self._readers == 0)
             self._writers_waiting -= 1
             self._writer = threading.current_thread()
         try:
@@ -106,8 +102,7 @@ class CompileGate:
     def _shared(self):
         # the hot path of every compiled call after warm-up: the exit wakes others only for a writer
         with self._cond:
-            while self._writer is not None or self._writers_waiting > 0:
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._writer is None and self._writers_waiting == 0)
             self._readers += 1
         try:
             yield
@@ -124,14 +119,12 @@ class CompileGate:
 
     def run(self, name, device, shape, fn, *args, **kwargs):
         """Call the compiled `fn` for key (name, device, shape) under the gate's rules."""
-        local = self._local
-        if getattr(local, "generation", -1) != self.config_generation:
-            self.configure_thread()
+        self.configure_thread()
         self.stats["calls"] += 1                       # approximate under threads: a statistic
-        if not self.enabled or getattr(local, "depth", 0) > 0:   # bypass, or nested: already held
+        if not self.enabled or getattr(self._local, "depth", 0) > 0:   # bypass, or nested: already held
             return fn(*args, **kwargs)
         key = self.key(name, device, shape)
-        local.depth = 1
+        self._local.depth = 1
         try:
             if self.warm and key in self.warmed:
                 with self._shared():
@@ -161,16 +154,13 @@ class CompileGate:
                          "while holding the gate exclusively (other threads wait)")
                 self.stats["late_compiles"] += 1
                 t0 = time.time()
-                torch.compiler.set_stance("default")
-                try:
+                with torch.compiler.set_stance("default"):      # back to "fail_on_recompile" on exit
                     out = fn(*args, **kwargs)
-                finally:
-                    torch.compiler.set_stance("fail_on_recompile")
                 self.warmed.add(key)
                 self.log(f"[gate] compiled '{name}' {tuple(shape)} on {device} in {time.time() - t0:.1f}s")
                 return out
         finally:
-            local.depth = 0
+            self._local.depth = 0
 
     @staticmethod
     def key(name, device, shape):
@@ -217,20 +207,17 @@ def build_target_layer_ids(num_target_layers, num_draft_layers):
     """Which target layers feed the drafter: spread over the depth, skipping the first and last ones."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    span = end - start
-    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    span = num_target_layers - 4                     # from layer 1 to layer num_target_layers - 3
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
 def _rope_theta(cfg):
     if getattr(cfg, "rope_theta", None) is not None:
         return float(cfg.rope_theta)
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    for sub in params.values():   # per-layer-type dicts
-        if isinstance(sub, dict) and "rope_theta" in sub:
-            return float(sub["rope_theta"])
+    for p in (params, *params.values()):        # one dict, or one per layer type
+        if isinstance(p, dict) and "rope_theta" in p:
+            return float(p["rope_theta"])
     return 10000.0
 
 
@@ -291,11 +278,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(n_positions, head_dim, theta):
-    """fp32 cos/sin of every position's rotary angles, (n_positions, head_dim // 2) each.
-
-    Made once per drafter (a buffer) and gathered by position: computed inside the compiled step,
-    the angles cost a pow, a sin and a cos per ELEMENT of every q/k tensor in every rope kernel,
-    forward and backward (~3 ms of a 142 ms Qwen3-8B-size step on an H200); gathered, a load."""
+    """fp32 cos/sin of each position's rotary angles, (n_positions, head_dim // 2): one buffer per drafter, gathered
+    by position (a load). Computed in the compiled step, the angles cost a pow, a sin and a cos per ELEMENT of each
+    q/k tensor in each rope kernel, forward and backward (~3 ms of a 142 ms Qwen3-8B-size step on an H200)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     ang = torch.arange(n_positions, dtype=torch.float32)[:, None] * inv
     return ang.cos(), ang.sin()
@@ -372,19 +357,16 @@ class DFlashDrafter(nn.Module):
     def __init__(self, config: DFlashConfig, embed_weight=None, lm_head_weight=None):
         super().__init__()
         c = self.config = config
-        n_ctx = len(c.target_layer_ids)
         self.layers = nn.ModuleList([DecoderLayer(c) for _ in range(c.num_draft_layers)])
-        self.fc = nn.Linear(n_ctx * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        # Non-persistent buffers: they move with .to(device) but are not in state_dict().
         e = embed_weight if embed_weight is not None else torch.zeros(c.vocab_size, c.hidden_size)
         h = lm_head_weight if lm_head_weight is not None else e
-        self.register_buffer("embed_weight", e.detach(), persistent=False)
-        self.register_buffer("lm_head_weight", h.detach(), persistent=False)
         cos, sin = rope_tables(c.max_position_embeddings, c.head_dim, c.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        buffers = {"embed_weight": e.detach(), "lm_head_weight": h.detach(), "rope_cos": cos, "rope_sin": sin}
+        for name, t in buffers.items():     # non-persistent: they move with .to(device), not in state_dict()
+            self.register_buffer(name, t, persistent=False)
         self.apply(self._init)
 
     @staticmethod
@@ -393,7 +375,6 @@ class DFlashDrafter(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def attach_target(self, target):
-        """Use the target's own (frozen) token embedding and LM head."""
         self.embed_weight = target.get_input_embeddings().weight.detach()
         self.lm_head_weight = target.get_output_embeddings().weight.detach()
         return self
@@ -429,9 +410,8 @@ class DFlashDrafter(nn.Module):
 
 
 def _visible(anchor_of_q, q_idx, kv_idx, S, bs):
-    # Anchors are < S, so `kv < anchor` implies `kv < S`; and for kv < S, (kv - S) // bs is negative,
-    # never a block index. Two comparisons instead of four (and no chain of boolean masks, which
-    # CPU inductor miscompiles on torch 2.13).
+    # Anchors are < S, so `kv < anchor` implies `kv < S`, and for kv < S, (kv - S) // bs is negative, never a block
+    # index: two comparisons, not four (nor a chain of boolean masks, which CPU inductor miscompiles on torch 2.13).
     return (kv_idx < anchor_of_q) | ((kv_idx - S) // bs == q_idx // bs)
 
 
@@ -450,10 +430,10 @@ def dense_dflash_mask(anchors, S, bs):
     return _visible(a[:, :, None], q[None, :, None], kv[None, None, :], S, bs)[:, None]
 
 
-# The block mask, built from the anchors at 128 x 128 tile level (flex's sparsity unit), eagerly.
-# create_block_mask evaluates the mask_mod on every element (B x Q x KV) and then sorts and scatters
-# tile lists: eagerly that is the dense computation, and compiled its index-put kernels take minutes
-# of Triton compile per shape. The mask's structure gives every tile directly instead:
+# The block mask, built eagerly from the anchors at 128 x 128 tile level (flex's sparsity unit).
+# create_block_mask evaluates the mask_mod on every element (B x Q x KV), then sorts and scatters tile
+# lists: eagerly the dense computation; compiled, minutes of Triton compile per shape for its index-put
+# kernels. The mask's structure gives every tile directly instead:
 #   context tile u (kv in [128u, 128u+128), all < S): some row sees it iff 128u < the largest anchor
 #     of the query tile's rows; every row sees all of it iff 128u + 128 <= their smallest anchor;
 #   block tile (kv >= S): rows see their own block only, so it is visible iff the block ranges of the
@@ -507,12 +487,11 @@ def create_dflash_block_mask(anchors, S, bs):
 
 
 def _flex(q, k, v, block_mask):
-    # Each key/value head is repeated for its query heads before the kernel. flex's backward gives
-    # every (key tile, kv head) one program that loops over the group's query heads and every query
-    # tile that sees the tile; the first context tiles are seen by nearly every query, so those few
-    # programs set the kernel's tail. Split per query head, one layer's backward at S 3072 with 512
-    # anchors takes 2.06 ms instead of 2.53 on an H200 (forward 0.81 instead of 0.76). The gradient
-    # of the repeat sums the group's key/value gradients: the same math.
+    # Each key/value head is repeated for its query heads before the kernel. flex's backward gives every
+    # (key tile, kv head) one program looping over the group's query heads and every query tile seeing the
+    # tile; nearly every query sees the first context tiles, so those few programs set the kernel's tail.
+    # Split per query head, one layer's backward at S 3072 with 512 anchors takes 2.06 ms instead of 2.53
+    # on an H200 (forward 0.81 instead of 0.76). The repeat's gradient sums the group's: the same math.
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]                      # query head h uses kv head h // group
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -529,10 +508,9 @@ def _body_flex_impl(drafter, target_feats, block_ids, ctx_pos, block_pos, block_
     return drafter.body(target_feats, block_ids, ctx_pos, block_pos, lambda q, k, v: _flex(q, k, v, block_mask))
 
 
-# The compiled callables, only ever called through GATE.run. dynamic=False: every shape is its own,
-# fully specialised entry, and the length buckets keep their number small. The whole drafter trunk is
-# one graph: inductor fuses norms, rope and the activations around the matmuls across the layers
-# (1.44x the step of an eager trunk around a compiled flex at Qwen3-8B size on an H200).
+# The compiled callables, called only through GATE.run. dynamic=False: each shape is its own fully specialised entry
+# (the length buckets keep them few). The trunk is one graph: inductor fuses norms, rope and activations around the
+# matmuls across layers (1.44x the step of an eager trunk around a compiled flex at Qwen3-8B size on an H200).
 compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
 compiled_body = torch.compile(_body_flex_impl, dynamic=False, fullgraph=True)
 
@@ -546,11 +524,8 @@ def gated_flex_attention(q, k, v, block_mask):
 
 
 def sample_anchors(loss_mask, lengths, num_anchors, block_size, generator=None):
-    """Random anchors per sequence from positions p <= len-bs with loss_mask[p] and loss_mask[p+1].
-
-    Returns anchors (B, A) long (sorted; padding = 0) and valid (B, A) bool. Sampled on the CPU with
-    `generator` so that a resumed run draws the same anchors.
-    """
+    """Random anchors per sequence from positions p <= len-bs with loss_mask[p] and loss_mask[p+1]: anchors (B, A)
+    long (sorted, padding 0), valid (B, A) bool; drawn on the CPU with `generator`: a resumed run draws the same."""
     lm = loss_mask.detach().to("cpu", torch.bool)
     B, S = lm.shape
     anchors = torch.zeros(B, num_anchors, dtype=torch.long)
@@ -568,12 +543,10 @@ def sample_anchors(loss_mask, lengths, num_anchors, block_size, generator=None):
 
 
 def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, gamma):
-    """Block inputs, positions, labels and loss weights for the sampled anchors.
-
+    """Block inputs, positions, labels and loss weights for the sampled anchors:
     block i = [input_ids[a_i], MASK x (bs-1)] at positions a_i .. a_i+bs-1;
     label[i,k] = input_ids[a_i + k] (same position, NO shift); k = 0 carries no loss;
-    w[i,k] = exp(-(k-1)/gamma) * loss_mask[a_i+k] * (a_i+k < S) * (k > 0) * valid_i.
-    """
+    w[i,k] = exp(-(k-1)/gamma) * loss_mask[a_i+k] * (a_i+k < S) * (k > 0) * valid_i."""
     B, S = input_ids.shape
     dev = input_ids.device
     anchors, valid = anchors.to(dev), valid.to(dev)
@@ -590,18 +563,15 @@ def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id,
 
 
 def chunk_plan(n, chunk_rows):
-    """(rows per chunk, chunks): equal chunks of at most chunk_rows rows covering n rows (the last one
-    padded), so one batch shape is one kernel shape."""
+    """(rows per chunk, chunks): equal chunks of <= chunk_rows rows covering n, the last padded: one kernel shape."""
     k = max(1, math.ceil(n / chunk_rows))
     return math.ceil(n / k), k
 
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
-    """sum(w * CE(h @ W^T, y)) with w pre-normalised, computed chunk by chunk.
-
-    The LM head is frozen, so the only gradient needed is d loss / d h. It is computed in the forward,
-    chunk by chunk ((softmax - onehot) * w) @ W, and kept (N x H, small): no N x vocab logits are
-    stored for the backward, and fp32 logits exist for one chunk at a time."""
+    """sum(w * CE(h @ W^T, y)) with w pre-normalised, chunk by chunk. The LM head is frozen, so the only
+    gradient needed, d loss / d h = ((softmax - onehot) * w) @ W, is computed in the forward and kept
+    (N x H, small): no N x vocab logits are stored for the backward, and fp32 logits exist for one chunk."""
 
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk, ce):
@@ -632,21 +602,16 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None
 
 
-# LM head + CE rows per chunk. At Qwen3-8B size (7,680 scored rows per sequence): 3 chunks of 2,560
-# take a 130.7-131.1 ms drafter step against 132.3 ms for 4 of 1,920 on an H200, for +0.5 GiB of
-# peak memory (the fp32 logits of one chunk).
+# LM head + CE rows per chunk. At Qwen3-8B size (7,680 scored rows a sequence) on an H200, 3 chunks of 2,560
+# take a 130.7-131.1 ms step against 132.3 ms for 4 of 1,920, for +0.5 GiB peak memory (one chunk's fp32 logits).
 CHUNK_ROWS = 3072
 
 
 def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None, ce=None):
-    """Weighted CE over block positions 1..bs-1 plus per-position accuracy.
-
-    hidden (B, A*bs, H), labels/weights (B, A, bs). Returns loss (normalised by the weight sum),
-    acc (bs-1,) = accuracy at positions k = 1..bs-1 over supervised positions, and counts (bs-1,).
-    `weight_sum`: the normaliser shared by several micro-batches/replicas (default: this batch's own),
-    so that a step over R replicas x G micro-batches equals one step over their concatenation.
-    `ce`: the per-chunk CE (default: the Triton kernel on a GPU, else kernels.ce_chunk_eager).
-    """
+    """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), with `ce` per
+    chunk: the loss (over the weight sum), and acc and counts (bs-1,) per position over supervised positions.
+    `weight_sum`: the normaliser shared by several micro-batches/replicas (default: this batch's own), so that a
+    step over R replicas x G micro-batches equals one step over their concatenation."""
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
@@ -739,8 +704,7 @@ def draft_block(drafter, cache, new_feats, new_pos, anchor_token, anchor_pos):
         kv = layer.self_attn.kv(ctx, cos_c, sin_c)
         cache[i] = kv if cache[i] is None else [torch.cat([old, new], dim=2) for old, new in zip(cache[i], kv)]
         h = layer(h, *cache[i], cos_q, sin_q, attend)
-    h = drafter.norm(h)
-    return (h[0, 1:] @ drafter.lm_head_weight.t().to(h.dtype)).float()     # (bs-1, V)
+    return (drafter.norm(h)[0, 1:] @ drafter.lm_head_weight.t().to(h.dtype)).float()     # (bs-1, V)
 
 
 @torch.no_grad()
@@ -764,8 +728,7 @@ def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=N
     dcache = [None] * len(drafter.layers)
     pos = P                                           # position of `token`, the next anchor
     while len(generated) < max_new_tokens and generated[-1] not in stops:
-        d_logits = draft_block(drafter, dcache, feats.to(drafter.fc.weight.dtype), feat_pos, token, pos)
-        draft = d_logits.argmax(-1)                                           # (bs-1,)
+        draft = draft_block(drafter, dcache, feats.to(drafter.fc.weight.dtype), feat_pos, token, pos).argmax(-1)
         verify = torch.cat([token.view(1), draft])[None]
         out = target(input_ids=verify, past_key_values=cache, use_cache=True, output_hidden_states=True)
         t_tok = out.logits[0].argmax(-1)                                      # (bs,)
@@ -793,15 +756,14 @@ def target_greedy(target, input_ids, max_new_tokens, stop_token_ids=None):
     from transformers import DynamicCache
     stops = set(stop_token_ids or [])
     cache = DynamicCache(config=target.config)
-    ids, nxt, out_tokens = input_ids, input_ids, []
+    nxt, out_tokens = input_ids, []
     for _ in range(max_new_tokens):
-        logits = target(input_ids=nxt, past_key_values=cache, use_cache=True).logits[0, -1]
-        t = int(logits.argmax())
+        t = int(target(input_ids=nxt, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
         out_tokens.append(t)
         if t in stops:
             break
         nxt = torch.tensor([[t]], device=input_ids.device)
-    return torch.cat([ids, torch.tensor([out_tokens], device=ids.device, dtype=ids.dtype)], dim=1)
+    return torch.cat([input_ids, torch.tensor([out_tokens], device=input_ids.device, dtype=input_ids.dtype)], dim=1)
 
 
 # -----------------------------------------------------------------------------
@@ -816,16 +778,14 @@ HF_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_v
 def drafter_hf_config(cfg: DFlashConfig, dtype=torch.bfloat16):
     return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **{k: getattr(cfg, k) for k in HF_KEYS},
             "num_hidden_layers": cfg.num_draft_layers, "hidden_act": "silu", "attention_bias": False,
-            "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", ""),
-            "block_size": cfg.block_size,
+            "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", ""), "block_size": cfg.block_size,
             "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
                               "mask_token_id": cfg.mask_token_id}}
 
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
-    """Write config.json + model.safetensors (trainable weights only) to `path`. `state`: a host copy
-    of drafter.state_dict() taken earlier (a checkpoint written in the background), else the drafter's
-    weights as they are now."""
+    """Write config.json + model.safetensors (trainable weights only) to `path`. `state`: a host copy of
+    drafter.state_dict() taken earlier (a background checkpoint), else the drafter's current weights."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     state = drafter.state_dict() if state is None else state
@@ -851,8 +811,7 @@ def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
         raise ValueError(f"{cfg_path} has no dflash_config: not a DFlash drafter")
     d = hf["dflash_config"]
     cfg = DFlashConfig(**{k: hf[k] for k in HF_KEYS}, num_draft_layers=hf["num_hidden_layers"],
-                       block_size=d["block_size"], mask_token_id=d["mask_token_id"],
-                       target_layer_ids=d["target_layer_ids"])
+                       **{k: d[k] for k in ("block_size", "mask_token_id", "target_layer_ids")})
     drafter = DFlashDrafter(cfg)
     weights = os.path.join(path, "model.safetensors")
     try:

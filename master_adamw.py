@@ -1,19 +1,12 @@
 """AdamW over bf16 model weights, with the fp32 master weights and moments in the optimiser.
 
-Why: a drafter with fp32 parameters under bf16 autocast casts every weight to bf16 in each forward
-and every bf16 weight gradient back to fp32 in each backward (~2.6 ms of a 137 ms Qwen3-8B-size step
-on an H200, two passes over 1B parameters), and its AdamW pass then reads fp32 gradients. Here the
-model holds the bf16 weights that the matmuls read, the optimiser holds the fp32 masters, and one
-pass per tensor reads master, gradient, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq
-and the bf16 weight. Training sees the same numbers: autocast's bf16 copy of an fp32 weight is the
-bf16 weight here, and a bf16 matmul's weight gradient cast to fp32 is exact.
-
-The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, lerp for the
-first moment). Gradient clipping is a factor on the device (`grad_scale`), applied inside the same
-pass: no host sync and no separate scaling pass. A nan factor makes the pass store nothing (the
-trainer's factor is nan for a nan/inf gradient norm: it can queue the step before it has read the
-norm, and a bad step leaves master, moments and weights as they were). On CUDA the pass is a small
-Triton kernel, checked against the torch-op version on first use; elsewhere it is the torch-op version.
+Why: fp32 weights under bf16 autocast are cast to bf16 in each forward, and their gradients back to fp32 in each
+backward (~2.6 ms of a 137 ms Qwen3-8B-size step on an H200: two passes over 1B parameters). Here the matmuls read the
+model's bf16 weights, and one pass per tensor reads master, gradient and moments and writes them and the bf16 weight.
+The numbers are the same (autocast's bf16 copy of an fp32 weight is this bf16 weight; a bf16 weight gradient cast to
+fp32 is exact), and the update is torch.optim.AdamW's. The clip factor (`grad_scale`, on the device) is applied in the
+pass (no host sync); a nan factor (the trainer's for a nan/inf gradient norm, so it can queue the step before reading
+the norm) stores nothing. On CUDA the pass is kernels.py's Triton kernel (checked on first use), else torch ops.
 """
 import math
 
@@ -32,16 +25,12 @@ def cast_weights(params, dtype):
 
 
 class MasterAdamW(torch.optim.Optimizer):
-    """AdamW whose fp32 state includes the master weights; the parameters are cast to `param_dtype`.
+    """AdamW whose fp32 state includes the master weights. Build it from the freshly initialised fp32
+    model: those values become the masters, and the parameters are cast to `param_dtype` (bf16 on CUDA)
+    in place. step(grads=..., grad_scale=...) takes the gradients from a list (e.g. views of the fp32
+    buffer where they are summed) instead of p.grad, and a device scalar multiplying them (the clip)."""
 
-    Build it from the freshly initialised fp32 model: the masters are those fp32 values, and the
-    parameters themselves become `param_dtype` (bf16 on CUDA) in place, so modules keep their
-    Parameter objects. step(grads=..., grad_scale=...) takes the gradients from a list (e.g. views
-    of an fp32 buffer where they are summed) instead of p.grad, and a device scalar that multiplies
-    them (the clip factor)."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 param_dtype=torch.bfloat16):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, param_dtype=torch.bfloat16):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         for p in self.params():
             if p.dtype != torch.float32:
@@ -63,12 +52,11 @@ class MasterAdamW(torch.optim.Optimizer):
         grads = [p.grad for p in params] if grads is None else list(grads)
         if len(grads) != len(params):
             raise ValueError(f"{len(grads)} gradients for {len(params)} parameters")
-        i, nan_scale = 0, None
+        grads, nan_scale = iter(grads), None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                g = grads[i]
-                i += 1
+                g = next(grads)
                 if g is None:
                     continue
                 if g.shape != p.shape:
@@ -104,9 +92,8 @@ class MasterAdamW(torch.optim.Optimizer):
                 **{k: [self.state[p][k] for p in params] for k in ("step", "master", "exp_avg", "exp_avg_sq")}}
 
     def load_state_dict(self, sd):
-        """Restores masters, moments, steps and group settings (lr, betas, ...) and writes the model's
-        weights from the masters. The tensors are copied into this optimiser's own (fp32, on its
-        device): torch.optim's load would cast them to the parameters' dtype, i.e. round the masters."""
+        """Restores masters, moments, steps and group settings (lr, betas, ...) and writes the weights from
+        the masters, copying into this optimiser's own fp32 tensors: torch.optim's load would round them."""
         if sd.get("format") != STATE_FORMAT:
             raise ValueError(f"not a {STATE_FORMAT} optimiser state (format {sd.get('format')!r}): written by "
                              "another optimiser or an older version of this trainer")

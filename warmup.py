@@ -2,13 +2,12 @@
 
     python warmup.py --target Qwen/Qwen3-8B --drafter-devices cuda:5,cuda:6,cuda:7 [train_dflash.py options]
 
-While one thread compiles, torch.fx's process-global tracing flag is up, and a compiled call in any
-other thread fails or, worse, silently runs the dense fallback. So the warm-up runs the drafter's
-forward AND backward (the backward compiles lazily) for each shape on each device, one at a time,
-through the compile gate, then marks the gate warm: from then on calls share it and nothing may
-compile. The inductor/triton cache is persistent (--compile-cache, default <out_dir>/compile_cache):
-a later start loads every shape from it in seconds. train_dflash.py runs this same warm-up before its
-threads start; this script fills the cache ahead of a run (same options as train_dflash.py).
+While one thread compiles, torch.fx's process-global tracing flag is up, and a compiled call in any other
+thread fails or, worse, silently runs the dense fallback. So the warm-up runs the drafter's forward AND
+backward (compiled lazily) for each shape on each device, one at a time, through the compile gate, then
+marks the gate warm: from then on calls share it and nothing may compile. The inductor/triton cache
+persists (--compile-cache, default <out_dir>/compile_cache), so a later start loads every shape in
+seconds. train_dflash.py runs this warm-up before its threads start; this script fills the cache ahead.
 """
 import json
 import os
@@ -28,8 +27,7 @@ def use_compile_cache(cache_dir, log=print):
     by another torch/triton/CUDA build or GPU misses every entry (a cold start), which is said here."""
     cache_dir = os.path.abspath(cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
+    os.environ.update(TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     import triton
@@ -47,8 +45,7 @@ def use_compile_cache(cache_dir, log=print):
             log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
                 "its entries will not match (expect cold compiles)")
     if old is None or {k: old.get(k) for k in build} != build:
-        # written only when this build starts filling the cache; several processes (torchrun ranks)
-        # share it: each writes its own temporary file and renames it, so no reader sees half a file
+        # torchrun ranks share the cache: each writes its own temporary file and renames it (no half files)
         tmp = f"{info_path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump({**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
@@ -76,10 +73,7 @@ def warm_shape(drafter, shape, gamma, attn):
     if loss.requires_grad:          # no-grad mode has no backward to compile
         dm.backward(loss, dev, shape, attn)
     for p, had in zip(drafter.parameters(), had_grad):
-        if had:
-            p.grad.zero_()
-        else:
-            p.grad = None
+        p.grad = p.grad.zero_() if had else None
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -93,9 +87,8 @@ def _cache_counters():
 def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print):
     """Warm every (replica, shape) in turn, size the recompile limit, then mark the gate warm.
     Returns the table rows [(device, shape, seconds, 'cache hit' | 'cold compile' | ...)]."""
-    gate = dm.GATE
-    gate.set_recompile_limit(len(drafters) * len(shapes) + 2)   # each (replica, shape) is one dynamo entry
-    gate.on_unwarmed = on_unwarmed
+    dm.GATE.set_recompile_limit(len(drafters) * len(shapes) + 2)   # each (replica, shape) is one dynamo entry
+    dm.GATE.on_unwarmed = on_unwarmed
     rows = []
     for drafter in drafters:
         dev = drafter.fc.weight.device
@@ -109,7 +102,7 @@ def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print):
             rows.append((str(dev), tuple(shape), time.time() - t0, kind))
             log(f"[warmup] {str(dev):8s} B={shape[0]:<3d} S={shape[1]:<5d} anchors={shape[2]:<4d} "
                 f"{rows[-1][2]:7.1f}s  {kind}")
-    gate.mark_warm()
+    dm.GATE.mark_warm()
     return rows
 
 
@@ -121,9 +114,9 @@ def format_table(rows):
 
 
 def build_drafters(cfg):
-    """The drafter replicas train_dflash.py builds for `cfg`, without loading the target's weights: its
-    model on the meta device gives the embedding and LM head shapes and whether they are one tensor,
-    and empty tensors of the target's dtype stand in (a compile reads layouts, never values)."""
+    """The drafter replicas train_dflash.py builds for `cfg`, without the target's weights: its model on
+    the meta device gives the embedding and LM head shapes and whether they are one tensor, and empty
+    tensors of the target's dtype stand in (a compile reads layouts, never values)."""
     from transformers import AutoModelForCausalLM
     tcfg, tok = config.load_target_config(config.target_path(cfg))
     tdevs, ddevs = config.resolve_devices(cfg)
@@ -133,14 +126,12 @@ def build_drafters(cfg):
         meta = AutoModelForCausalLM.from_config(tcfg, dtype=tdtype)
     m_emb, m_head = meta.get_input_embeddings().weight, meta.get_output_embeddings().weight
     emb = torch.empty(m_emb.shape, dtype=tdtype, device=tdevs[0])
-    # tied: the trainer's two .detach() calls give two tensor objects over one storage, and dynamo
-    # guards on that aliasing: so a second view here too, not the same object
+    # tied: a second view, not the same object, as the trainer's two .detach() calls (dynamo guards on it)
     head = emb.detach() if m_head is m_emb else torch.empty(m_head.shape, dtype=tdtype, device=tdevs[0])
     drafters = []
     for d in ddevs:
-        dr = config.new_drafter(dcfg, emb, head, d, cfg.seed)
-        cast_weights(dr.parameters(), config.param_dtype(d))     # as the trainer's optimiser casts them
-        drafters.append(dr)
+        drafters.append(config.new_drafter(dcfg, emb, head, d, cfg.seed))
+        cast_weights(drafters[-1].parameters(), config.param_dtype(d))     # as the trainer's optimiser does
     return dcfg, drafters
 
 
