@@ -30,8 +30,8 @@ def list_checkpoints(out_dir):
     """Complete checkpoints (DONE written), oldest first."""
     if not os.path.isdir(out_dir):
         return []
-    return sorted(os.path.join(out_dir, d) for d in os.listdir(out_dir)
-                  if d.startswith("step_") and not d.endswith(".tmp") and os.path.exists(os.path.join(out_dir, d, "DONE")))
+    return sorted(os.path.join(out_dir, d) for d in os.listdir(out_dir) if d.startswith("step_")
+                  and not d.endswith(".tmp") and os.path.exists(os.path.join(out_dir, d, "DONE")))
 
 
 def damage(path):
@@ -72,26 +72,20 @@ def load_newest(out_dir, log):
 
 
 class Checkpointer:
-    """save() snapshots the state into reused host buffers, here in the step loop (a pause of a fraction
-    of a second), and a background thread writes the files while training goes on (at Qwen3-8B size a
-    checkpoint is ~14 GB: tens of seconds of disk). One write at a time: a save waits for the previous
-    write, and says so, so that a slow disk is not taken for a slow GPU. A failed write stops the run
-    like any thread's failure, and its partial folder is removed."""
+    """save() snapshots the state into reused host buffers, here in the step loop (a pause of a fraction of a
+    second), and a background thread writes the files while training goes on (at Qwen3-8B size a checkpoint
+    is ~14 GB: tens of seconds of disk). One write at a time: a save waits for the previous write and says so,
+    so that a slow disk is not taken for a slow GPU. A failed write stops the run; its partial folder is removed."""
 
     def __init__(self, run, out_dir, keep_last, log):
         self.run, self.out_dir, self.keep_last, self.log = run, out_dir, keep_last, log
         self.pool = HostPool()
         self.writer, self.lock, self.closed = None, threading.Lock(), False
-        self.saved_step = None
 
-    def save(self, step, state, serving, drafter, env_fn, progress):
-        """Snapshot `state` (torch.save'd) and `serving` (the drafter's state_dict, saved in the serving
-        format), and write them with env_fn()'s env.json in the background. progress() is the step
-        training has reached (tests hold a write back with DFLASH_FAULT=ckpt_lag:N). Returns the
-        seconds the step loop paused for the snapshot."""
-        if self.saved_step == step:
-            return 0.0
-        self.saved_step = step
+    def save(self, step, state, drafter, env_fn, progress):
+        """Snapshot `state` (torch.save'd) and the drafter's state_dict (saved in the serving format), and
+        write them with env_fn()'s env.json in the background. progress() is the step training has reached
+        (tests hold a write back with DFLASH_FAULT=ckpt_lag:N). Returns the seconds the step loop paused."""
         busy = self.writer is not None and self.writer.is_alive()
         t0 = time.time()
         waited_for = self.wait()
@@ -102,7 +96,7 @@ class Checkpointer:
         self.run.check()               # no new snapshot once the run is stopping
         t0 = time.time()
         self.pool.start()              # (the last write is done: its buffers are free)
-        state, serving = to_host(state, {}, self.pool), to_host(serving, {}, self.pool)
+        state, serving = to_host(state, {}, self.pool), to_host(drafter.state_dict(), {}, self.pool)
         self.pool.finish()             # the asynchronous device -> host copies have landed
         with self.lock:
             if self.closed:            # the run stopped while this snapshot was taken: nobody waits for it
@@ -158,46 +152,35 @@ class Checkpointer:
         return writer.step
 
     def close(self):
-        """No write starts after this; the one under way is finished (a snapshot taken before a failure
-        elsewhere is still a good checkpoint)."""
+        """No write starts after this; the one under way finishes (a snapshot from before a failure is still good)."""
         with self.lock:
             self.closed = True
         self.wait()
 
 
-# -----------------------------------------------------------------------------
-# Host snapshots
-
-
-def map_tensors(obj, fn):
-    """obj (dicts, lists, tuples) with fn(t) in place of every tensor t."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
-    return obj
+# --- Host snapshots -------------------------------------------------------------------------------
 
 
 def to_host(obj, memo, pool):
-    """obj with every tensor COPIED into host buffers of `pool` (call its finish() before reading them)
-    - a CPU tensor too: the copy must not change when training goes on - once per tensor object
-    (memo: id -> copy), so that tensors shared in obj stay shared and torch.save writes them once."""
-    def copy(t):
-        if id(t) not in memo:        # the original is kept with its copy: its id stays its own meanwhile
-            memo[id(t)] = (t, pool.copy(t.detach()))
-        return memo[id(t)][1]
-    return map_tensors(obj, copy)
+    """obj (dicts, lists, tuples) with every tensor COPIED into host buffers of `pool` (call its finish()
+    before reading them) - a CPU tensor too: the copy must not change when training goes on - once per
+    tensor object (memo: id -> copy), so that tensors shared in obj stay shared and torch.save writes them once."""
+    if isinstance(obj, dict):
+        return {k: to_host(v, memo, pool) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v, memo, pool) for v in obj)
+    if not isinstance(obj, torch.Tensor):
+        return obj
+    if id(obj) not in memo:        # the original is kept with its copy: its id stays its own meanwhile
+        memo[id(obj)] = (obj, pool.copy(obj.detach()))
+    return memo[id(obj)][1]
 
 
 class HostPool:
-    """Host buffers for checkpoint snapshots, reused from one checkpoint to the next (handed out in the
-    order asked for; one of another shape or dtype is replaced). Pinned where CUDA is: a copy from the
-    GPU then runs asynchronously at bus speed. At Qwen3-8B size on an H200 this makes the step loop's
-    pause per checkpoint 0.27 s, against 8.9 s into freshly allocated pageable memory. The buffers hold
-    a checkpoint's size of host RAM for the run (pinned: more, torch's pinned allocator rounds each
-    buffer up to a power of two)."""
+    """Host snapshot buffers, reused from one checkpoint to the next (handed out in order; one of another shape
+    or dtype is replaced). Pinned where CUDA is, so a GPU copy runs asynchronously at bus speed: at Qwen3-8B
+    size on an H200 the step loop pauses 0.27 s per checkpoint, against 8.9 s into fresh pageable memory. They
+    hold a checkpoint's size of host RAM (pinned: more, torch's pinned allocator rounds each up to a power of 2)."""
 
     def __init__(self):
         self.bufs, self.i, self.devices = [], 0, set()
@@ -224,8 +207,7 @@ class HostPool:
             torch.cuda.synchronize(d)
 
 
-# -----------------------------------------------------------------------------
-# Fingerprints: bit-exact comparison of tensors, cheap enough for every log interval
+# --- Fingerprints: bit-exact comparison of tensors, cheap enough for every log interval -----------
 
 
 def fingerprint(tensors):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import data_dflash
 import dflash_model as dm
 
 
@@ -32,16 +33,13 @@ class TrainConfig:
                          "default (ShareGPT V3); synthetic:N[:varied] = random tokens (benchmarks)")
     cache_dir: str = opt(".cache", "the embedded default's converted files and the tokenised data")
     max_samples: int = opt(0, "tokenise and train on only the first N conversations (0 = all)")
-    heldout: int = opt(200, "the last N conversations (at most a tenth) are never trained on: written to "
-                            "<out_dir>/heldout.jsonl, the evaluation prompts")
+    heldout: int = opt(200, "held-out eval prompts: last N conversations (at most a tenth), <out_dir>/heldout.jsonl")
     num_draft_layers: int = opt(5, "drafter layers")
     block_size: int = opt(16, "tokens drafted per block (the anchor + block_size - 1 masked)")
     num_anchors: int = opt(512, "blocks per sequence, fewer where a sequence has fewer start positions")
     gamma: float = opt(0.0, "loss decay over block positions; 0 = 7 for block 16, 5 for 10, 4 for 8")
-    mask_token_id: int = opt(-1, "token filling the masked positions; -1 = <|MASK|>, a spare embedding row, "
-                                 "or an unused special token")
-    target_layer_ids: str = opt("", "target layers whose hidden states feed the drafter, e.g. 1,9,17,25,33; "
-                                    "'' = spread over the depth")
+    mask_token_id: int = opt(-1, "the mask token; -1 = <|MASK|>, a spare embedding row or an unused special token")
+    target_layer_ids: str = opt("", "target layers feeding the drafter, e.g. 1,9,17,25,33; '' = spread over the depth")
     max_length: int = opt(3072, "longer samples are truncated")
     buckets: str = opt("", "sequence-length buckets, e.g. 512,1024,3072; '' = doubling from 256 to max_length")
     tokens_per_batch: int = opt(0, "target tokens per micro-batch; 0 = max_length")
@@ -81,8 +79,7 @@ def parser():
     p = _Parser(description="Train a DFlash drafter (python train_dflash.py --help).", allow_abbrev=False,
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
-        name, default = "--" + f.name.replace("_", "-"), TrainConfig.__dataclass_fields__[f.name]
-        default = default.default_factory() if f.type is list else f.default
+        name, default = "--" + f.name.replace("_", "-"), f.default_factory() if f.type is list else f.default
         if f.type is bool:
             p.add_argument(name, action="store_true", help=f.metadata["help"])
         elif f.type is list:
@@ -150,8 +147,7 @@ def default_gamma(block_size):
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7 / 16))
 
 
-# -----------------------------------------------------------------------------
-# Devices and shapes
+# --- Devices and shapes ---------------------------------------------------------------------------
 
 
 def resolve_devices(cfg):
@@ -183,13 +179,11 @@ def resolve_attn(cfg, drafter_dev):
 
 
 def param_dtype(dev):
-    """The weights' dtype on `dev`: bf16 on a GPU, fp32 on a CPU - the drafter's (fp32 masters in the
-    optimiser), the target's, and the embedding and LM head the drafter reads from it."""
+    """The weights' dtype on `dev`: the drafter's (its masters stay fp32), the target's, its embedding and LM head."""
     return torch.bfloat16 if torch.device(dev).type == "cuda" else torch.float32
 
 
 def bucket_list(cfg):
-    import data_dflash
     if not cfg.buckets:
         return data_dflash.default_buckets(cfg.max_length)
     return sorted({int(x) for x in cfg.buckets.split(",")} | {cfg.max_length})
@@ -215,15 +209,11 @@ def shape_plan(cfg):
     return [(batch_size_for(cfg, S, cfg.block_size), S, anchors_for(cfg, S, cfg.block_size)) for S in bucket_list(cfg)]
 
 
-# -----------------------------------------------------------------------------
-# Target and drafter
+# --- Target and drafter ---------------------------------------------------------------------------
 
 
 def target_path(cfg):
-    if cfg.target:
-        return cfg.target
-    import data_dflash
-    return data_dflash.prepare_embedded_default(cfg.cache_dir)[0]
+    return cfg.target or data_dflash.prepare_embedded_default(cfg.cache_dir)[0]
 
 
 def load_target_config(path):
@@ -287,8 +277,7 @@ def load_target(path, device, dtype, layer_ids, log=print):
     if path.startswith("random:"):
         tcfg, _ = load_target_config(path)
         tcfg.num_hidden_layers = min(tcfg.num_hidden_layers, max(layer_ids) + 2)
-        # the same weights on every target device and in every run: a batch's features must not depend
-        # on which target thread took it (a real target is the same checkpoint everywhere)
+        # the same weights on every target device and run: a batch's features must not depend on its thread
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)

@@ -1,9 +1,9 @@
-"""The thread plumbing of one training run: a stop flag every thread watches, bounded queues, the
-reorder buffer between target and drafter threads, and the barrier where drafter replicas meet.
+"""The thread plumbing of one training run: a stop flag every thread watches, bounded queues, the reorder
+buffer between target and drafter threads, and the barrier where drafter replicas meet.
 
-Any exception in any thread is recorded with its traceback and stops the whole run: every blocking
-wait here wakes at least every 0.2 s to look at the stop flag, and the replicas' barrier is aborted,
-so no thread hangs on a partner that died.
+Any exception in any thread is recorded with its traceback and stops the whole run: every blocking wait here
+wakes at least every 0.2 s to look at the stop flag, and the replicas' barrier is aborted, so no thread hangs
+on a partner that died.
 """
 import os
 import queue
@@ -21,9 +21,7 @@ class Run:
     """Shared state of one run: the stop flag, the failures, and waits that watch both."""
 
     def __init__(self):
-        self.stop = threading.Event()
-        self.failures = []
-        self.lock = threading.Lock()
+        self.stop, self.failures, self.lock = threading.Event(), [], threading.Lock()
         self.on_stop = []          # callables that wake threads blocked elsewhere (barriers)
 
     def fail(self, name, exc):
@@ -38,19 +36,18 @@ class Run:
             raise Stop()
 
     def put(self, q, item):
-        while True:
-            self.check()
-            try:
-                return q.put(item, timeout=0.2)
-            except queue.Full:
-                pass
+        return self.retry(lambda: q.put(item, timeout=0.2))
 
     def get(self, q):
+        return self.retry(lambda: q.get(timeout=0.2))
+
+    def retry(self, queue_op):
+        """queue_op() (it gives up after 0.2 s) again and again until it succeeds or the run stops."""
         while True:
             self.check()
             try:
-                return q.get(timeout=0.2)
-            except queue.Empty:
+                return queue_op()
+            except (queue.Full, queue.Empty):
                 pass
 
     def start_thread(self, name, fn, *args):
@@ -68,10 +65,9 @@ class Run:
 
 
 class ReorderBuffer:
-    """Features arrive from several target threads out of order; drafters take batch j exactly.
-
-    Bounded: only indices in [lo, lo + capacity) are accepted, lo = the lowest index not yet taken, so
-    a fast target thread cannot run away, and nothing deadlocks (earlier indices always fit)."""
+    """Features arrive from several target threads out of order; drafters take batch j exactly. Bounded: only
+    indices in [lo, lo + capacity) are accepted, lo = the lowest index not yet taken, so a fast target thread
+    cannot run away, and nothing deadlocks (earlier indices always fit)."""
 
     def __init__(self, run, start, capacity):
         self.run, self.lo, self.cap = run, start, capacity
@@ -108,11 +104,8 @@ class StepSync:
     them into one result while the others wait, and every replica gets that result."""
 
     def __init__(self, run, n):
-        self.run = run
-        self.bar = threading.Barrier(n)
+        self.run, self.bar, self.slots, self.result = run, threading.Barrier(n), [None] * n, None
         run.on_stop.append(self.bar.abort)     # a failure anywhere wakes every waiter
-        self.slots = [None] * n
-        self.result = None
 
     def wait(self):
         self.run.check()
@@ -123,7 +116,6 @@ class StepSync:
         self.run.check()
 
     def gather(self, r, value, combine):
-        """combine(values of every replica) computed once, by replica 0; returned to every replica."""
         self.slots[r] = value
         self.wait()
         if r == 0:

@@ -1,14 +1,15 @@
 """The drafter replicas of a run, one per drafter device, and the optimiser step that keeps them equal.
 
-At every optimiser step the replicas' gradients are summed (one flat fp32 buffer per replica: in-process
-NCCL between GPUs, a plain sum on one device; all-reduced across torchrun ranks), clipped by their
-global norm, and the same MasterAdamW step runs on every replica. The replicas must stay bit-identical:
-a fingerprint of every replica's weights and fp32 masters is compared every log interval (across
-ranks too), at every checkpoint and at the end of the run.
+At every optimiser step the replicas' gradients are summed (one flat fp32 buffer per replica: in-process NCCL
+between GPUs, a plain sum on one device; all-reduced across torchrun ranks), clipped by their global norm, and
+the same MasterAdamW step runs on every replica. The replicas must stay bit-identical: a fingerprint of every
+replica's weights and fp32 masters is compared every log interval (across ranks too), at every checkpoint and
+at the end of the run.
 """
 import math
 
 import torch
+import torch.distributed as dist
 
 import checkpoint as ck
 import config
@@ -16,22 +17,18 @@ from master_adamw import MasterAdamW
 
 
 class Replicas:
-    """The drafter replicas, their MasterAdamW optimisers, schedules and gradient buffers. They must
-    stay bit-identical: a fingerprint of every replica's weights and fp32 masters is compared every log
-    interval (across ranks too), at every checkpoint and at the end."""
+    """The drafter replicas, their MasterAdamW optimisers, schedules and gradient buffers."""
 
     def __init__(self, dcfg, emb, head, devices, cfg, world, lr_lambda, log):
         self.world, self.drafters, self.opts, self.scheds, self.flats, self.grads = world, [], [], [], [], []
         self.pending_fp = None
-        # Where gradients are summed (several replicas or ranks, or micro-batches), an fp32 buffer per
-        # replica holds them: one collective per step sums them, and micro-batches add in fp32. A lone
-        # replica with one micro-batch takes each backward's fresh gradients, with no zeroing pass.
+        # summed gradients (several replicas, ranks or micro-batches) add into an fp32 buffer per replica,
+        # one collective per step; a lone replica with one micro-batch takes each backward's: no zeroing pass
         summed = len(devices) > 1 or world > 1 or cfg.grad_accum > 1
         for d in devices:
             dr = config.new_drafter(dcfg, emb, head, d, cfg.seed)      # identical initial replicas
             params = list(dr.parameters())
-            # the optimiser keeps the fp32 masters and moments; the weights the matmuls read become bf16
-            # on a GPU, and one pass per tensor writes both
+            # the optimiser keeps fp32 masters and moments; on a GPU one pass per tensor also writes the bf16 weights
             opt = MasterAdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                               param_dtype=config.param_dtype(d))
             flat, grads = None, None
@@ -46,33 +43,24 @@ class Replicas:
             self.flats.append(flat)
             self.grads.append(grads)
         n = sum(p.numel() for p in self.drafters[0].parameters())
-        log(f"[model] {len(devices)} drafter replica(s) x {n / 1e6:.1f}M trainable params on {[str(d) for d in devices]} "
-            f"({str(config.param_dtype(devices[0])).removeprefix('torch.')} weights, fp32 masters in the optimiser); "
-            "grads: " + ("one flat fp32 buffer per replica (summed across replicas/ranks/micro-batches)" if summed
-                         else "handed over by each backward (lone replica)"))
+        how = ("one flat fp32 buffer per replica (summed across replicas/ranks/micro-batches)" if summed
+               else "handed over by each backward (lone replica)")
+        log(f"[model] {len(devices)} drafter replica(s) x {n / 1e6:.1f}M trainable params on "
+            f"{[str(d) for d in devices]} ({str(config.param_dtype(devices[0])).removeprefix('torch.')} weights, "
+            f"fp32 masters in the optimiser); grads: {how}")
 
     def zero_grads(self):
         for flat in self.flats:
             if flat is not None:
                 flat.zero_()
 
-    def all_max(self, values):
-        """Element-wise max over the ranks of a list of floats."""
+    def over_ranks(self, values, op="SUM"):
+        """A list of floats, each reduced over the ranks (op: SUM or MAX)."""
         t = torch.tensor(values, dtype=torch.float64)
         if self.world > 1:
-            import torch.distributed as dist
             t = t.to(self.flats[0].device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
         return t.tolist()
-
-    def sum_scalar(self, values):
-        """The sum of the replicas' values, over the ranks too."""
-        t = torch.tensor([float(sum(values))], dtype=torch.float64)
-        if self.world > 1:
-            import torch.distributed as dist
-            t = t.to(self.flats[0].device)
-            dist.all_reduce(t)
-        return float(t)
 
     def reduce(self, stats_list):
         """Sum the replicas' gradient buffers (and the ranks'), and their stats; the stats to the host."""
@@ -88,13 +76,11 @@ class Replicas:
                     f.copy_(total)
         stats = sum(s.to(stats_list[0].device) for s in stats_list)
         if self.world > 1:
-            import torch.distributed as dist
             dist.all_reduce(flats[0])
             dist.all_reduce(stats)
             for f in flats[1:]:
                 f.copy_(flats[0])
-        # read now (they are ready with the gradients), not after the optimiser: the log costs no wait,
-        # and this thread prepares the next step while the device runs the AdamW pass
+        # read now, ready with the gradients: the log costs no wait, and this thread runs ahead of the AdamW pass
         return stats.to("cpu")
 
     def step(self, clip):
@@ -156,7 +142,6 @@ class Replicas:
             fp = ck.fingerprint(self.tensors(r)[1])
             rows = [fp]
             if r == 0 and self.world > 1:
-                import torch.distributed as dist
                 lo, hi = fp.clone(), fp.clone()
                 dist.all_reduce(lo, op=dist.ReduceOp.MIN)
                 dist.all_reduce(hi, op=dist.ReduceOp.MAX)
@@ -215,19 +200,15 @@ def clip_and_step(opt, grads, clip):
 
     clip_grad_norm_'s factor, min(1, clip / (norm + 1e-6)), stays on the device and MasterAdamW's pass
     multiplies the gradients by it: no scaling pass, no host sync. On a GPU the host queues the step
-    BEFORE it waits for the norm (an event after its copy), so the device runs the update while the
-    host goes on to the next step (waiting first left the GPU idle ~3.8 ms of a 133 ms Qwen3-8B-size
-    step on an H200). A nan/inf norm makes the factor nan, which makes the update store nothing; then
-    FloatingPointError, with nothing stepped (the step counts are put back)."""
+    BEFORE it waits for the norm, so the device updates while the host goes on (waiting first idles an
+    H200 ~3.8 ms of a 133 ms Qwen3-8B-size step). A nan/inf norm makes the factor nan and the update
+    store nothing; then FloatingPointError, with nothing stepped (the step counts are put back)."""
     norm = total_norm(grads)
     scale = torch.where(torch.isfinite(norm), (clip / (norm + 1e-6)).clamp(max=1.0), math.nan)
-    if norm.is_cuda:
-        host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        host.copy_(norm, non_blocking=True)
-        ready = torch.cuda.Event()
+    host = torch.empty((), dtype=torch.float32, pin_memory=norm.is_cuda).copy_(norm, non_blocking=True)
+    ready = torch.cuda.Event() if norm.is_cuda else None
+    if ready is not None:
         ready.record(torch.cuda.current_stream(norm.device))
-    else:
-        host, ready = norm, None
     counts = [opt.state[p]["step"] for p in opt.params()]
     opt.step(grads=grads, grad_scale=scale)
     if ready is not None:

@@ -17,6 +17,7 @@ exception in any thread stops the run within seconds, prints that thread's trace
 non-zero; checkpoints are written atomically, so the last one stays intact.
 """
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -31,9 +32,12 @@ T_PROCESS = time.time()       # before torch's import: the start-up line counts 
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import checkpoint as ck
 import config
+import data_dflash
+import diagnose
 import dflash_model as dm
 import warmup
 from replicas import Replicas
@@ -59,7 +63,7 @@ class Trainer:
         t_models = time.time()
         self.build_models()
         self.resume()
-        steps = gather_ints(self.rank, self.world, self.step)
+        steps = gather_ints(self.world, self.step)
         if len(set(steps)) > 1:
             raise SystemExit(f"error: the ranks resumed at different steps {steps} (rank order): every rank "
                              "must see the same --out-dir (a file system all nodes share)")
@@ -89,7 +93,6 @@ class Trainer:
     # --- config, data ------------------------------------------------------------------------
     def setup(self):
         cfg, log = self.cfg, self.log
-        import data_dflash
         if self.world > 1:
             init_distributed(self.rank, self.world, log)
         self.tdevs, self.ddevs = config.resolve_devices(cfg)
@@ -112,8 +115,8 @@ class Trainer:
         self.per_step = len(self.ddevs) * cfg.grad_accum             # batches per optimiser step (this node)
         steps_per_epoch = max(1, self.stream.nb // self.per_step)
         # shards differ in size: all ranks must agree (the same schedule, no hang at the end)
-        self.total_steps = min(gather_ints(self.rank, self.world, cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))))
-        self.nb_by_rank = gather_ints(self.rank, self.world, self.stream.nb)     # a rank's resume position is read against its own
+        self.total_steps = min(gather_ints(self.world, cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))))
+        self.nb_by_rank = gather_ints(self.world, self.stream.nb)   # a rank's resume position is read against its own
         self.shapes = config.shape_plan(cfg)
         if self.attn == "flex" and any(S % 128 for _, S, _ in self.shapes):
             raise SystemExit(f"error: flex attention needs bucket lengths that are multiples of 128, got "
@@ -133,13 +136,15 @@ class Trainer:
                                  self.lr_factor, self.log)
 
     def lr_factor(self, s):
-        """The schedule at (the middle of) step s, 0-based: never at progress 0 or 1, so no step runs at
-        lr 0. Under a time budget the elapsed share of it counts too (the same on every rank)."""
-        return lr_factor(min(1.0, max((s + 0.5) / self.total_steps, self.time_frac)), self.cfg.warmup_frac)
+        """Linear warm-up over the first warmup_frac, then cosine decay to 0, at the middle of step s (0-based),
+        so that no step runs at lr 0. Under a time budget the elapsed share counts too (the same on every rank)."""
+        progress, warm = min(1.0, max((s + 0.5) / self.total_steps, self.time_frac)), self.cfg.warmup_frac
+        if progress < warm:
+            return progress / warm
+        return 0.5 * (1 + math.cos(math.pi * (progress - warm) / (1 - warm)))
 
     def resume(self):
-        """The newest intact checkpoint -> weights, optimiser, schedule, step, data position, and the
-        time the earlier runs used of a --max-minutes budget."""
+        """The newest intact checkpoint's weights, optimiser, schedule, step, data position and budget used."""
         self.step, self.cursor, self.seconds_before = 0, 0, 0.0
         if not self.cfg.resume:
             return
@@ -147,8 +152,7 @@ class Trainer:
         if path is None:
             self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
             return
-        # the optimiser's settings come back from the checkpoint: a different --lr or --weight-decay
-        # would be silently ignored, so it is an error
+        # the optimiser's settings come from the checkpoint: a different --lr or --weight-decay is an error
         changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {state['config'][k]})"
                    for k in ("lr", "weight_decay") if state["config"][k] != getattr(self.cfg, k)]
         if changed:
@@ -175,8 +179,7 @@ class Trainer:
         self.ckpt = ck.Checkpointer(self.run, cfg.out_dir, cfg.keep_last, log)
         self.finish_at = None
         self.load_q = queue.Queue(maxsize=cfg.queue_depth * len(self.tdevs))
-        self.buf = ReorderBuffer(self.run, self.cursor,
-                                 cfg.queue_depth * len(self.ddevs) * cfg.grad_accum + len(self.tdevs))
+        self.buf = ReorderBuffer(self.run, self.cursor, cfg.queue_depth * self.per_step + len(self.tdevs))
         sync = StepSync(self.run, len(self.ddevs))
         threads = [self.run.start_thread("loader", self.loader)]
         threads += [self.run.start_thread(f"target-{i}:{d}", self.target_worker, i) for i, d in enumerate(self.tdevs)]
@@ -199,28 +202,22 @@ class Trainer:
         self.replicas.check_identical(self.meter.last_step, log)
         self.meter.summary()
         if self.world > 1:   # all ranks together: a group left to the interpreter's exit can abort it
-            import torch.distributed as dist
             dist.barrier()
             dist.destroy_process_group()
         return 0
 
     def loader(self):
-        import data_dflash
-        j = self.cursor
-        while True:
+        for j in itertools.count(self.cursor):
             S, sids = self.stream.batch(j)
             ids, am, lm = data_dflash.collate(sids, self.data, S, self.pad_id)
             self.run.put(self.load_q, (j, S, [(i, j // self.stream.nb) for i in sids], ids, lm, am.sum(1)))
-            j += 1
 
     def target_worker(self, ti):
         dev, model = self.tdevs[ti], self.targets[ti]
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        n = 0
-        while True:
+        for n in itertools.count(1):
             j, S, sids, ids, lm, lengths = self.run.get(self.load_q)
-            n += 1
             inject("target", n)
             t0 = time.time()
             with torch.no_grad():
@@ -237,26 +234,23 @@ class Trainer:
         cfg, dev, dr = self.cfg, self.ddevs[r], self.replicas.drafters[r]
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        R, G = len(self.ddevs), cfg.grad_accum
-        step = self.step
-        while step < self.total_steps:
-            inject("drafter", step + 1)
-            base = self.cursor + (step - self.step) * self.per_step
-            items = [self.buf.take(base + g * R + r) for g in range(G)]
+        for step in range(self.step + 1, self.total_steps + 1):          # 1-based: the step being taken
+            inject("drafter", step)
+            base = self.cursor + (step - 1 - self.step) * self.per_step
+            items = [self.buf.take(base + g * len(self.ddevs) + r) for g in range(cfg.grad_accum)]
             t0 = time.time()
             prepared, wsum, flops = prepare_batches(cfg, self.dcfg, self.gamma, items)
-            # the loss normaliser is global over replicas x micro-batches (x ranks): a step over them
-            # equals one step over their concatenation
-            wsum = sync.gather(r, wsum, self.replicas.sum_scalar)
+            # one loss normaliser over replicas x micro-batches (x ranks): a step equals one over their concatenation
+            wsum = sync.gather(r, wsum, lambda sums: self.replicas.over_ranks([sum(sums)])[0])
             loss_sum, hits, counts = 0.0, 0, 0
             for S, ids, lm, feats, anchors, valid in prepared:
                 shape = (ids.shape[0], S, anchors.shape[1])
                 if shape not in self.shapes:     # on every path, not only the gate's: CPU tests see it too
                     raise RuntimeError(f"batch shape {shape} is not in the warmed shape plan {self.shapes}")
                 with warmup.autocast(dev):
-                    loss, acc, cnt = dm.drafter_forward_loss(dr, feats.to(dev, non_blocking=True), dm.to_device(ids, dev),
-                                                             dm.to_device(lm, dev), anchors, valid, self.gamma,
-                                                             attn=self.attn, weight_sum=wsum)
+                    loss, acc, cnt = dm.drafter_forward_loss(dr, feats.to(dev, non_blocking=True),
+                                                             dm.to_device(ids, dev), dm.to_device(lm, dev), anchors,
+                                                             valid, self.gamma, attn=self.attn, weight_sum=wsum)
                 dm.backward(loss, dev, shape, self.attn)
                 loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
             sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
@@ -267,7 +261,6 @@ class Trainer:
                                torch.tensor([n_tok, flops], device=hits.device)]).to(dev)
             gnorm, stats = sync.gather(r, stats, self.optimizer_step)
             self.meter.d_sync[r] += time.time() - t1
-            step += 1
             if r == 0:
                 self.after_step(step, stats, gnorm)
             sync.wait()                # the checkpoint and the stop decision are seen by every replica
@@ -280,14 +273,12 @@ class Trainer:
         t0 = time.time()
         stats = self.replicas.reduce(stats_list)
         if self.cfg.max_minutes:
-            # the budget clock must be the same on every rank (the same lr, the same last step); the
-            # run stops at the last step that ends within the budget (the next one is predicted to take
-            # as long as this one)
-            now = self.train_seconds()
+            # the budget clock is the same on every rank (the same lr, the same last step); the run stops
+            # at the last step that ends within the budget, the next one predicted to take as long as this one
+            now, budget = self.train_seconds(), 60 * self.cfg.max_minutes
             step_s = now - getattr(self, "t_prev_step", now)
             self.t_prev_step = now
-            frac = self.replicas.all_max([now / (60 * self.cfg.max_minutes), (now + step_s) / (60 * self.cfg.max_minutes)])
-            self.time_frac, self.next_frac = frac
+            self.time_frac, self.next_frac = self.replicas.over_ranks([now / budget, (now + step_s) / budget], "MAX")
         self.t_sync_last = time.time() - t0
         self.lr_used = self.replicas.opts[0].param_groups[0]["lr"]
         try:
@@ -322,31 +313,33 @@ class Trainer:
         state = {"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
                  "batches_per_epoch_by_rank": self.nb_by_rank, "train_seconds": self.train_seconds(),
                  "config": dataclasses.asdict(self.cfg), **r.checkpoint_state()}
-        pause = self.ckpt.save(step, state, r.drafters[0].state_dict(), r.drafters[0], self.checkpoint_env,
-                               lambda: self.meter.last_step)
-        self.meter.ckpt_pause += pause
+        self.meter.ckpt_pause += self.ckpt.save(step, state, r.drafters[0], self.checkpoint_env,
+                                                lambda: self.meter.last_step)
 
     def checkpoint_env(self):
-        cache = self.cfg.compile_cache or os.path.join(self.cfg.out_dir, "compile_cache")
-        env, changed = checkpoint_env(self.env_at_start, cache)
+        """env.json: the environment the run STARTED in (its code and packages were loaded then), the
+        compile cache as it is now, and under changed_during_run what differs now."""
+        now = diagnose.collect_env(self.cfg.compile_cache or os.path.join(self.cfg.out_dir, "compile_cache"))
+        if self.env_at_start is None:
+            return now
+        changed = [r for r in diagnose.diff_env(self.env_at_start, now) if not r[0].startswith("compile_cache.")]
         if changed and not self.env_change_said:     # once: every later checkpoint has the same news
             self.env_change_said = True
             self.log(f"WARNING: the environment changed while this run was going ({len(changed)} field(s): "
                      + "; ".join(f"{k} {a} -> {b}" for k, a, b in changed[:3])[:300] + "). Checkpoints keep "
                      "the environment the run started with, and these changes under changed_during_run")
-        return env
+        return {**self.env_at_start, "compile_cache": now["compile_cache"],
+                "changed_during_run": [list(r) for r in changed]}
 
     def train_seconds(self):
         """Training time of the whole run, the runs it resumed included: what --max-minutes budgets."""
         return self.seconds_before + time.time() - self.meter.t_start
 
 
-# -----------------------------------------------------------------------------
-# Set-up pieces
+# --- Set-up pieces --------------------------------------------------------------------------------
 
 
 def init_distributed(rank, world, log):
-    import torch.distributed as dist
     kw = {}
     if torch.cuda.is_available():   # before any collective: else every rank's NCCL runs on cuda:0
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -356,20 +349,18 @@ def init_distributed(rank, world, log):
     log(f"[dist] rank {rank}/{world} backend {dist.get_backend()}")
 
 
-def gather_ints(rank, world, value):
+def gather_ints(world, value):
     """[value of rank 0, value of rank 1, ...] (a collective: every rank calls it at the same point)."""
     if world == 1:
         return [int(value)]
-    import torch.distributed as dist
     t = torch.zeros(world, dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    t[rank] = int(value)
+    t[dist.get_rank()] = int(value)
     dist.all_reduce(t)
     return t.tolist()
 
 
 def load_data(cfg, files, tok, vocab, rank, log):
     """(samples, path of the held-out conversations or None): tokenised chats, or synthetic samples."""
-    import data_dflash
     if files[0].startswith("synthetic:"):
         return synthetic_data(files[0], cfg.max_length, vocab, cfg.seed), None
     if tok is None:
@@ -387,25 +378,11 @@ def load_data(cfg, files, tok, vocab, rank, log):
     return data, heldout
 
 
-def checkpoint_env(start, cache_dir):
-    """(env.json, what changed): the environment the run STARTED in (its code and packages were loaded
-    then), the compile cache as it is now, and under changed_during_run what differs now."""
-    import diagnose
-    now = diagnose.collect_env(cache_dir)
-    if start is None:
-        return now, []
-    changed = [r for r in diagnose.diff_env(start, now) if not r[0].startswith("compile_cache.")]
-    return {**start, "compile_cache": now["compile_cache"], "changed_during_run": [list(r) for r in changed]}, changed
-
-
-# -----------------------------------------------------------------------------
-# What a run reports: metrics.jsonl, the log line, the summary
+# --- What a run reports: metrics.jsonl, the log line, the summary ---------------------------------
 
 
 class Meter:
-    """Counters of the steps that ran: per-step records in metrics.jsonl; every log interval a line
-    (loss, accuracy, simulated tau, lr, grad norm, tokens/s, MFU, queues, sync, memory, ETA); the
-    summary at the end."""
+    """Counters of the steps that ran: metrics.jsonl records, a line every log interval, the summary at the end."""
 
     def __init__(self, trainer, metrics_file):
         t = self.t = trainer
@@ -456,7 +433,7 @@ class Meter:
         if mfu > 1.0 and not self.mfu_warned:
             self.mfu_warned = True
             t.log(f"WARNING: MFU above 100%: the matmul peak measured at the start ({t.peak_flops / 1e12:.0f} "
-                  f"TFLOP/s on {t.ddevs[0]}) was too low; was the GPU busy with another process then? This run's "
+                  f"TFLOP/s on {t.ddevs[0]}) was too low; was the device busy with another process then? This run's "
                   "MFU figures are not comparable")
         recent = self.tok_hist[-19:]
         self.tok_hist.append(tok_s)
@@ -480,17 +457,18 @@ class Meter:
             f"  steps          {self.last_step} (this run: from {t.step})",
             f"  tokens/s       {self.tokens / elapsed:,.0f} (target tokens, {elapsed / 60:.1f} min)",
             f"  loss           {self.losses[0]:.4f} -> {self.losses[-1]:.4f} (mean of the first / last {n} steps: "
-            f"{statistics.mean(self.losses[:n]):.4f} -> {statistics.mean(self.losses[-n:]):.4f})" if self.losses else "  loss -",
+            f"{statistics.mean(self.losses[:n]):.4f} -> {statistics.mean(self.losses[-n:]):.4f})"
+            if self.losses else "  loss -",
             f"  simulated tau  {self.last['sim_tau']:.2f}" if self.last else "  simulated tau -",
             f"  busy           target {share(t_busy)} drafter {share(d_busy)} (share of the training time on "
             f"device work); drafter wait at the step barrier + sync {share(d_sync)}",
             f"  checkpoint     {last[-1] if last else 'none'}",
-            "  measure real acceptance:\n    " + (f"python eval_dflash.py --target {t.tpath} --drafter {last[-1]}/drafter "
-                                                 f"--prompts {prompts}" if last else "(no checkpoint)"), "=" * 72]))
+            "  measure real acceptance:",
+            f"    python eval_dflash.py --target {t.tpath} --drafter {last[-1]}/drafter --prompts {prompts}" if last
+            else "    (no checkpoint)", "=" * 72]))
 
 
-# -----------------------------------------------------------------------------
-# Data order and anchors: functions of the seed, the epoch and the sample, so a resume is exact
+# --- Data order and anchors: functions of the seed, the epoch and the sample, so a resume is exact ---
 
 
 class BatchStream:
@@ -498,7 +476,6 @@ class BatchStream:
     in an order fixed by (seed, epoch)."""
 
     def __init__(self, cfg, lengths, rank, world):
-        import data_dflash
         self.cfg = cfg
         self.indices = list(range(rank, len(lengths), world))          # this node's shard
         self.lengths = [lengths[i] for i in self.indices]
@@ -509,7 +486,6 @@ class BatchStream:
         self.padding_waste = data_dflash.padding_waste(self.lengths, self.batches)
 
     def _epoch(self, epoch):
-        import data_dflash
         if epoch != self.epoch:
             self.epoch, self.batches = epoch, data_dflash.make_batches(self.lengths, self.buckets, self.rows,
                                                                        self.cfg.seed, epoch)
@@ -561,15 +537,7 @@ def synthetic_data(spec, length, vocab, seed):
     return {"input_ids": ids, "loss_mask": masks}
 
 
-# -----------------------------------------------------------------------------
-# The schedule, FLOPs
-
-
-def lr_factor(progress, warmup_frac):
-    """Linear warm-up over the first warmup_frac of the run, then cosine decay to 0."""
-    if progress < warmup_frac:
-        return progress / warmup_frac
-    return 0.5 * (1 + math.cos(math.pi * (progress - warmup_frac) / (1 - warmup_frac)))
+# --- FLOPs ----------------------------------------------------------------------------------------
 
 
 def drafter_matmul_flops(c, S, A):
@@ -620,8 +588,7 @@ def sync_device(dev):
         torch.cuda.current_stream(dev).synchronize()
 
 
-# -----------------------------------------------------------------------------
-# Logs and the command line
+# --- Logs and the command line --------------------------------------------------------------------
 
 
 def keep_metrics_upto(path, step):
@@ -658,7 +625,6 @@ class Logger:
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     log = Logger(cfg.out_dir, int(os.environ.get("RANK", 0)))
-    import diagnose
     log("=" * 72)
     env = diagnose.collect_env(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
     log(diagnose.format_report(env))
