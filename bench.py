@@ -201,7 +201,8 @@ def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
     attend = lambda q, k, v: dm.GATE.run("naive_flex", dev, tuple(q.shape) + tuple(k.shape), _naive_flex,
                                          q, k, v, block_mask=bm, enable_gqa=True)
     hidden = drafter.body(feats, block_ids, torch.arange(S, device=dev).expand(B, S), block_pos, attend)
-    return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048, ce=kernels.ce_chunk_eager)[0]
+    return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048,
+                          ce=kernels.ce_chunk_eager)[0]
 
 
 def median_time(fn, n, dev, rounds=1):

@@ -172,7 +172,7 @@ def merge(paths, json_path):
            **measures(hist, *(sum(r[k] for r in runs) for k in RAW_SUMS)),
            "lossless": sum(r["lossless"] for r in runs), "mismatches": [m for r in runs for m in r["mismatches"]],
            "skip": parts[0][0], "max_new_tokens": first["max_new_tokens"], "dtype": first["dtype"],
-           "block_size": first.get("block_size") or max(hist, default=1), "device": ", ".join(sorted({r["device"] for r in runs})),
+           "block_size": first["block_size"], "device": ", ".join(sorted({r["device"] for r in runs})),
            "merged": [p[2] for p in parts]}
     res["complete"] = not gaps and last["complete"]     # (an earlier part cut short leaves a gap, or none)
     print(f"[eval] merged {len(runs)} results: prompts {parts[0][0] + 1}-{parts[-1][1]}"
