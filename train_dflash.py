@@ -99,8 +99,10 @@ class Trainer:
         self.attn = config.resolve_attn(cfg, self.ddevs[0])
         if cfg.target and not cfg.data:
             raise SystemExit("error: --data is required with --target")
-        self.tpath = config.target_path(cfg)
-        files = cfg.data or [data_dflash.prepare_embedded_default(cfg.cache_dir)[1]]
+        self.tpath, files = cfg.target, cfg.data
+        if not cfg.target:          # the embedded default, prepared once in the cache
+            self.tpath, default_data = data_dflash.prepare_embedded_default(cfg.cache_dir)
+            files = files or [default_data]
         tcfg, self.tok = config.load_target_config(self.tpath)
         self.dcfg = config.make_drafter_config(cfg, tcfg, self.tok)
         self.gamma = cfg.gamma or config.default_gamma(cfg.block_size)
@@ -123,7 +125,9 @@ class Trainer:
                              f"{[S for _, S, _ in self.shapes]} (set --buckets / --max-length)")
         log(f"[data] {len(self.stream.indices)} samples on this node, {self.stream.nb} batches/epoch, "
             f"buckets {self.stream.buckets}, shapes (B,S,A) {self.shapes}, padding waste "
-            f"{100 * self.stream.padding_waste:.1f}%, {steps_per_epoch} steps/epoch, {self.total_steps} steps planned")
+            f"{100 * self.stream.padding_waste:.1f}%, {steps_per_epoch} steps/epoch, {self.total_steps} steps planned"
+            + (f" (or fewer: the run stops at the last step within --max-minutes {cfg.max_minutes:g})"
+               if cfg.max_minutes else ""))
 
     # --- models, resume ----------------------------------------------------------------------
     def build_models(self):
