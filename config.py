@@ -105,12 +105,6 @@ def parse_args(argv):
     return cfg
 
 
-def is_local(name):
-    """A data name that means a file (a hub data set name is none of these)."""
-    return os.path.exists(os.path.expanduser(name)) or name.startswith(("/", ".", "~")) or os.sep in name \
-        or name.endswith((".json", ".jsonl"))
-
-
 def validate(cfg):
     errs = []
     if cfg.attn not in ("auto", "flex", "sdpa"):
@@ -137,7 +131,8 @@ def validate(cfg):
             errs.append(f"--buckets must lie in [2 x block size, max_length] = [{2 * cfg.block_size}, "
                         f"{cfg.max_length}], got {cfg.buckets}")
     for name in cfg.data:      # before any slow set-up: a typo is a one-line error at once
-        if not name.startswith("synthetic:") and is_local(name) and not os.path.isfile(os.path.expanduser(name)):
+        local = data_dflash.names_a_file(name) and not name.startswith("synthetic:")
+        if local and not os.path.isfile(os.path.expanduser(name)):
             errs.append(f"data file not found: {name}")
     if errs:
         raise SystemExit("error: " + "; ".join(errs))

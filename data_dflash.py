@@ -240,6 +240,12 @@ def _normalise(record):
     return (messages, None) if messages else (None, "no assistant turn")
 
 
+def names_a_file(name):
+    """Does a data name mean a local file? A hub data set's name ("org/name") has no extension."""
+    return os.path.exists(os.path.expanduser(name)) or name.startswith(("/", ".", "~")) or \
+        name.endswith((".json", ".jsonl"))
+
+
 def _identity(name):
     """A local file's absolute path, size and mtime (an edited file is read again), or a hub data set's
     name. A name that looks like a path but is no file is an error here, before any slow loading."""
@@ -247,7 +253,7 @@ def _identity(name):
     if os.path.isfile(path):
         st = os.stat(path)
         return (path, st.st_size, st.st_mtime_ns)
-    if os.path.exists(path) or name.startswith(("/", ".", "~")) or name.endswith((".json", ".jsonl")):
+    if names_a_file(name):
         raise FileNotFoundError(f"data file not found: {name}")
     return (name,)
 

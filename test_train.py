@@ -246,6 +246,7 @@ def test_help_lists_every_option_and_unknown_or_mistyped_options_are_errors(tmp_
         assert needle in str(e.value), (argv, str(e.value))
     cfg = config.parse_args(["--max-steps", "3", "--resume", "--data", str(REPO / "README.md"), "--lr", "1e-3"])
     assert (cfg.max_steps, cfg.resume, cfg.data, cfg.lr) == (3, True, [str(REPO / "README.md")], 1e-3)
+    assert config.parse_args(["--data", "org/chats"]).data == ["org/chats"]     # a hub data set, not a file
 
 
 def test_shape_plan_anchors_per_sequence_capped_by_length_and_rows_by_the_block_budget():

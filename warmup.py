@@ -41,10 +41,11 @@ def use_compile_cache(cache_dir, log=print):
                 old = json.load(f)
         except (OSError, ValueError) as e:     # only the notice depends on it: say so, go on
             old = {"unreadable": f"{type(e).__name__}: {e}"}
-        if {k: old.get(k) for k in build} != build:
-            log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
-                "its entries will not match (expect cold compiles)")
-    if old is None or {k: old.get(k) for k in build} != build:
+    same_build = old is not None and {k: old.get(k) for k in build} == build
+    if old is not None and not same_build:
+        log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
+            "its entries will not match (expect cold compiles)")
+    if not same_build:
         # torchrun ranks share the cache: each writes its own temporary file and renames it (no half files)
         tmp = f"{info_path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
