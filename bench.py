@@ -36,6 +36,8 @@ TINY = dict(model_type="qwen3", vocab_size=1024, hidden_size=128, intermediate_s
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy sizes (the default on CPU)")
+    p.add_argument("--target-config", default="", metavar="JSON",
+                   help="a target's config.json (random weights of its shape) instead of Qwen3-8B's")
     p.add_argument("--seq", type=int, default=0, help="sequence length (default 3072; tiny 256)")
     p.add_argument("--anchors", type=int, default=0, help="anchors per sequence (default 512; tiny 16)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per round")
@@ -73,8 +75,11 @@ def main(argv=None):
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     spec = TINY if a.tiny or dev.type == "cpu" else QWEN3_8B
-    S = a.seq or (3072 if spec is QWEN3_8B else 256)
-    A = a.anchors or (512 if spec is QWEN3_8B else 16)
+    if a.target_config:
+        with open(a.target_config) as f:
+            spec = {k: v for k, v in json.load(f).items() if k not in ("architectures", "torch_dtype", "dtype")}
+    S = a.seq or (256 if spec is TINY else 3072)
+    A = a.anchors or (16 if spec is TINY else 512)
     cfg_path = os.path.join(tmp, "target_config.json")
     with open(cfg_path, "w") as f:
         json.dump(spec, f)
@@ -99,7 +104,10 @@ def main(argv=None):
     target_cfg, _ = config.load_target_config(tcfg.target)
     dcfg = config.make_drafter_config(tcfg, target_cfg, None)
     target = config.load_target(tcfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log)
-    ids = torch.randint(0, spec["vocab_size"], (1, S), device=dev)
+    plan = config.shape_plan(tcfg, dcfg, config.batch_memory(dcfg, target_cfg, [dev], [dev]))
+    B = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
+    res["B"] = B
+    ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
 
     def target_fwd():
         with torch.no_grad():
@@ -107,25 +115,26 @@ def main(argv=None):
             return dm.target_features(hs, dcfg.target_layer_ids)
     t_target = timed("target_ms", target_fwd)
     n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
-    res.update(target_ms=1e3 * t_target, target_tok_s=S / t_target, target_mfu=2 * n_params * S / t_target / peak)
-    log(f"[bench] target forward ({len(target.model.layers)} layers): {1e3 * t_target:.1f} ms = "
-        f"{S / t_target:,.0f} tok/s, MFU {res['target_mfu']:.1%}")
+    res.update(target_ms=1e3 * t_target, target_tok_s=B * S / t_target,
+               target_mfu=2 * n_params * B * S / t_target / peak)
+    log(f"[bench] target forward ({len(target.model.layers)} layers, {B} x {S} tokens): {1e3 * t_target:.1f} ms = "
+        f"{B * S / t_target:,.0f} tok/s, MFU {res['target_mfu']:.1%}")
     feats = target_fwd()
 
     # --- the drafter, ours: cold warm-up, then timed steps
     drafter = config.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
                                  target.get_output_embeddings().weight.detach(), dev, 0)
     opt = MasterAdamW(drafter.parameters(), lr=1e-5, param_dtype=config.param_dtype(dev))
-    shapes = config.shape_plan(tcfg) if a.all_shapes else [(1, S, A)]
+    shapes = plan if a.all_shapes else [(B, S, A)]
     attn = "flex" if dev.type == "cuda" else "sdpa"
     t0 = time.time()
     rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log)
     res["warmup_cold_s"] = time.time() - t0
     res["warmup_rows"] = [[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows]
     log(warmup.format_table(rows))
-    lm = torch.ones(1, S, device=dev)
+    lm = torch.ones(B, S, device=dev)
     lm[:, : S // 10] = 0
-    anchors, valid = dm.sample_anchors(lm, torch.tensor([S]), A, dcfg.block_size, torch.Generator().manual_seed(0))
+    anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size, torch.Generator().manual_seed(0))
 
     def step(naive=False):
         with warmup.autocast(dev):
@@ -134,20 +143,20 @@ def main(argv=None):
             else:
                 loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, attn=attn)[0]
         if naive:   # its compiled flex backward compiles lazily: through the gate too
-            dm.GATE.run("naive_bwd", dev, (1, S, A), loss.backward)
+            dm.GATE.run("naive_bwd", dev, (B, S, A), loss.backward)
         else:
-            dm.backward(loss, dev, (1, S, A), attn)
+            dm.backward(loss, dev, (B, S, A), attn)
         # the trainer's lone-replica step: the norm read by the host, the clip inside the update
         replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)
         opt.zero_grad(set_to_none=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t_ours = timed("drafter_ms", step)
-    flops = tr.batch_flops(dcfg, S, anchors, valid)
-    res.update(drafter_ms=1e3 * t_ours, drafter_tok_s=S / t_ours, drafter_mfu=flops / t_ours / peak,
+    flops = dm.batch_flops(dcfg, S, anchors, valid)
+    res.update(drafter_ms=1e3 * t_ours, drafter_tok_s=B * S / t_ours, drafter_mfu=flops / t_ours / peak,
                drafter_tflop_per_step=flops / 1e12,
                drafter_peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None)
-    log(f"[bench] drafter step (ours): {1e3 * t_ours:.1f} ms = {S / t_ours:,.0f} target tok/s, "
+    log(f"[bench] drafter step (ours): {1e3 * t_ours:.1f} ms = {B * S / t_ours:,.0f} target tok/s, "
         f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {res['drafter_peak_mem_gib']:.1f} GiB"
                                             if res["drafter_peak_mem_gib"] is not None else ""))
 
@@ -160,7 +169,7 @@ def main(argv=None):
         res.update(naive_ms=1e3 * t_naive, naive_mfu=flops / t_naive / peak, speedup_vs_naive=t_naive / t_ours)
         log(f"[bench] drafter step (naive): {1e3 * t_naive:.1f} ms, MFU {res['naive_mfu']:.1%}; "
             f"ours is {t_naive / t_ours:.2f}x faster")
-    res["sum_of_parts_tok_s"] = S / (t_target + t_ours)
+    res["sum_of_parts_tok_s"] = B * S / (t_target + t_ours)
     del target, drafter, opt, feats
     if dev.type == "cuda":
         torch.cuda.empty_cache()

@@ -42,7 +42,8 @@ class TrainConfig:
     target_layer_ids: str = opt("", "target layers feeding the drafter, e.g. 1,9,17,25,33; '' = spread over the depth")
     max_length: int = opt(3072, "longer samples are truncated")
     buckets: str = opt("", "sequence-length buckets, e.g. 512,1024,3072; '' = doubling from 256 to max_length")
-    tokens_per_batch: int = opt(0, "target tokens per micro-batch; 0 = max_length")
+    tokens_per_batch: int = opt(0, "target tokens per micro-batch; 0 = auto: one max_length sequence's blocks, on "
+                                   "a GPU as many as ~50 ms of drafter work and half the free memory allow")
     min_supervised: int = opt(32, "samples with fewer assistant tokens are skipped")
     # optimisation
     lr: float = opt(6e-4, "peak learning rate (AdamW, cosine decay)")
@@ -191,17 +192,57 @@ def anchors_for(cfg, S, block_size):
     return max(m, math.ceil(min(cfg.num_anchors, S - block_size + 1) / m) * m)
 
 
-def batch_size_for(cfg, S, block_size):
-    """Rows per batch of bucket S: tokens_per_batch // S, and no more blocks than a batch of max_length
-    sequences holds, so that every step costs the drafter about the same."""
-    tokens = cfg.tokens_per_batch or cfg.max_length
-    blocks = max(1, tokens // cfg.max_length) * anchors_for(cfg, cfg.max_length, block_size)
-    return max(1, min(tokens // S, blocks // anchors_for(cfg, S, block_size)))
+# An automatic micro-batch on a GPU holds at least this much drafter work (~50 ms of an H200 at 60% of its
+# bf16 peak): the per-step costs (kernel launches, the optimiser pass, the gradient sum) stay small (with one
+# full-length sequence a step, a 135M target's drafter runs at 5% MFU; 28 sequences of 2048 tokens give
+# 42%), while a small data set still gets many optimiser steps.
+STEP_FLOPS = 25e12
 
 
-def shape_plan(cfg):
+def batch_size_for(cfg, dcfg, S, memory=0):
+    """Rows per micro-batch of bucket S. Every bucket's batch holds about the same number of blocks, so
+    every step costs the drafter about the same: those of tokens_per_batch // max_length full-length
+    sequences, at most tokens_per_batch // S rows. Auto (--tokens-per-batch 0): one full-length sequence's
+    blocks; on a GPU (`memory` = bytes free for a batch) at least STEP_FLOPS of work, within `memory`."""
+    bs = dcfg.block_size
+    A, tokens = anchors_for(cfg, S, bs), cfg.tokens_per_batch or cfg.max_length
+    blocks = max(1, tokens // cfg.max_length) * anchors_for(cfg, cfg.max_length, bs)
+    rows = min(tokens // S, blocks // A)
+    if not cfg.tokens_per_batch and memory:
+        blocks = max(blocks, STEP_FLOPS / dm.matmul_flops(dcfg, 0, 1))
+        rows = min(blocks // A, memory // activation_bytes(dcfg, S, A))
+    return max(1, int(rows))
+
+
+def activation_bytes(c, S, A):
+    """Bytes one sequence's drafter forward keeps for its backward, over-estimated twofold: per block
+    token and layer 4H + 3 q + 2 kv + 3 I bf16 values, per context token its features, ctx and keys/values,
+    and the LM-head gradient rows."""
+    qd, kvd, H = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size
+    per_block_token = c.num_draft_layers * (4 * H + 3 * qd + 2 * kvd + 3 * c.intermediate_size) + H
+    per_context_token = (len(c.target_layer_ids) + 1) * H + c.num_draft_layers * 2 * kvd
+    return 2 * 2 * (A * c.block_size * per_block_token + S * per_context_token)
+
+
+def batch_memory(dcfg, tcfg, tdevs, ddevs):
+    """Bytes a drafter GPU gives one micro-batch: half of its memory left after the drafter's weights, fp32
+    masters, moments and gradients (18 bytes a parameter), its embedding and LM head, and a target sharing
+    the device (bf16). 0 on a CPU: there the batch size does not follow the memory. A function of the
+    configs and the GPU model, not of the memory free now: a restart plans the same shapes."""
+    from transformers import AutoModelForCausalLM
+    if ddevs[0].type != "cuda":
+        return 0
+    with torch.device("meta"):
+        drafter = sum(p.numel() for p in dm.DFlashDrafter(dcfg, embed_weight=torch.empty(0)).parameters())
+        target = sum(p.numel() for p in AutoModelForCausalLM.from_config(tcfg).parameters()) \
+            if ddevs[0] in tdevs else 0
+    used = 18 * drafter + 2 * 2 * dcfg.vocab_size * dcfg.hidden_size + 2 * target
+    return max(0, torch.cuda.get_device_properties(ddevs[0]).total_memory - used) // 2
+
+
+def shape_plan(cfg, dcfg, memory=0):
     """Every (B, S, A) the drafter can see: one per bucket. This is what the warm-up compiles."""
-    return [(batch_size_for(cfg, S, cfg.block_size), S, anchors_for(cfg, S, cfg.block_size)) for S in bucket_list(cfg)]
+    return [(batch_size_for(cfg, dcfg, S, memory), S, anchors_for(cfg, S, dcfg.block_size)) for S in bucket_list(cfg)]
 
 
 # --- Target and drafter ---------------------------------------------------------------------------

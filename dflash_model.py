@@ -3,7 +3,7 @@
   2. config + model         - Qwen3-shaped layers with KV injection of the target's features
   3. training mask          - the flex_attention mask, its tile-level BlockMask, a dense reference
   4. anchors, blocks, loss  - random anchors, same-position labels, decayed weights, chunked LM head
-  5. speculative decoding   - dflash_generate: greedy, token-identical to the target's own
+  5. speculative decoding   - dflash_generate, ngram_generate: greedy, token-identical to the target's own
   6. save / load            - the serving format (config.json with dflash_config + model.safetensors)
 """
 import functools
@@ -677,6 +677,35 @@ def backward(loss, device, shape, attn="flex"):
         loss.backward()
 
 
+def matmul_flops(c, S, A):
+    """FLOPs of the drafter's matmuls in one forward+backward of one sequence (tested equal to torch's
+    FLOP counter). A trainable matmul costs 3x its forward (forward, input grads, weight grads), the fc
+    over the target's features 2x (they need no gradient); the frozen LM head costs 2 matmuls (logits,
+    grad w.r.t. the hidden states) on the A*(bs-1) scored rows."""
+    Q = A * c.block_size
+    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * I * 3
+    fc = 2 * S * len(c.target_layer_ids) * H * H
+    head = 2 * 2 * Q * (c.block_size - 1) / c.block_size * H * V
+    return 2 * fc + 3 * c.num_draft_layers * layer + head
+
+
+def step_flops(c, S, A, ctx):
+    """Matmuls plus attention over the visible keys only (ctx context keys, the mean anchor position,
+    + the block's own bs), forward (QK^T and PV) and backward (2x the forward)."""
+    return matmul_flops(c, S, A) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
+        c.num_attention_heads * c.head_dim * (ctx + c.block_size)
+
+
+def batch_flops(c, S, anchors, valid):
+    """FLOPs of one drafter step on a (B, S) batch: its shape as it runs (padding included: the MFU is
+    of the device), attention from each row's own valid anchors."""
+    A = anchors.shape[1]
+    return sum(step_flops(c, S, A, float(a[v].float().mean()) if bool(v.any()) else 0.0)
+               for a, v in zip(anchors, valid))
+
+
 # -----------------------------------------------------------------------------
 # 5. Speculative decoding
 
@@ -708,46 +737,65 @@ def draft_block(drafter, cache, new_feats, new_pos, anchor_token, anchor_pos):
 
 
 @torch.no_grad()
-def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=None):
-    """Greedy speculative decoding with a DFlash drafter: (ids (1, P+n), acceptance length of each round).
-    The output is token-identical to the target's own greedy decoding (target_greedy)."""
+def speculative_generate(target, input_ids, max_new_tokens, stop_token_ids, block_size, propose, features=True):
+    """Greedy speculative decoding: (ids (1, P+n), acceptance length of each round), token-identical to
+    the target's own greedy decoding (target_greedy). Each round `propose(tokens, hidden_states, start)`
+    drafts up to block_size-1 tokens after tokens[-1]; hidden_states (when `features`) are the target's
+    for the positions start.. of its last pass, which cover tokens[start:-1]. The target verifies the
+    draft in one pass and keeps the agreeing prefix plus its own next token."""
     from transformers import DynamicCache
-    c = drafter.config
-    dev = input_ids.device
-    stops = set(stop_token_ids or [])
+    stops, dev, P = set(stop_token_ids or []), input_ids.device, input_ids.shape[1]
     cache = DynamicCache(config=target.config)
-    P = input_ids.shape[1]
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=features)
+    tokens, start, accept_lengths = input_ids[0].tolist() + [int(out.logits[0, -1].argmax())], 0, []
+    while len(tokens) - P < max_new_tokens and tokens[-1] not in stops:
+        draft = torch.as_tensor(propose(tokens, out.hidden_states, start), dtype=torch.long, device=dev)
+        draft, k, start = draft[: block_size - 1], min(len(draft), block_size - 1), len(tokens) - 1
+        verify = torch.cat([torch.tensor([tokens[-1]], device=dev), draft])[None]
+        out = target(input_ids=verify, past_key_values=cache, use_cache=True, output_hidden_states=features)
+        t_tok = out.logits[0].argmax(-1)                                      # (k+1,)
+        n = int((draft == t_tok[:k]).int().cumprod(0).sum())                  # the agreeing prefix
+        if n < k:                                     # keep target KV only for accepted tokens
+            cache.crop(-(k - n))
+        accept_lengths.append(n + 1)
+        for t in draft[:n].tolist() + [int(t_tok[n])]:
+            tokens.append(t)
+            if t in stops or len(tokens) - P >= max_new_tokens:
+                break
+    return torch.tensor([tokens[: P + max_new_tokens]], device=dev, dtype=input_ids.dtype), accept_lengths
+
+
+def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=None):
+    """speculative_generate with a DFlash drafter: its own cache of context keys/values, extended each
+    round with the target features of the newly committed tokens, drafts a block from the last one."""
+    c = drafter.config
+    P, dcache = input_ids.shape[1], [None] * len(drafter.layers)
     if P + max_new_tokens + c.block_size > c.max_position_embeddings:
         raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) + a block ({c.block_size}) exceed the "
                          f"{c.max_position_embeddings} positions of the drafter's rotary table")
-    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    feats = target_features(out.hidden_states, c.target_layer_ids)
-    feat_pos = torch.arange(P, device=dev)[None]
-    token = out.logits[0, -1].argmax()
-    generated, accept_lengths = [int(token)], []
-    dcache = [None] * len(drafter.layers)
-    pos = P                                           # position of `token`, the next anchor
-    while len(generated) < max_new_tokens and generated[-1] not in stops:
-        draft = draft_block(drafter, dcache, feats.to(drafter.fc.weight.dtype), feat_pos, token, pos).argmax(-1)
-        verify = torch.cat([token.view(1), draft])[None]
-        out = target(input_ids=verify, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        t_tok = out.logits[0].argmax(-1)                                      # (bs,)
-        n = int((draft == t_tok[:-1]).int().cumprod(0).sum())                 # the agreeing prefix
-        bonus = t_tok[n]
-        committed = draft[:n].tolist() + [int(bonus)]
-        if n + 1 < c.block_size:                      # keep target KV only for accepted tokens
-            cache.crop(-(c.block_size - n - 1))
-        feats = target_features(out.hidden_states, c.target_layer_ids)[:, : n + 1]
-        feat_pos = (pos + torch.arange(n + 1, device=dev))[None]
-        pos += n + 1
-        token = torch.as_tensor(int(bonus), device=dev)
-        accept_lengths.append(n + 1)
-        for t in committed:
-            generated.append(t)
-            if t in stops or len(generated) >= max_new_tokens:
-                break
-    new = torch.tensor(generated[:max_new_tokens], device=dev, dtype=input_ids.dtype)[None]
-    return torch.cat([input_ids, new], dim=1), accept_lengths
+
+    def propose(tokens, hidden_states, start):
+        n = len(tokens) - 1 - start
+        feats = target_features(hidden_states, c.target_layer_ids)[:, :n].to(drafter.fc.weight.dtype)
+        pos = torch.arange(start, start + n, device=input_ids.device)[None]
+        return draft_block(drafter, dcache, feats, pos, tokens[-1], len(tokens) - 1).argmax(-1)
+    return speculative_generate(target, input_ids, max_new_tokens, stop_token_ids, c.block_size, propose)
+
+
+def ngram_propose(tokens, k, max_n=3):
+    """Prompt lookup, the speculator that needs no training: the up to k tokens that followed the latest
+    earlier occurrence of the context's last 3 tokens, else of its last 2, else of its last token."""
+    for n in range(max_n, 0, -1):
+        tail = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i:i + n] == tail:
+                return tokens[i + n: i + n + k]
+    return []
+
+
+def ngram_generate(target, input_ids, max_new_tokens, stop_token_ids=None, block_size=16):
+    return speculative_generate(target, input_ids, max_new_tokens, stop_token_ids, block_size,
+                                lambda tokens, _hs, _start: ngram_propose(tokens, block_size - 1), features=False)
 
 
 @torch.no_grad()

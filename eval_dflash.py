@@ -4,8 +4,10 @@
     python eval_dflash.py --merge part0.json part1.json [--json all.json]
 
 Each prompt (a conversation up to its first reply, in the target's chat template) is decoded greedily by
-the target alone and by DFlash, both timed: tau (the mean acceptance length), its histogram, both rates
-and the speed-up. DFlash's output must equal the target's token for token, or the exit status is 1.
+the target alone, by DFlash and by n-gram prompt lookup (the speculator that needs no training: the
+tokens that followed the last earlier match of the context's last 3, 2 or 1 tokens), all timed: tau
+(the mean acceptance length), its histogram, the rates and speed-ups, in one table. Both speculators'
+output must equal the target's token for token, or the exit status is 1.
 The defaults fit the device: 100 prompts x 256 new tokens on a GPU, 5 x 32 on a CPU (a 135M target
 decodes a few tokens per second there). --merge adds up the --json results of runs over disjoint
 prompt ranges (--skip / --num-prompts, e.g. one process per GPU).
@@ -76,6 +78,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+METHODS = {"dflash": "DFlash", "ngram": "n-gram lookup"}
+
+
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     if a.merge:
@@ -86,64 +91,69 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(a.target)
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=dtype).to(a.device).eval()
     drafter = dm.load_drafter(a.drafter, target, device=a.device, dtype=dtype).eval()
-    stops = stop_token_ids(tok, target)
+    stops, bs = stop_token_ids(tok, target), drafter.config.block_size
     prompts, _ = prompts_from(a.prompts, tok, a.num_prompts, a.skip, a.max_prompt_tokens)
     if not prompts:
         raise SystemExit("error: no usable prompts")
     a.requested = len(prompts)
     print(f"[eval] {len(prompts)} prompts, target {a.target}, drafter {a.drafter}, {a.dtype} on {a.device}, "
-          f"block {drafter.config.block_size}, stop ids {stops}")
-    # one untimed round of each, so neither side pays first-call costs in the timings
+          f"block {bs}, stop ids {stops}; baseline: n-gram prompt lookup (last 3/2/1 tokens, up to {bs - 1})")
+    decode = {"target": lambda x: (dm.target_greedy(target, x, a.max_new_tokens, stops), []),
+              "dflash": lambda x: dm.dflash_generate(drafter, target, x, a.max_new_tokens, stops),
+              "ngram": lambda x: dm.ngram_generate(target, x, a.max_new_tokens, stops, bs)}
     warm = torch.tensor([prompts[0]], device=a.device)
-    dm.target_greedy(target, warm, 8, stops)
-    dm.dflash_generate(drafter, target, warm, 8, stops)
-
-    hist, bs = collections.Counter(), drafter.config.block_size     # acceptance length -> rounds
-    t_ref = t_spec = 0.0
-    n_ref = n_spec = 0
-    mismatches = []
+    for name, fn in decode.items():   # one untimed round each: no side pays first-call costs in the timings
+        dm.target_greedy(target, warm, 8, stops) if name == "target" else fn(warm)
+    runs = {m: {"hist": collections.Counter(), "tokens": 0, "seconds": 0.0, "mismatches": []} for m in decode}
     t_start, done = time.time(), 0
     for k, ids in enumerate(prompts):
         if k and a.max_minutes and time.time() - t_start > 60 * a.max_minutes:
             print(f"[eval] NOTICE: time budget of {a.max_minutes} min reached after {k} of {len(prompts)} "
                   "prompts; reporting those (incomplete)")
             break
-        done = k + 1
-        x = torch.tensor([ids], device=a.device)
-        sync(a.device); t0 = time.time()
-        ref = dm.target_greedy(target, x, a.max_new_tokens, stops)
-        sync(a.device); t1 = time.time()
-        out, acc = dm.dflash_generate(drafter, target, x, a.max_new_tokens, stops)
-        sync(a.device); t2 = time.time()
-        t_ref += t1 - t0; t_spec += t2 - t1
-        n_ref += ref.shape[1] - x.shape[1]; n_spec += out.shape[1] - x.shape[1]
-        hist.update(acc)
-        if not torch.equal(ref, out):
-            mismatches.append(describe_mismatch(target, x, ref, out, a.skip + k))
-        res = summarise(k + 1, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs)
-        print(f"[eval] prompt {k + 1}/{len(prompts)}: {x.shape[1]} tokens in, {out.shape[1] - x.shape[1]} out, "
-              f"tau {sum(acc) / max(1, len(acc)):.2f} ({t2 - t0:.1f}s); so far tau {res['mean_tau']:.2f}, "
-              f"speed-up {res['speedup']:.2f}x" + ("" if torch.equal(ref, out) else ", NOT LOSSLESS"), flush=True)
+        done, x, line = k + 1, torch.tensor([ids], device=a.device), []
+        for name, fn in decode.items():
+            sync(a.device); t0 = time.time()
+            out, acc = fn(x)
+            sync(a.device)
+            r = runs[name]
+            r["seconds"] += time.time() - t0; r["tokens"] += out.shape[1] - x.shape[1]
+            r["hist"].update(acc)
+            if name == "target":
+                ref = out
+                continue
+            if not torch.equal(ref, out):
+                r["mismatches"].append(describe_mismatch(target, x, ref, out, a.skip + k))
+            line.append(f"{name} tau {sum(acc) / max(1, len(acc)):.2f}" + ("" if torch.equal(ref, out) else " NOT LOSSLESS"))
+        res = summarise(done, runs, a, bs)
+        print(f"[eval] prompt {k + 1}/{len(prompts)}: {x.shape[1]} tokens in, {ref.shape[1] - x.shape[1]} out, "
+              f"{', '.join(line)}; so far tau {res['dflash']['mean_tau']:.2f} (n-gram {res['ngram']['mean_tau']:.2f}), "
+              f"speed-up {res['dflash']['speedup']:.2f}x", flush=True)
         if a.json and (k + 1) % 10 == 0:   # partial results survive a run that is stopped early
             write_json(a.json, res)
-    return report(summarise(done, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs), a.json)
+    return report(summarise(done, runs, a, bs), a.json)
 
 
 def report(res, json_path):
     """Print a result (one run's or merged) and write it; exit status 1 if any prompt was lossy."""
-    bs, hist = res["block_size"], {int(k): v for k, v in res["histogram"].items()}
-    print(f"\nmean acceptance length tau = {res['mean_tau']:.3f} over {res['rounds']} rounds (block {bs})")
-    print("histogram of acceptance lengths:\n" + format_histogram(hist, bs))
-    print(f"target-only greedy: {res['target_tok_s']:8.1f} tok/s\nDFlash speculative: {res['dflash_tok_s']:8.1f} "
-          f"tok/s\nspeed-up: {res['speedup']:.2f}x")
-    print(f"lossless: {res['lossless']}/{res['prompts']} prompts identical to target greedy"
-          + ("" if res["complete"] else f" (incomplete: {res['prompts']} of {res['requested']} prompts)"))
+    bs, n = res["block_size"], res["prompts"]
+    print(f"\n{'':16s} {'tau':>6s} {'tok/s':>9s} {'speed-up':>9s}  lossless\n{'target greedy':16s} {'':6s} "
+          f"{res['target_tok_s']:9.1f} {1:8.2f}x")
+    for m, label in METHODS.items():
+        r = res[m]
+        print(f"{label:16s} {r['mean_tau']:6.3f} {r['tok_s']:9.1f} {r['speedup']:8.2f}x  {r['lossless']}/{n}")
+    print(f"acceptance lengths (rounds; block {bs}):  {'DFlash':>8s} {'n-gram':>8s}")
+    hists = [{int(k): v for k, v in res[m]["histogram"].items()} for m in METHODS]
+    print(format_histogram(*hists, bs=bs))
+    if not res["complete"]:
+        print(f"(incomplete: {n} of {res['requested']} prompts)")
     if json_path:
         write_json(json_path, res)
-    for m in res["mismatches"]:
-        print(f"ERROR: prompt {m['prompt']}: speculative output differs from target greedy at new token "
-              f"{m['at']} (target logit margin there {m['margin']:.2e})")
-    return 1 if res["mismatches"] else 0
+    bad = [(m, x) for m in METHODS for x in res[m]["mismatches"]]
+    for m, x in bad:
+        print(f"ERROR: prompt {x['prompt']}: {METHODS[m]} output differs from target greedy at new token "
+              f"{x['at']} (target logit margin there {x['margin']:.2e})")
+    return 1 if bad else 0
 
 
 def merge(paths, json_path):
@@ -162,20 +172,26 @@ def merge(paths, json_path):
         for k in ("target", "drafter", "prompt_files", "max_prompt_tokens", "max_new_tokens", "dtype", "block_size"):
             if r.get(k) != first.get(k):
                 raise SystemExit(f"error: {path} has {k} {r.get(k)}, {parts[0][2]} {first.get(k)}: not one measurement")
-    runs = [p[3] for p in parts]
-    hist = collections.Counter()
-    for r in runs:
-        hist.update({int(k): v for k, v in r["histogram"].items()})
+    runs = {m: {"hist": collections.Counter(), "tokens": 0, "seconds": 0.0, "mismatches": []}
+            for m in ("target", *METHODS)}
+    for _, _, _, r in parts:
+        for m, run in runs.items():
+            src = r if m == "target" else r[m]
+            run["tokens"] += src[f"{m}_tokens" if m == "target" else "tokens"]
+            run["seconds"] += src[f"{m}_seconds" if m == "target" else "seconds"]
+            if m != "target":
+                run["hist"].update({int(k): v for k, v in src["histogram"].items()})
+                run["mismatches"] += src["mismatches"]
     gaps = [f"{e0 + 1}-{s1}" for (_, e0, _, _), (s1, _, _, _) in zip(parts, parts[1:]) if s1 > e0]
     last = parts[-1][3]
-    res = {"prompts": sum(r["prompts"] for r in runs), "requested": last["skip"] + last["requested"] - parts[0][0],
-           **measures(hist, *(sum(r[k] for r in runs) for k in RAW_SUMS)),
-           "lossless": sum(r["lossless"] for r in runs), "mismatches": [m for r in runs for m in r["mismatches"]],
-           "skip": parts[0][0], "max_new_tokens": first["max_new_tokens"], "dtype": first["dtype"],
-           "block_size": first["block_size"], "device": ", ".join(sorted({r["device"] for r in runs})),
-           "merged": [p[2] for p in parts]}
+    a = argparse.Namespace(**{k: first[k] for k in ("skip", "target", "drafter", "prompt_files", "max_prompt_tokens",
+                                                     "max_new_tokens", "dtype", "device")},
+                           requested=last["skip"] + last["requested"] - parts[0][0])
+    a.prompts, a.device = first["prompt_files"], ", ".join(sorted({r["device"] for r in (p[3] for p in parts)}))
+    res = summarise(sum(p[3]["prompts"] for p in parts), runs, a, first["block_size"])
     res["complete"] = not gaps and last["complete"]     # (an earlier part cut short leaves a gap, or none)
-    print(f"[eval] merged {len(runs)} results: prompts {parts[0][0] + 1}-{parts[-1][1]}"
+    res["merged"] = [p[2] for p in parts]
+    print(f"[eval] merged {len(parts)} results: prompts {parts[0][0] + 1}-{parts[-1][1]}"
           + (f" (not measured: {', '.join(gaps)})" if gaps else ""))
     return report(res, json_path)
 
@@ -190,31 +206,35 @@ def stop_token_ids(tok, target):
     return sorted(t for t in ids if isinstance(t, int) and t >= 0)
 
 
-def format_histogram(hist, bs):
-    """One bar per acceptance length 1..bs; all zero when no prompt ran a drafting round (each ended at
-    its first token: a stop id or --max-new-tokens 1)."""
-    top = max(hist.values(), default=0)
-    return "\n".join(f"  {L:2d} {hist.get(L, 0):7d} {'#' * int(60 * hist.get(L, 0) / max(1, top))}"
-                     for L in range(1, bs + 1))
+def format_histogram(*hists, bs):
+    """A row per acceptance length 1..bs: each method's count of rounds, a bar for the first; all zero
+    when no prompt ran a drafting round (each ended at its first token: a stop id or --max-new-tokens 1)."""
+    top = max(hists[0].values(), default=0)
+    return "\n".join(f"  {L:2d} " + " ".join(f"{h.get(L, 0):8d}" for h in hists)
+                     + f" {'#' * int(40 * hists[0].get(L, 0) / max(1, top))}" for L in range(1, bs + 1))
 
 
-RAW_SUMS = ("target_tokens", "target_seconds", "dflash_tokens", "dflash_seconds")
-
-
-def measures(hist, n_ref, t_ref, n_spec, t_spec):
-    """Tau, histogram and rates from the histogram and the raw sums (kept in the result for --merge)."""
-    rounds = sum(hist.values())
+def measures(run, target):
+    """Tau, histogram, rate and speed-up of one method from its counts and the target's (kept for --merge)."""
+    hist, rounds = run["hist"], sum(run["hist"].values())
+    tok_s = run["tokens"] / max(run["seconds"], 1e-9)
     return {"mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
-            "histogram": dict(sorted(hist.items())), "target_tok_s": n_ref / t_ref, "dflash_tok_s": n_spec / t_spec,
-            "speedup": (n_spec / t_spec) / (n_ref / t_ref), **dict(zip(RAW_SUMS, (n_ref, t_ref, n_spec, t_spec)))}
+            "histogram": dict(sorted(hist.items())), "tok_s": tok_s,
+            "speedup": tok_s / max(target["tokens"] / max(target["seconds"], 1e-9), 1e-9),
+            "tokens": run["tokens"], "seconds": run["seconds"], "mismatches": run["mismatches"]}
 
 
-def summarise(n_prompts, hist, n_ref, t_ref, n_spec, t_spec, mismatches, a, bs):
-    return {"prompts": n_prompts, "complete": n_prompts == a.requested, "requested": a.requested,
-            **measures(hist, n_ref, t_ref, n_spec, t_spec), "lossless": n_prompts - len(mismatches),
-            "skip": a.skip, "target": a.target, "drafter": a.drafter, "prompt_files": a.prompts,
-            "max_prompt_tokens": a.max_prompt_tokens, "block_size": bs,
-            "mismatches": mismatches, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "device": str(a.device)}
+def summarise(n_prompts, runs, a, bs):
+    t = runs["target"]
+    res = {"prompts": n_prompts, "complete": n_prompts == a.requested, "requested": a.requested,
+           "target_tokens": t["tokens"], "target_seconds": t["seconds"],
+           "target_tok_s": t["tokens"] / max(t["seconds"], 1e-9), "skip": a.skip, "target": a.target,
+           "drafter": a.drafter, "prompt_files": a.prompts, "max_prompt_tokens": a.max_prompt_tokens,
+           "block_size": bs, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "device": str(a.device)}
+    for m in METHODS:
+        res[m] = measures(runs[m], t)
+        res[m]["lossless"] = n_prompts - len(runs[m]["mismatches"])
+    return res
 
 
 def write_json(path, result):

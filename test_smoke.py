@@ -906,9 +906,9 @@ def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
     trainer = tr.Trainer(cfg, log=lambda m: None)
     trainer.setup()
     trainer.build_models()
-    dcfg, drafters = warmup.build_drafters(cfg)
+    dcfg, drafters, shapes = warmup.build_drafters(cfg)
     mine, theirs = drafters[0], trainer.replicas.drafters[0]
-    assert dcfg == trainer.dcfg and len(drafters) == len(trainer.replicas.drafters) == 1
+    assert dcfg == trainer.dcfg and shapes == trainer.shapes and len(drafters) == len(trainer.replicas.drafters) == 1
     assert dcfg.mask_token_id == 511                                # the trainer's pick for a tokenizer-less target
     assert [(n, p.dtype, p.shape, p.requires_grad) for n, p in mine.named_parameters()] == \
         [(n, p.dtype, p.shape, p.requires_grad) for n, p in theirs.named_parameters()]
@@ -983,13 +983,43 @@ def test_eval_stop_ids_take_the_generation_config_eos_list():
     assert eval_dflash.stop_token_ids(chatml_tok, target) == [1, 3]
 
 
+def test_ngram_lookup_tau_on_a_hand_made_sequence_equals_the_hand_count():
+    """A hand-made target whose greedy next token is a table lookup (1->2->3->4->1, one-hot embeddings,
+    the layers' outputs zeroed, the LM head the table): after the prompt 5 1 2 6 3 4 it emits 1 2 3 4 ...
+    By hand, block 4 (up to 3 proposed): context ..4 1: last 3 and 2 unmatched, "1" matched at index 1
+    -> 2 6 3, one accepted + 3 (length 2); ..1 2 3: "3" at index 4 -> 4 1 2, all accepted + 3 (4); then
+    "1 2 3" matched at 6 -> 4 1 2, all accepted, cut at 10 new tokens (4). Rounds 2, 4, 4."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import dflash_model as dm
+    V = 8
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=V, intermediate_size=8, num_hidden_layers=1,
+                                         num_attention_heads=1, num_key_value_heads=1, head_dim=V,
+                                         tie_word_embeddings=False)).eval()
+    table = {1: 2, 2: 3, 3: 4, 4: 1}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(V))
+        model.model.norm.weight.fill_(1.0)
+        for a, b in table.items():
+            model.lm_head.weight[b, a] = 1.0
+    prompt = torch.tensor([[5, 1, 2, 6, 3, 4]])
+    ref = dm.target_greedy(model, prompt, 10)
+    assert ref[0, 6:].tolist() == [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    out, rounds = dm.ngram_generate(model, prompt, 10, block_size=4)
+    assert torch.equal(out, ref) and rounds == [2, 4, 4], rounds
+    assert dm.ngram_propose([5, 1, 2, 6, 3, 4, 1], 3) == [2, 6, 3] and dm.ngram_propose([7, 8], 3) == []
+
+
 def test_eval_histogram_without_drafting_rounds():
     import collections
     import eval_dflash
-    empty = eval_dflash.format_histogram(collections.Counter(), 4).splitlines()    # no rounds: all zero, no error
+    empty = eval_dflash.format_histogram(collections.Counter(), bs=4).splitlines()    # no rounds: all zero, no error
     assert [line.split() for line in empty] == [["1", "0"], ["2", "0"], ["3", "0"], ["4", "0"]]
-    bars = eval_dflash.format_histogram(collections.Counter({1: 2, 3: 4}), 4).splitlines()
-    assert [line.count("#") for line in bars] == [30, 0, 60, 0]
+    bars = eval_dflash.format_histogram(collections.Counter({1: 2, 3: 4}), bs=4).splitlines()
+    assert [line.count("#") for line in bars] == [20, 0, 40, 0]
+    two = eval_dflash.format_histogram(collections.Counter({1: 2}), collections.Counter({2: 5}), bs=2).splitlines()
+    assert [line.split()[:3] for line in two] == [["1", "2", "0"], ["2", "0", "5"]]
 
 
 if __name__ == "__main__":

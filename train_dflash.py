@@ -103,8 +103,8 @@ class Trainer:
         if not cfg.target:          # the embedded default, prepared once in the cache
             self.tpath, default_data = data_dflash.prepare_embedded_default(cfg.cache_dir)
             files = files or [default_data]
-        tcfg, self.tok = config.load_target_config(self.tpath)
-        self.dcfg = config.make_drafter_config(cfg, tcfg, self.tok)
+        self.tcfg, self.tok = config.load_target_config(self.tpath)
+        self.dcfg = config.make_drafter_config(cfg, self.tcfg, self.tok)
         self.gamma = cfg.gamma or config.default_gamma(cfg.block_size)
         self.pad_id = 0 if self.tok is None else (
             self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id)
@@ -113,13 +113,14 @@ class Trainer:
         log(f"[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {self.gamma}, attention {self.attn}"
             + (" (CPU: FlexAttention has no backward, dense-mask SDPA)" if self.ddevs[0].type == "cpu" else ""))
         self.data, self.heldout = load_data(cfg, files, self.tok, self.dcfg.vocab_size, self.rank, log)
-        self.stream = BatchStream(cfg, [len(x) for x in self.data["input_ids"]], self.rank, self.world)
+        self.shapes = config.shape_plan(cfg, self.dcfg, config.batch_memory(self.dcfg, self.tcfg, self.tdevs, self.ddevs))
+        self.stream = BatchStream(cfg, [len(x) for x in self.data["input_ids"]], self.rank, self.world,
+                                  {S: B for B, S, _ in self.shapes})
         self.per_step = len(self.ddevs) * cfg.grad_accum             # batches per optimiser step (this node)
         steps_per_epoch = max(1, self.stream.nb // self.per_step)
         # shards differ in size: all ranks must agree (the same schedule, no hang at the end)
         self.total_steps = min(gather_ints(self.world, cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))))
         self.nb_by_rank = gather_ints(self.world, self.stream.nb)   # a rank's resume position is read against its own
-        self.shapes = config.shape_plan(cfg)
         if self.attn == "flex" and any(S % 128 for _, S, _ in self.shapes):
             raise SystemExit(f"error: flex attention needs bucket lengths that are multiples of 128, got "
                              f"{[S for _, S, _ in self.shapes]} (set --buckets / --max-length)")
@@ -479,12 +480,12 @@ class BatchStream:
     """Batch j of a flat stream over the epochs: (bucket length, sample indices) of this rank's shard,
     in an order fixed by (seed, epoch)."""
 
-    def __init__(self, cfg, lengths, rank, world):
+    def __init__(self, cfg, lengths, rank, world, rows):
         self.cfg = cfg
         self.indices = list(range(rank, len(lengths), world))          # this node's shard
         self.lengths = [lengths[i] for i in self.indices]
         self.buckets = config.bucket_list(cfg)
-        self.rows = {S: config.batch_size_for(cfg, S, cfg.block_size) for S in self.buckets}   # = shape_plan's
+        self.rows = rows              # bucket length -> rows: the shape plan's
         self.epoch, self.batches = None, None
         self.nb = len(self._epoch(0))
         self.padding_waste = data_dflash.padding_waste(self.lengths, self.batches)
@@ -508,7 +509,7 @@ def prepare_batches(cfg, dcfg, gamma, items):
         anchors, valid = sample_anchors_for(cfg.seed, sids, lm, lengths, A, cfg.block_size)
         w = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, gamma)[3]
         wsum += float(w[:, :, 1:].sum())
-        flops += batch_flops(dcfg, S, anchors, valid)
+        flops += dm.batch_flops(dcfg, S, anchors, valid)
         prepared.append((S, ids, lm, feats, anchors, valid))
     return prepared, wsum, flops
 
@@ -541,36 +542,7 @@ def synthetic_data(spec, length, vocab, seed):
     return {"input_ids": ids, "loss_mask": masks}
 
 
-# --- FLOPs ----------------------------------------------------------------------------------------
-
-
-def drafter_matmul_flops(c, S, A):
-    """FLOPs of the drafter's matmuls in one forward+backward of one sequence (tested equal to torch's
-    FLOP counter). A trainable matmul costs 3x its forward (forward, input grads, weight grads), the fc
-    over the target's features 2x (they need no gradient); the frozen LM head costs 2 matmuls (logits,
-    grad w.r.t. the hidden states) on the A*(bs-1) scored rows."""
-    Q = A * c.block_size
-    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
-    qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * I * 3
-    fc = 2 * S * len(c.target_layer_ids) * H * H
-    head = 2 * 2 * Q * (c.block_size - 1) / c.block_size * H * V
-    return 2 * fc + 3 * c.num_draft_layers * layer + head
-
-
-def drafter_step_flops(c, S, A, ctx):
-    """Matmuls plus attention over the visible keys only (ctx context keys, the mean anchor position,
-    + the block's own bs), forward (QK^T and PV) and backward (2x the forward)."""
-    return drafter_matmul_flops(c, S, A) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
-        c.num_attention_heads * c.head_dim * (ctx + c.block_size)
-
-
-def batch_flops(c, S, anchors, valid):
-    """FLOPs of one drafter step on a (B, S) batch: its shape as it runs (padding included: the MFU is
-    of the device), attention from each row's own valid anchors."""
-    A = anchors.shape[1]
-    return sum(drafter_step_flops(c, S, A, float(a[v].float().mean()) if bool(v.any()) else 0.0)
-               for a, v in zip(anchors, valid))
+# --- MFU ----------------------------------------------------------------------------------------
 
 
 def measure_peak_flops(dev):

@@ -115,7 +115,7 @@ def format_table(rows):
 
 
 def build_drafters(cfg):
-    """The drafter replicas train_dflash.py builds for `cfg`, without the target's weights: its model on
+    """The drafter replicas and the shape plan train_dflash.py builds for `cfg`, without the target's weights: its model on
     the meta device gives the embedding and LM head shapes and whether they are one tensor, and empty
     tensors of the target's dtype stand in (a compile reads layouts, never values)."""
     from transformers import AutoModelForCausalLM
@@ -133,16 +133,15 @@ def build_drafters(cfg):
     for d in ddevs:
         drafters.append(config.new_drafter(dcfg, emb, head, d, cfg.seed))
         cast_weights(drafters[-1].parameters(), config.param_dtype(d))     # as the trainer's optimiser does
-    return dcfg, drafters
+    return dcfg, drafters, config.shape_plan(cfg, dcfg, config.batch_memory(dcfg, tcfg, tdevs, ddevs))
 
 
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
-    dcfg, drafters = build_drafters(cfg)
+    dcfg, drafters, shapes = build_drafters(cfg)
     attn = config.resolve_attn(cfg, drafters[0].fc.weight.device)
     if attn == "flex":
         use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
-    shapes = config.shape_plan(cfg)
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, attention {attn}")
     rows = warm_up(drafters, shapes, cfg.gamma or config.default_gamma(dcfg.block_size), attn, cfg.on_unwarmed)
     print(format_table(rows))
