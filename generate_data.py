@@ -1,0 +1,295 @@
+"""Regenerate the assistant turns of chat data with the target itself (the DFlash recipe trains the drafter on
+the target's own answers), turn by turn on the regenerated context, in the target's chat template.
+
+    python generate_data.py --out data/regen.jsonl                       # the embedded default
+    python generate_data.py --target Qwen/Qwen3-8B --data sharegpt.json --out data/qwen3_regen.jsonl
+    python train_dflash.py --target Qwen/Qwen3-8B --data data/qwen3_regen.jsonl
+
+Greedy unless --temperature > 0. A conversation stops before the turn whose prompt + answer would pass
+--max-length. One worker process per device takes shards of --shard-size conversations and writes each
+atomically to <out>.shards/: a stopped run goes on where it was and gives the same file. Then the shards
+become <out> and <out>.manifest.json (settings, sources, counts); a run on a finished <out> only says so.
+Speed: prompts sorted by length within a shard, batches of exactly --batch-size left-padded rows, a reused
+static KV cache of a length rounded up to 512: the decode step transformers compiles on a GPU sees few shapes.
+"""
+import argparse
+import hashlib
+import json
+import os
+import queue
+import shutil
+import signal
+import sys
+import time
+from collections import Counter
+
+import torch
+
+import data_dflash
+import pipeline
+
+CACHE_STEP = 512  # static cache lengths are multiples of this: few shapes to compile, little attention waste
+SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--target", default="", help="HF folder or hub name; '' = the embedded default")
+    p.add_argument("--data", nargs="+", default=[], help="chat / ShareGPT JSON(L) files; none = the embedded default")
+    p.add_argument("--out", required=True, help="the regenerated chat JSONL")
+    p.add_argument("--cache-dir", default=".cache", help="where the embedded default is prepared")
+    p.add_argument("--max-samples", type=int, default=0, help="the first N conversations (0 = all)")
+    p.add_argument("--max-length", type=int, default=3072, help="prompt + answer tokens, as in training")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; shard i uses seed + i")
+    p.add_argument("--batch-size", type=int, default=None, help="rows per decode batch (default 256 on GPUs, 8 on CPU)")
+    p.add_argument("--shard-size", type=int, default=1024, help="conversations per shard (the restart unit)")
+    p.add_argument("--devices", default="", help="comma-separated (default: every visible GPU, else cpu)")
+    a = p.parse_args(argv)
+    if a.target and not a.data:
+        p.error("--target needs --data (the embedded default's data goes with its own target)")
+    n_gpu = torch.cuda.device_count()
+    a.devices = a.devices.split(",") if a.devices else [f"cuda:{i}" for i in range(n_gpu)] or ["cpu"]
+    a.batch_size = a.batch_size or (256 if a.devices[0].startswith("cuda") else 8)
+    return a
+
+
+def weights_hash(target):
+    """sha256 over the folder's *.safetensors files (a hub name stands for itself)."""
+    if not os.path.isdir(target):
+        return f"hub:{target}"
+    h = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(target) if f.endswith(".safetensors")):
+        h.update(name.encode())
+        with open(os.path.join(target, name), "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write(path, text):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# one shard: regenerate turn by turn, in length-sorted batches
+
+def prompt_ids(tok, regen, max_length):
+    """(chat-template ids of the context + generation prompt, None) or (None, why the turn is not answered)."""
+    roles = [m["role"] for m in regen if m["role"] != "system"]
+    if not roles or roles[-1] != "user":
+        return None, "assistant turn without a user turn before it"
+    try:
+        ids = list(tok.apply_chat_template(regen, add_generation_prompt=True)["input_ids"])
+    except Exception:  # noqa: BLE001 - a template that refuses a conversation (jinja2 raises): counted
+        return None, "chat template error"
+    return (ids, None) if len(ids) <= max_length - 1 else (None, "prompt longer than max length")
+
+
+@torch.no_grad()
+def generate_batch(model, prompts, a, stops, pad_id, caches):
+    """[(new ids without the stop token, finished)] per prompt. The batch is filled up to --batch-size rows
+    with copies of the first prompt, so the compiled decode step always sees the same batch size."""
+    rows = prompts + [prompts[0]] * (a.batch_size - len(prompts))
+    P, dev = max(map(len, rows)), model.device
+    ids, mask = torch.full((len(rows), P), pad_id, dtype=torch.long), torch.zeros(len(rows), P, dtype=torch.long)
+    for r, p in enumerate(rows):  # left padding: every row's answer starts at column P
+        ids[r, P - len(p):], mask[r, P - len(p):] = torch.tensor(p), 1
+    # a row longer than max-length - shortest prompt is dropped anyway: no need to decode further
+    new = max(1, min(a.max_new_tokens, a.max_length - min(map(len, prompts))))
+    cache_len = -(-(P + new) // CACHE_STEP) * CACHE_STEP
+    if cache_len not in caches:  # one cache per length, reused: its tensors keep their addresses
+        from transformers import StaticCache
+        caches[cache_len] = StaticCache(config=model.config, max_cache_len=cache_len)
+    caches[cache_len].reset()
+    sample = dict(do_sample=True, temperature=a.temperature, top_p=a.top_p, top_k=0) if a.temperature > 0 \
+        else dict(do_sample=False)
+    out = model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new, pad_token_id=pad_id,
+                         past_key_values=caches[cache_len], eos_token_id=stops, **sample)[:len(prompts), P:].tolist()
+    results = []
+    for p, row in zip(prompts, out):  # finished: the stop token came within both limits
+        budget = min(a.max_new_tokens, a.max_length - len(p))
+        end = next((i for i, t in enumerate(row[:budget]) if t in stops), None)
+        results.append((row[:budget], False) if end is None else (row[:end], True))
+    return results
+
+
+def run_shard(model, tok, convs, a, stops, caches):
+    """(regenerated conversations, stats) of one shard; depends on its conversations only."""
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+    st, todo, done = Counter(), {k: (msgs, []) for k, msgs in enumerate(convs)}, {}
+    while todo:  # a round answers the next assistant turn of every conversation still going
+        pending = []
+        for k, (msgs, regen) in list(todo.items()):
+            while msgs[len(regen)]["role"] != "assistant":  # system and user turns are kept as they are
+                regen.append(dict(msgs[len(regen)]))
+            ids, why = prompt_ids(tok, regen, a.max_length)
+            if ids is None:
+                finish(k, todo, done, st, why)
+            else:
+                pending.append((len(ids), k, ids))
+        pending.sort(key=lambda x: (x[0], x[1]))
+        for b in range(0, len(pending), a.batch_size):
+            batch = pending[b:b + a.batch_size]
+            for (_, k, _), (new, finished) in zip(batch, generate_batch(model, [x[2] for x in batch], a, stops,
+                                                                        pad_id, caches)):
+                msgs, regen = todo[k]
+                st["generated_tokens"] += len(new) + finished
+                if not finished and len(new) < a.max_new_tokens:  # the answer would pass max-length
+                    finish(k, todo, done, st, "answer beyond max length")
+                    continue
+                st["hit_max_new_tokens"] += not finished
+                st["answers"] += 1
+                regen.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()})
+                if not any(m["role"] == "assistant" for m in msgs[len(regen):]):
+                    finish(k, todo, done, st)
+    return [done[k] for k in sorted(done)], st
+
+
+def finish(k, todo, done, st, why=None):
+    """Conversation k ends: kept up to its last regenerated answer (cut there, for `why`), or dropped."""
+    regen = todo.pop(k)[1]
+    while regen and regen[-1]["role"] != "assistant":
+        regen.pop()
+    if regen:
+        done[k] = regen
+    if why:
+        st[f"{'cut' if regen else 'skipped'}: {why}"] += 1
+
+
+# -----------------------------------------------------------------------------
+# workers: one process per device, shards from a queue
+
+def worker(device, jobs, a, shards_dir, n_shards):
+    """Regenerate the shards taken from the queue `jobs` ((index, conversations); None ends) on `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import eval_dflash
+    gpu = device.startswith("cuda")
+    if gpu:
+        torch.cuda.set_device(device)
+        # a static decode graph per cache length (8 with the defaults), rather than a dynamic-shape one
+        torch._dynamo.config.recompile_limit = max(16, (a.max_length + a.max_new_tokens) // CACHE_STEP + 4)
+    tok = AutoTokenizer.from_pretrained(a.target)
+    model = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.bfloat16 if gpu else torch.float32)
+    model = model.to(device).eval()
+    stops, caches = eval_dflash.stop_token_ids(tok, model), {}
+    for n, (i, convs) in enumerate(iter(jobs.get, None), 1):
+        if a.temperature > 0:
+            torch.manual_seed(a.seed + i)  # a restarted shard samples as it would have uninterrupted
+        t0 = time.time()
+        out, st = run_shard(model, tok, convs, a, stops, caches)
+        st.update(conversations=len(convs), written=len(out), seconds=time.time() - t0)
+        path = os.path.join(shards_dir, f"shard_{i:05d}")
+        atomic_write(path + ".json", json.dumps(st))  # counts first: the .jsonl marks the shard done
+        data_dflash.write_chat_jsonl(path + ".jsonl", out)
+        print(f"[gen] shard {i + 1}/{n_shards} on {device}: {len(convs)} conversations, {st['answers']} answers, "
+              f"{st['generated_tokens']:,} tokens in {st['seconds']:.1f} s "
+              f"({st['generated_tokens'] / st['seconds'] / 1e3:.1f}K tok/s)", flush=True)
+        if pipeline.fault("gen_kill") == n:  # tests only: a worker killed right after its n-th shard
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_workers(a, pending, shards_dir, n_shards):
+    """One process per device (not threads: their compiles would race); one device works in this process."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    q = queue.Queue() if len(a.devices) == 1 else ctx.Queue()
+    for job in pending + [None] * len(a.devices):
+        q.put(job)
+    if len(a.devices) == 1:
+        return worker(a.devices[0], q, a, shards_dir, n_shards)
+    procs = [ctx.Process(target=worker, args=(d, q, a, shards_dir, n_shards)) for d in a.devices]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if bad := [f"{d} (exit code {p.exitcode})" for d, p in zip(a.devices, procs) if p.exitcode]:
+        raise SystemExit(f"error: the worker on {', '.join(bad)} failed; run again to go on from the shards done")
+
+
+# -----------------------------------------------------------------------------
+# main: settings, shards, then the output and its manifest
+
+def settings_of(a):
+    """What decides the result (the batch size does not, for greedy decoding)."""
+    return {"target": a.target, "target_sha256": weights_hash(a.target),
+            "sources": [{"path": os.path.abspath(f), "size": os.stat(f).st_size, "mtime_ns": os.stat(f).st_mtime_ns}
+                        for f in a.data], **{k: getattr(a, k) for k in SETTINGS}}
+
+
+def same_settings(path, settings):
+    """False if `path` does not exist, True if it holds `settings`, else an error."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        old = json.load(f)
+    if diff := [k for k in settings if old.get("settings", old).get(k) != settings[k]]:
+        raise SystemExit(f"error: {path} was made with other settings ({', '.join(diff)}): use another --out "
+                         f"or delete {os.path.dirname(path) if path.endswith('settings.json') else path}")
+    return True
+
+
+def main(argv=None):
+    a, t_start = parse_args(sys.argv[1:] if argv is None else argv), time.time()
+    if not a.target:  # the embedded default: its target, and its data unless --data is given
+        a.target, data_jsonl = data_dflash.prepare_embedded_default(a.cache_dir)
+        a.data = a.data or [data_jsonl]
+    if missing := [f for f in a.data if not os.path.isfile(f)]:
+        raise SystemExit(f"error: data file not found: {', '.join(missing)}")
+    settings, manifest, shards_dir = settings_of(a), a.out + ".manifest.json", a.out + ".shards"
+    if os.path.isfile(a.out) and same_settings(manifest, settings):
+        print(f"[gen] {a.out} is done ({manifest}): nothing to do")
+        return 0
+    convs, skipped = data_dflash.load_conversations(a.data)
+    n_usable, convs = len(convs), convs[:a.max_samples or None]
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
+    print(f"[gen] {n_usable + sum(skipped.values())} records: {n_usable} conversations, {len(convs)} taken | "
+          f"skipped: {reasons}")
+    if not convs:
+        raise SystemExit(f"error: no usable conversation in {', '.join(a.data)} (skipped: {reasons})")
+    os.makedirs(shards_dir, exist_ok=True)
+    if not same_settings(os.path.join(shards_dir, "settings.json"), settings):
+        atomic_write(os.path.join(shards_dir, "settings.json"), json.dumps(settings, indent=1))
+    shards = [convs[i:i + a.shard_size] for i in range(0, len(convs), a.shard_size)]
+    path = os.path.join(shards_dir, "shard_{:05d}").format
+    pending = [(i, s) for i, s in enumerate(shards) if not os.path.isfile(path(i) + ".jsonl")]
+    print(f"[gen] {len(shards)} shards of up to {a.shard_size} conversations, {len(shards) - len(pending)} done "
+          f"before; target {a.target} on {', '.join(a.devices)}, batch {a.batch_size}", flush=True)
+    t0 = time.time()
+    run_workers(a, pending, shards_dir, len(shards))
+    t_gen, total, ran, this_run = time.time() - t0, Counter(skipped), {i for i, _ in pending}, 0
+    with open(tmp := f"{a.out}.tmp{os.getpid()}", "wb") as out:  # renamed when whole: <out> means done
+        for i in range(len(shards)):
+            with open(path(i) + ".jsonl", "rb") as f:
+                shutil.copyfileobj(f, out)
+            with open(path(i) + ".json") as f:
+                total.update(st := json.load(f))
+            this_run += st["generated_tokens"] if i in ran else 0
+    os.replace(tmp, a.out)
+    skips = {k: v for k, v in sorted(total.items()) if k in skipped or k.startswith(("skipped: ", "cut: "))}
+    counts = {"records_skipped_on_load": sum(skipped.values()), "usable": n_usable, "conversations_in": len(convs),
+              "written": total["written"], "skipped": skips, "turns_regenerated": total["answers"],
+              **{k: total[k] for k in ("generated_tokens", "hit_max_new_tokens")}}
+    import transformers
+    run = {"shards": len(ran), "generated_tokens": this_run, "tok_s": this_run / t_gen, "generation_seconds": t_gen,
+           "wall_seconds": time.time() - t_start, "devices": a.devices, "batch_size": a.batch_size}
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    atomic_write(manifest, json.dumps({"out": os.path.abspath(a.out), "settings": settings, "counts": counts,
+                                       "this_run": run, "shard_seconds": total["seconds"], "versions": versions},
+                                      indent=1))
+    shutil.rmtree(shards_dir)  # <out> and its manifest hold everything: the shards would double the disk use
+    skips = ", ".join(f"{k}={v}" for k, v in skips.items()) or "none"
+    print(f"[gen] done: {counts['written']} conversations, {counts['turns_regenerated']} answers, "
+          f"{counts['generated_tokens']:,} tokens ({run['tok_s'] / 1e3:.1f}K tok/s this run, load and compile "
+          f"included), {run['wall_seconds']:.1f} s | skipped: {skips} -> {a.out}\n"
+          f"[gen] train on it: python train_dflash.py --target {a.target} --data {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""CPU tests of generate_data.py: a tiny random Llama target (test_train's helper, SmolLM2 tokenizer)
+regenerates the assistant turns of small chat files. Faults come through DFLASH_FAULT, never an option."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import data_dflash as D
+import eval_dflash
+import generate_data as G
+from test_train import REPO, _save_tiny, child_env, embedded, run_cmd, tok  # noqa: F401 - fixtures
+
+NEW = 12  # new tokens per answer: a tiny random model rarely stops by itself
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    # initializer_range 0.3: greedy answers are varied text, not a run of one special token
+    return _save_tiny(tmp_path_factory.mktemp("target"), LlamaConfig, LlamaForCausalLM, tok, initializer_range=0.3)
+
+
+def chats(path, n=3, extra=()):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"messages": [
+                {"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+                {"role": "assistant", "content": "an old answer"},
+                {"role": "user", "content": "And in words?" + " Please." * i},
+                {"role": "assistant", "content": "another old answer"}]}) + "\n")
+        for line in extra:
+            f.write(line + "\n")
+    return str(path)
+
+
+def generate(target, data, out, *more):
+    return G.main(["--target", target, "--data", data, "--out", str(out), "--max-new-tokens", str(NEW),
+                   "--batch-size", "2", *map(str, more)])
+
+
+def manifest(out):
+    with open(f"{out}.manifest.json") as f:
+        return json.load(f)
+
+
+def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(target, tok, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+    src, out = chats(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    assert generate(target, src, out) == 0
+    convs, skipped = D.load_conversations([str(out)])
+    before, _ = D.load_conversations([src])
+    assert not skipped and len(convs) == 3
+    assert [[m["role"] for m in c] for c in convs] == [[m["role"] for m in c] for c in before]
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    stops = eval_dflash.stop_token_ids(tok, model)
+    for conv in convs:
+        for t in (2, 4):  # each answer is greedy on the *regenerated* context before it
+            x = tok.apply_chat_template(conv[:t], add_generation_prompt=True, return_tensors="pt")["input_ids"]
+            y = model.generate(x, max_new_tokens=NEW, do_sample=False, eos_token_id=stops, pad_token_id=stops[0])
+            new = [i for i in y[0, x.shape[1]:].tolist() if i not in stops]
+            assert conv[t]["content"] == tok.decode(new, skip_special_tokens=True).strip()
+            assert conv[t]["content"] != before[0][t]["content"]
+    assert any(c[2]["content"] for c in convs), "every answer empty: the test would prove little"
+    ids, mask = D.tokenize_conversation(tok, convs[0], 256)
+    assert sum(mask) > 0
+    data = D.build_dataset(tok, [str(out)], 256, 4, str(tmp_path / "cache"))
+    assert data["stats"]["samples"] == 3
+    m = manifest(out)
+    assert m["counts"]["written"] == 3 and m["counts"]["turns_regenerated"] == 6 and m["counts"]["skipped"] == {}
+    assert 0 < m["counts"]["generated_tokens"] <= 6 * NEW
+    assert m["settings"]["sources"][0]["path"] == os.path.abspath(src) and len(m["settings"]["target_sha256"]) == 64
+    assert not os.path.exists(f"{out}.shards")
+    assert f"--data {out}" in capsys.readouterr().out
+    assert generate(target, src, out) == 0  # finished: a second run only says so
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(target, tmp_path):
+    src = chats(tmp_path / "in.jsonl")
+    cmd = [sys.executable, str(REPO / "generate_data.py"), "--target", target, "--data", src,
+           "--max-new-tokens", str(NEW), "--batch-size", "2", "--shard-size", "1", "--out"]
+    killed = run_cmd(cmd + [str(tmp_path / "a.jsonl")], env=child_env(DFLASH_FAULT="gen_kill:1"))
+    assert killed.rc == -9, killed.tail()
+    assert os.listdir(tmp_path / "a.jsonl.shards") and not os.path.exists(tmp_path / "a.jsonl")
+    again = run_cmd(cmd + [str(tmp_path / "a.jsonl")])
+    assert again.rc == 0 and "1 done before" in again.out, again.tail()
+    whole = run_cmd(cmd + [str(tmp_path / "b.jsonl")])
+    assert whole.rc == 0, whole.tail()
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+
+
+def test_bad_records_are_counted_by_reason_and_the_good_ones_regenerated(target, tmp_path, capsys):
+    two_replies = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "a"},
+                                {"role": "assistant", "content": "b"}]}
+    no_user = {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}
+    src = chats(tmp_path / "in.jsonl", 2, ['{"messages": [broken', '{"text": "no messages"}',
+                                           json.dumps(no_user), json.dumps(two_replies)])
+    out = tmp_path / "out.jsonl"
+    assert generate(target, src, out) == 0
+    skipped = manifest(out)["counts"]["skipped"]
+    assert skipped == {"malformed record": 2, "no assistant turn": 1,
+                       "cut: assistant turn without a user turn before it": 1}
+    log = capsys.readouterr().out
+    assert "malformed record=2" in log and "no assistant turn=1" in log and "without a user turn" in log
+    convs, _ = D.load_conversations([str(out)])
+    assert [len(c) for c in convs] == [5, 5, 2]  # the reply after a reply is cut, the first one kept
+
+
+def test_empty_input_and_a_restart_with_other_settings_are_errors(target, tmp_path, monkeypatch):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nope": 1}\nnot json\n')
+    with pytest.raises(SystemExit, match="error: no usable conversation"):
+        generate(target, str(bad), tmp_path / "x.jsonl")
+    src, out = chats(tmp_path / "in.jsonl", 1), tmp_path / "out.jsonl"
+    assert generate(target, src, out) == 0
+    with pytest.raises(SystemExit, match="other settings \\(max_new_tokens\\).*another --out"):
+        generate(target, src, out, "--max-new-tokens", NEW + 1)
+    # a run stopped before any shard: its shards folder holds the settings
+    monkeypatch.setattr(G, "run_workers", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        generate(target, src, tmp_path / "y.jsonl")
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match="other settings \\(max_length\\).*delete"):
+        generate(target, src, tmp_path / "y.jsonl", "--max-length", 512)
