@@ -9,8 +9,8 @@ Greedy unless --temperature > 0. A conversation stops before the turn whose prom
 --max-length. One worker process per device takes shards of --shard-size conversations and writes each
 atomically to <out>.shards/: a stopped run goes on where it was and gives the same file. Then the shards
 become <out> and <out>.manifest.json (settings, sources, counts); a run on a finished <out> only says so.
-Speed: prompts sorted by length within a shard, batches of exactly --batch-size left-padded rows, a reused
-static KV cache of a length rounded up to 512: the decode step transformers compiles on a GPU sees few shapes.
+Speed: each round's prompts go to transformers' continuous batching (generate_batch): answers join and leave
+the running batch one by one over a paged KV cache, the decode step graph-captured on a GPU.
 """
 import argparse
 import hashlib
@@ -28,7 +28,6 @@ import torch
 import data_dflash
 import pipeline
 
-CACHE_STEP = 512  # static cache lengths are multiples of this: few shapes to compile, little attention waste
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples")
 
 
@@ -45,7 +44,6 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed; shard i uses seed + i")
-    p.add_argument("--batch-size", type=int, default=None, help="rows per decode batch (default 256 on GPUs, 8 on CPU)")
     p.add_argument("--shard-size", type=int, default=1024, help="conversations per shard (the restart unit)")
     p.add_argument("--devices", default="", help="comma-separated (default: every visible GPU, else cpu)")
     a = p.parse_args(argv)
@@ -53,7 +51,6 @@ def parse_args(argv):
         p.error("--target needs --data (the embedded default's data goes with its own target)")
     n_gpu = torch.cuda.device_count()
     a.devices = a.devices.split(",") if a.devices else [f"cuda:{i}" for i in range(n_gpu)] or ["cpu"]
-    a.batch_size = a.batch_size or (256 if a.devices[0].startswith("cuda") else 8)
     return a
 
 
@@ -93,36 +90,29 @@ def prompt_ids(tok, regen, max_length):
 
 
 @torch.no_grad()
-def generate_batch(model, prompts, a, stops, pad_id, caches):
-    """[(new ids without the stop token, finished)] per prompt. The batch is filled up to --batch-size rows
-    with copies of the first prompt, so the compiled decode step always sees the same batch size."""
-    rows = prompts + [prompts[0]] * (a.batch_size - len(prompts))
-    P, dev = max(map(len, rows)), model.device
-    ids, mask = torch.full((len(rows), P), pad_id, dtype=torch.long), torch.zeros(len(rows), P, dtype=torch.long)
-    for r, p in enumerate(rows):  # left padding: every row's answer starts at column P
-        ids[r, P - len(p):], mask[r, P - len(p):] = torch.tensor(p), 1
-    # a row longer than max-length - shortest prompt is dropped anyway: no need to decode further
-    new = max(1, min(a.max_new_tokens, a.max_length - min(map(len, prompts))))
-    cache_len = -(-(P + new) // CACHE_STEP) * CACHE_STEP
-    if cache_len not in caches:  # one cache per length, reused: its tensors keep their addresses
-        from transformers import StaticCache
-        caches[cache_len] = StaticCache(config=model.config, max_cache_len=cache_len)
-    caches[cache_len].reset()
+def answer(model, prompts, a, stops):
+    """[(new ids without the stop token, finished)] per prompt, by transformers' continuous batching:
+    answers enter and leave the running batch one by one (a long answer holds up no short one), over a
+    paged KV cache of the tokens written so far, the decode step graph-captured on a GPU."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
     sample = dict(do_sample=True, temperature=a.temperature, top_p=a.top_p, top_k=0) if a.temperature > 0 \
         else dict(do_sample=False)
-    out = model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new, pad_token_id=pad_id,
-                         past_key_values=caches[cache_len], eos_token_id=stops, **sample)[:len(prompts), P:].tolist()
+    cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_token_id=stops, pad_token_id=stops[0], **sample)
+    # on a GPU the paged cache is sized from the free memory; on a CPU from the RAM, seconds to set up for
+    # the few answers a CPU run writes: there a cache for 16K tokens
+    cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=2048) if model.device.type == "cpu" else None
+    out = model.generate_batch(inputs=prompts, generation_config=cfg, continuous_batching_config=cb)
+    rows = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[1]))]  # req_<i>
     results = []
-    for p, row in zip(prompts, out):  # finished: the stop token came within both limits
+    for p, row in zip(prompts, rows):  # finished: the stop token came within both limits
         budget = min(a.max_new_tokens, a.max_length - len(p))
         end = next((i for i, t in enumerate(row[:budget]) if t in stops), None)
         results.append((row[:budget], False) if end is None else (row[:end], True))
     return results
 
 
-def run_shard(model, tok, convs, a, stops, caches):
+def run_shard(model, tok, convs, a, stops):
     """(regenerated conversations, stats) of one shard; depends on its conversations only."""
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     st, todo, done = Counter(), {k: (msgs, []) for k, msgs in enumerate(convs)}, {}
     while todo:  # a round answers the next assistant turn of every conversation still going
         pending = []
@@ -133,22 +123,18 @@ def run_shard(model, tok, convs, a, stops, caches):
             if ids is None:
                 finish(k, todo, done, st, why)
             else:
-                pending.append((len(ids), k, ids))
-        pending.sort(key=lambda x: (x[0], x[1]))
-        for b in range(0, len(pending), a.batch_size):
-            batch = pending[b:b + a.batch_size]
-            for (_, k, _), (new, finished) in zip(batch, generate_batch(model, [x[2] for x in batch], a, stops,
-                                                                        pad_id, caches)):
-                msgs, regen = todo[k]
-                st["generated_tokens"] += len(new) + finished
-                if not finished and len(new) < a.max_new_tokens:  # the answer would pass max-length
-                    finish(k, todo, done, st, "answer beyond max length")
-                    continue
-                st["hit_max_new_tokens"] += not finished
-                st["answers"] += 1
-                regen.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()})
-                if not any(m["role"] == "assistant" for m in msgs[len(regen):]):
-                    finish(k, todo, done, st)
+                pending.append((k, ids))
+        for (k, _), (new, finished) in zip(pending, answer(model, [ids for _, ids in pending], a, stops)):
+            msgs, regen = todo[k]
+            st["generated_tokens"] += len(new) + finished
+            if not finished and len(new) < a.max_new_tokens:  # the answer would pass max-length
+                finish(k, todo, done, st, "answer beyond max length")
+                continue
+            st["hit_max_new_tokens"] += not finished
+            st["answers"] += 1
+            regen.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()})
+            if not any(m["role"] == "assistant" for m in msgs[len(regen):]):
+                finish(k, todo, done, st)
     return [done[k] for k in sorted(done)], st
 
 
@@ -173,17 +159,15 @@ def worker(device, jobs, a, shards_dir, n_shards):
     gpu = device.startswith("cuda")
     if gpu:
         torch.cuda.set_device(device)
-        # a static decode graph per cache length (8 with the defaults), rather than a dynamic-shape one
-        torch._dynamo.config.recompile_limit = max(16, (a.max_length + a.max_new_tokens) // CACHE_STEP + 4)
     tok = AutoTokenizer.from_pretrained(a.target)
     model = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.bfloat16 if gpu else torch.float32)
     model = model.to(device).eval()
-    stops, caches = eval_dflash.stop_token_ids(tok, model), {}
+    stops = eval_dflash.stop_token_ids(tok, model)
     for n, (i, convs) in enumerate(iter(jobs.get, None), 1):
         if a.temperature > 0:
             torch.manual_seed(a.seed + i)  # a restarted shard samples as it would have uninterrupted
         t0 = time.time()
-        out, st = run_shard(model, tok, convs, a, stops, caches)
+        out, st = run_shard(model, tok, convs, a, stops)
         st.update(conversations=len(convs), written=len(out), seconds=time.time() - t0)
         path = os.path.join(shards_dir, f"shard_{i:05d}")
         atomic_write(path + ".json", json.dumps(st))  # counts first: the .jsonl marks the shard done
@@ -259,7 +243,7 @@ def main(argv=None):
     path = os.path.join(shards_dir, "shard_{:05d}").format
     pending = [(i, s) for i, s in enumerate(shards) if not os.path.isfile(path(i) + ".jsonl")]
     print(f"[gen] {len(shards)} shards of up to {a.shard_size} conversations, {len(shards) - len(pending)} done "
-          f"before; target {a.target} on {', '.join(a.devices)}, batch {a.batch_size}", flush=True)
+          f"before; target {a.target} on {', '.join(a.devices)}", flush=True)
     t0 = time.time()
     run_workers(a, pending, shards_dir, len(shards))
     t_gen, total, ran, this_run = time.time() - t0, Counter(skipped), {i for i, _ in pending}, 0
@@ -277,7 +261,7 @@ def main(argv=None):
               **{k: total[k] for k in ("generated_tokens", "hit_max_new_tokens")}}
     import transformers
     run = {"shards": len(ran), "generated_tokens": this_run, "tok_s": this_run / t_gen, "generation_seconds": t_gen,
-           "wall_seconds": time.time() - t_start, "devices": a.devices, "batch_size": a.batch_size}
+           "wall_seconds": time.time() - t_start, "devices": a.devices}
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     atomic_write(manifest, json.dumps({"out": os.path.abspath(a.out), "settings": settings, "counts": counts,
                                        "this_run": run, "shard_seconds": total["seconds"], "versions": versions},

@@ -125,7 +125,7 @@ class StepSync:
 
 
 def fault(kind):
-    """Tests only: N of DFLASH_FAULT=kind:N (kinds: target, drafter, kill, ckpt, ckpt_lag), else None."""
+    """Tests only: N of DFLASH_FAULT=kind:N (kinds: target, drafter, kill, ckpt, ckpt_lag, gen_kill), else None."""
     spec = os.environ.get("DFLASH_FAULT", "")
     return int(spec.split(":")[1]) if spec.startswith(kind + ":") else None
 

@@ -38,7 +38,7 @@ def chats(path, n=3, extra=()):
 
 def generate(target, data, out, *more):
     return G.main(["--target", target, "--data", data, "--out", str(out), "--max-new-tokens", str(NEW),
-                   "--batch-size", "2", *map(str, more)])
+                   *map(str, more)])
 
 
 def manifest(out):
@@ -68,6 +68,14 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
     assert sum(mask) > 0
     data = D.build_dataset(tok, [str(out)], 256, 4, str(tmp_path / "cache"))
     assert data["stats"]["samples"] == 3
+    import config
+    import train_dflash as tr
+    cfg = config.parse_args(["--data", str(out), "--max-length", "256", "--block-size", "4", "--heldout", "0",
+                             "--min-supervised", "1", "--cache-dir", str(tmp_path / "cache")])
+    lines = []
+    data = tr.load_data(cfg, cfg.data, tok, len(tok), 0, lines.append)[0]   # the trainer names who wrote it
+    assert data["manifests"][str(out)]["counts"]["written"] == 3
+    assert any(f"{out}: answers written by {target}" in line for line in lines), lines
     m = manifest(out)
     assert m["counts"]["written"] == 3 and m["counts"]["turns_regenerated"] == 6 and m["counts"]["skipped"] == {}
     assert 0 < m["counts"]["generated_tokens"] <= 6 * NEW
@@ -81,7 +89,7 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
 def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(target, tmp_path):
     src = chats(tmp_path / "in.jsonl")
     cmd = [sys.executable, str(REPO / "generate_data.py"), "--target", target, "--data", src,
-           "--max-new-tokens", str(NEW), "--batch-size", "2", "--shard-size", "1", "--out"]
+           "--max-new-tokens", str(NEW), "--shard-size", "1", "--out"]
     killed = run_cmd(cmd + [str(tmp_path / "a.jsonl")], env=child_env(DFLASH_FAULT="gen_kill:1"))
     assert killed.rc == -9, killed.tail()
     assert os.listdir(tmp_path / "a.jsonl.shards") and not os.path.exists(tmp_path / "a.jsonl")
