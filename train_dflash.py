@@ -317,7 +317,8 @@ class Trainer:
         r = self.replicas
         state = {"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
                  "batches_per_epoch_by_rank": self.nb_by_rank, "train_seconds": self.train_seconds(),
-                 "config": dataclasses.asdict(self.cfg), **r.checkpoint_state()}
+                 "config": dataclasses.asdict(self.cfg), "data_manifests": self.data.get("manifests", {}),
+                 **r.checkpoint_state()}
         self.meter.ckpt_pause += self.ckpt.save(step, state, r.drafters[0], self.checkpoint_env,
                                                 lambda: self.meter.last_step)
 
@@ -375,6 +376,14 @@ def load_data(cfg, files, tok, vocab, rank, log):
                                      max_conversations=cfg.max_samples, heldout=cfg.heldout)
     if not data["input_ids"]:
         raise SystemExit("error: no usable training samples (see the skip counts above)")
+    data["manifests"] = {}
+    for name in files:         # data written by generate_data.py: which target wrote it, and how
+        if os.path.isfile(name + ".manifest.json"):
+            with open(name + ".manifest.json") as f:
+                m = data["manifests"][name] = json.load(f)
+            st = {k: v for k, v in m["settings"].items() if k not in ("sources", "target", "target_sha256")}
+            log(f"[data] {name}: answers written by {m['settings']['target']} (weights sha256 "
+                f"{m['settings']['target_sha256'][:12]}), {st}, counts {m['counts']}")
     heldout = None
     if data["heldout"] and rank == 0:
         heldout = os.path.join(cfg.out_dir, "heldout.jsonl")
