@@ -10,7 +10,7 @@ Greedy unless --temperature > 0. A conversation stops before the turn whose prom
 atomically to <out>.shards/: a stopped run goes on where it was and gives the same file. Then the shards
 become <out> and <out>.manifest.json (settings, sources, counts); a run on a finished <out> only says so.
 Speed: each round's prompts go to transformers' continuous batching (generate_batch): answers join and leave
-the running batch one by one over a paged KV cache, the decode step graph-captured on a GPU.
+the running batch one by one over a paged KV cache (up to 1,024 answers a step).
 """
 import argparse
 import hashlib
@@ -93,7 +93,7 @@ def prompt_ids(tok, regen, max_length):
 def answer(model, prompts, a, stops):
     """[(new ids without the stop token, finished)] per prompt, by transformers' continuous batching:
     answers enter and leave the running batch one by one (a long answer holds up no short one), over a
-    paged KV cache of the tokens written so far, the decode step graph-captured on a GPU."""
+    paged KV cache of the tokens written so far."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
     sample = dict(do_sample=True, temperature=a.temperature, top_p=a.top_p, top_k=0) if a.temperature > 0 \
         else dict(do_sample=False)
