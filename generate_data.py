@@ -174,7 +174,7 @@ def worker(device, jobs, a, shards_dir, n_shards):
         data_dflash.write_chat_jsonl(path + ".jsonl", out)
         print(f"[gen] shard {i + 1}/{n_shards} on {device}: {len(convs)} conversations, {st['answers']} answers, "
               f"{st['generated_tokens']:,} tokens in {st['seconds']:.1f} s "
-              f"({st['generated_tokens'] / st['seconds'] / 1e3:.1f}K tok/s)", flush=True)
+              f"({st['generated_tokens'] / st['seconds']:,.0f} tok/s)", flush=True)
         if pipeline.fault("gen_kill") == n:  # tests only: a worker killed right after its n-th shard
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -269,7 +269,7 @@ def main(argv=None):
     shutil.rmtree(shards_dir)  # <out> and its manifest hold everything: the shards would double the disk use
     skips = ", ".join(f"{k}={v}" for k, v in skips.items()) or "none"
     print(f"[gen] done: {counts['written']} conversations, {counts['turns_regenerated']} answers, "
-          f"{counts['generated_tokens']:,} tokens ({run['tok_s'] / 1e3:.1f}K tok/s this run, load and compile "
+          f"{counts['generated_tokens']:,} tokens ({run['tok_s']:,.0f} tok/s this run, load and compile "
           f"included), {run['wall_seconds']:.1f} s | skipped: {skips} -> {a.out}\n"
           f"[gen] train on it: python train_dflash.py --target {a.target} --data {a.out}")
     return 0
