@@ -95,16 +95,18 @@ def main(argv=None):
     prompts, _ = prompts_from(a.prompts, tok, a.num_prompts, a.skip, a.max_prompt_tokens)
     if not prompts:
         raise SystemExit("error: no usable prompts")
-    a.requested = len(prompts)
     print(f"[eval] {len(prompts)} prompts, target {a.target}, drafter {a.drafter}, {a.dtype} on {a.device}, "
           f"block {bs}, stop ids {stops}; baseline: n-gram prompt lookup (last 3/2/1 tokens, up to {bs - 1})")
-    decode = {"target": lambda x: (dm.target_greedy(target, x, a.max_new_tokens, stops), []),
+    decode = {"greedy": lambda x: (dm.target_greedy(target, x, a.max_new_tokens, stops), []),
               "dflash": lambda x: dm.dflash_generate(drafter, target, x, a.max_new_tokens, stops),
               "ngram": lambda x: dm.ngram_generate(target, x, a.max_new_tokens, stops, bs)}
     warm = torch.tensor([prompts[0]], device=a.device)
     for name, fn in decode.items():   # one untimed round each: no side pays first-call costs in the timings
-        dm.target_greedy(target, warm, 8, stops) if name == "target" else fn(warm)
-    runs = {m: {"hist": collections.Counter(), "tokens": 0, "seconds": 0.0, "mismatches": []} for m in decode}
+        dm.target_greedy(target, warm, 8, stops) if name == "greedy" else fn(warm)
+    runs = {m: new_run() for m in decode}
+    meta = {"skip": a.skip, "requested": len(prompts), "target": a.target, "drafter": a.drafter,
+            "prompt_files": a.prompts, "max_prompt_tokens": a.max_prompt_tokens, "max_new_tokens": a.max_new_tokens,
+            "dtype": a.dtype, "device": str(a.device), "block_size": bs}
     t_start, done = time.time(), 0
     for k, ids in enumerate(prompts):
         if k and a.max_minutes and time.time() - t_start > 60 * a.max_minutes:
@@ -119,26 +121,26 @@ def main(argv=None):
             r = runs[name]
             r["seconds"] += time.time() - t0; r["tokens"] += out.shape[1] - x.shape[1]
             r["hist"].update(acc)
-            if name == "target":
+            if name == "greedy":
                 ref = out
                 continue
             if not torch.equal(ref, out):
                 r["mismatches"].append(describe_mismatch(target, x, ref, out, a.skip + k))
             line.append(f"{name} tau {sum(acc) / max(1, len(acc)):.2f}" + ("" if torch.equal(ref, out) else " NOT LOSSLESS"))
-        res = summarise(done, runs, a, bs)
+        res = summarise(done, runs, meta)
         print(f"[eval] prompt {k + 1}/{len(prompts)}: {x.shape[1]} tokens in, {ref.shape[1] - x.shape[1]} out, "
               f"{', '.join(line)}; so far tau {res['dflash']['mean_tau']:.2f} (n-gram {res['ngram']['mean_tau']:.2f}), "
               f"speed-up {res['dflash']['speedup']:.2f}x", flush=True)
         if a.json and (k + 1) % 10 == 0:   # partial results survive a run that is stopped early
             write_json(a.json, res)
-    return report(summarise(done, runs, a, bs), a.json)
+    return report(summarise(done, runs, meta), a.json)
 
 
 def report(res, json_path):
     """Print a result (one run's or merged) and write it; exit status 1 if any prompt was lossy."""
     bs, n = res["block_size"], res["prompts"]
     print(f"\n{'':16s} {'tau':>6s} {'tok/s':>9s} {'speed-up':>9s}  lossless\n{'target greedy':16s} {'':6s} "
-          f"{res['target_tok_s']:9.1f} {1:8.2f}x")
+          f"{res['greedy']['tok_s']:9.1f} {1:8.2f}x")
     for m, label in METHODS.items():
         r = res[m]
         print(f"{label:16s} {r['mean_tau']:6.3f} {r['tok_s']:9.1f} {r['speedup']:8.2f}x  {r['lossless']}/{n}")
@@ -172,23 +174,20 @@ def merge(paths, json_path):
         for k in ("target", "drafter", "prompt_files", "max_prompt_tokens", "max_new_tokens", "dtype", "block_size"):
             if r.get(k) != first.get(k):
                 raise SystemExit(f"error: {path} has {k} {r.get(k)}, {parts[0][2]} {first.get(k)}: not one measurement")
-    runs = {m: {"hist": collections.Counter(), "tokens": 0, "seconds": 0.0, "mismatches": []}
-            for m in ("target", *METHODS)}
-    for _, _, _, r in parts:
+    runs = {m: new_run() for m in ("greedy", *METHODS)}
+    for r in (p[3] for p in parts):
         for m, run in runs.items():
-            src = r if m == "target" else r[m]
-            run["tokens"] += src[f"{m}_tokens" if m == "target" else "tokens"]
-            run["seconds"] += src[f"{m}_seconds" if m == "target" else "seconds"]
-            if m != "target":
-                run["hist"].update({int(k): v for k, v in src["histogram"].items()})
-                run["mismatches"] += src["mismatches"]
+            run["tokens"] += r[m]["tokens"]
+            run["seconds"] += r[m]["seconds"]
+            run["hist"].update({int(k): v for k, v in r[m].get("histogram", {}).items()})
+            run["mismatches"] += r[m].get("mismatches", [])
     gaps = [f"{e0 + 1}-{s1}" for (_, e0, _, _), (s1, _, _, _) in zip(parts, parts[1:]) if s1 > e0]
     last = parts[-1][3]
-    a = argparse.Namespace(**{k: first[k] for k in ("skip", "target", "drafter", "prompt_files", "max_prompt_tokens",
-                                                     "max_new_tokens", "dtype", "device")},
-                           requested=last["skip"] + last["requested"] - parts[0][0])
-    a.prompts, a.device = first["prompt_files"], ", ".join(sorted({r["device"] for r in (p[3] for p in parts)}))
-    res = summarise(sum(p[3]["prompts"] for p in parts), runs, a, first["block_size"])
+    meta = {k: first[k] for k in ("target", "drafter", "prompt_files", "max_prompt_tokens", "max_new_tokens",
+                                  "dtype", "block_size")}
+    meta.update(skip=parts[0][0], requested=last["skip"] + last["requested"] - parts[0][0],
+                device=", ".join(sorted({p[3]["device"] for p in parts})))
+    res = summarise(sum(p[3]["prompts"] for p in parts), runs, meta)
     res["complete"] = not gaps and last["complete"]     # (an earlier part cut short leaves a gap, or none)
     res["merged"] = [p[2] for p in parts]
     print(f"[eval] merged {len(parts)} results: prompts {parts[0][0] + 1}-{parts[-1][1]}"
@@ -224,15 +223,17 @@ def measures(run, target):
             "tokens": run["tokens"], "seconds": run["seconds"], "mismatches": run["mismatches"]}
 
 
-def summarise(n_prompts, runs, a, bs):
-    t = runs["target"]
-    res = {"prompts": n_prompts, "complete": n_prompts == a.requested, "requested": a.requested,
-           "target_tokens": t["tokens"], "target_seconds": t["seconds"],
-           "target_tok_s": t["tokens"] / max(t["seconds"], 1e-9), "skip": a.skip, "target": a.target,
-           "drafter": a.drafter, "prompt_files": a.prompts, "max_prompt_tokens": a.max_prompt_tokens,
-           "block_size": bs, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "device": str(a.device)}
+def new_run():
+    return {"hist": collections.Counter(), "tokens": 0, "seconds": 0.0, "mismatches": []}
+
+
+def summarise(n_prompts, runs, meta):
+    """The result: the run's settings (`meta`), the target alone's rate, each speculator's measures."""
+    g = runs["greedy"]
+    res = {"prompts": n_prompts, "complete": n_prompts == meta["requested"], **meta,
+           "greedy": {"tokens": g["tokens"], "seconds": g["seconds"], "tok_s": g["tokens"] / max(g["seconds"], 1e-9)}}
     for m in METHODS:
-        res[m] = measures(runs[m], t)
+        res[m] = measures(runs[m], g)
         res[m]["lossless"] = n_prompts - len(runs[m]["mismatches"])
     return res
 
