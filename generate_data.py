@@ -75,7 +75,7 @@ def atomic_write(path, text):
 
 
 # -----------------------------------------------------------------------------
-# one shard: regenerate turn by turn, in length-sorted batches
+# one shard: regenerate turn by turn, each round one continuous batch
 
 def prompt_ids(tok, regen, max_length):
     """(chat-template ids of the context + generation prompt, None) or (None, why the turn is not answered)."""
