@@ -989,7 +989,7 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
     (5 prompts, 32 new tokens): a line per prompt, every prompt lossless, the JSON complete and
     consistent with the printout; a time budget stops after the first prompt and reports it, marked
     incomplete; --merge adds up runs over disjoint prompt ranges into the one run's figures and refuses
-    overlaps."""
+    overlaps; --processes 2 does that split itself."""
     import dflash_model as dm
     from transformers import AutoModelForCausalLM
     target = AutoModelForCausalLM.from_pretrained(llama)
@@ -1038,6 +1038,11 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
     secs = sum(r["greedy"]["seconds"] for r in parts)
     assert abs(m["greedy"]["tok_s"] - sum(r["greedy"]["tokens"] for r in parts) / secs) < 1e-6
     assert "merged 2 results: prompts 1-5" in p.out and re.search(r"DFlash .* 5/5", p.out), p.out
+    p = run_cmd(base + ["--processes", "2", "--json", str(tmp_path / "two.json")])     # the same, split in two
+    assert_ok(p)
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["prompts"] == 5 and two["complete"] and "merged 2 results: prompts 1-5" in p.out, p.out
+    assert all(two[k]["histogram"] == res_all[k]["histogram"] and two[k]["lossless"] == 5 for k in ("dflash", "ngram"))
     p = run_cmd([sys.executable, str(REPO / "eval_dflash.py"), "--merge", str(tmp_path / "all.json"),
                  str(tmp_path / "rest.json")])
     assert p.rc != 0 and "(prompts 1-5) and" in p.out and "(prompts 2-5) overlap" in p.out, p.tail()
@@ -1144,3 +1149,17 @@ def test_a_batch_of_many_sequences_gives_the_losses_and_gradients_of_its_rows_ru
     assert torch.equal(together[1], sum(a[1] for a in alone)) and torch.equal(together[2], sum(a[2] for a in alone))
     for g, parts in zip(together[3], zip(*(a[3] for a in alone))):
         assert torch.allclose(g, sum(parts), rtol=1e-4, atol=1e-6)
+
+
+def test_the_printed_eval_command_splits_over_as_many_processes_as_the_gpu_holds(monkeypatch):
+    """On a 141 GB GPU with 16 cores: 8 processes for a 135M target, 2 for an 8B one (fp32 copies in 80% of
+    the memory), none named on a CPU."""
+    import types
+    import train_dflash as tr
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=141e9))
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    trainer = lambda dev, n: types.SimpleNamespace(tdevs=[torch.device(dev)],
+                                                   targets=[types.SimpleNamespace(parameters=lambda: [torch.empty(n, device="meta")])])
+    assert tr.eval_processes(trainer("cuda:0", 135_000_000)) == " --processes 8"
+    assert tr.eval_processes(trainer("cuda:0", 8_200_000_000)) == " --processes 2"
+    assert tr.eval_processes(trainer("cpu", 135_000_000)) == ""

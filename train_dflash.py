@@ -478,8 +478,19 @@ class Meter:
             f"device work); drafter wait at the step barrier + sync {share(d_sync)}",
             f"  checkpoint     {last[-1] if last else 'none'}",
             "  measure real acceptance:",
-            f"    python eval_dflash.py --target {t.tpath} --drafter {last[-1]}/drafter --prompts {prompts}" if last
-            else "    (no checkpoint)", "=" * 72]))
+            f"    python eval_dflash.py --target {t.tpath} --drafter {last[-1]}/drafter --prompts {prompts}"
+            + eval_processes(t) if last else "    (no checkpoint)", "=" * 72]))
+
+
+def eval_processes(t):
+    """The eval's --processes for this machine: on a GPU as many fp32 copies of the target as fit in 80%
+    of its memory (a decoding process leaves a GPU mostly idle), at most 8 and one per two CPU cores."""
+    if t.tdevs[0].type != "cuda":
+        return ""
+    params = sum(p.numel() for p in t.targets[0].parameters())
+    n = min(8, (os.cpu_count() or 2) // 2, int(0.8 * torch.cuda.get_device_properties(t.tdevs[0]).total_memory
+                                                 / (4.8 * params)))
+    return f" --processes {n}" if n > 1 else ""
 
 
 # --- Data order and anchors: functions of the seed, the epoch and the sample, so a resume is exact ---
