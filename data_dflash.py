@@ -167,6 +167,15 @@ def _convert_gguf(target_dir):
           f"reloading {diff:.2g}, greedy reply {reply!r}")
 
 
+def write_json(path, obj):
+    """`obj` as JSON, renamed into place when complete (a temporary file per process: processes sharing
+    the folder never write one file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
 def _write_jsonl(path, records):
     """Records as JSON lines, renamed into place when complete; returns their count."""
     n, tmp = 0, f"{path}.tmp{os.getpid()}"

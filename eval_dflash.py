@@ -21,6 +21,7 @@ import time
 
 import torch
 
+import data_dflash
 import dflash_model as dm
 
 
@@ -59,7 +60,6 @@ def parse_args(argv):
 
 
 def prompts_from(files, tokenizer, n, skip, max_tokens):
-    import data_dflash
     convs, skipped = data_dflash.load_conversations(files)
     out = []
     for msgs in convs:
@@ -138,7 +138,7 @@ def main(argv=None):
               f"{', '.join(line)}; so far tau {res['dflash']['mean_tau']:.2f} (n-gram {res['ngram']['mean_tau']:.2f}), "
               f"speed-up {res['dflash']['speedup']:.2f}x", flush=True)
         if a.json and (k + 1) % 10 == 0:   # partial results survive a run that is stopped early
-            write_json(a.json, res)
+            data_dflash.write_json(a.json, res)
     return report(summarise(done, runs, meta), a.json)
 
 
@@ -174,7 +174,7 @@ def report(res, json_path):
     if not res["complete"]:
         print(f"(incomplete: {n} of {res['requested']} prompts)")
     if json_path:
-        write_json(json_path, res)
+        data_dflash.write_json(json_path, res)
     bad = [(m, x) for m in METHODS for x in res[m]["mismatches"]]
     for m, x in bad:
         print(f"ERROR: prompt {x['prompt']}: {METHODS[m]} output differs from target greedy at new token "
@@ -260,13 +260,6 @@ def summarise(n_prompts, runs, meta):
         res[m] = measures(runs[m], g)
         res[m]["lossless"] = n_prompts - len(runs[m]["mismatches"])
     return res
-
-
-def write_json(path, result):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
 
 
 @torch.no_grad()

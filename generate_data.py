@@ -67,13 +67,6 @@ def weights_hash(target):
     return h.hexdigest()
 
 
-def atomic_write(path, text):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 # -----------------------------------------------------------------------------
 # one shard: regenerate turn by turn, each round one continuous batch
 
@@ -170,7 +163,7 @@ def worker(device, jobs, a, shards_dir, n_shards):
         out, st = run_shard(model, tok, convs, a, stops)
         st.update(conversations=len(convs), written=len(out), seconds=time.time() - t0)
         path = os.path.join(shards_dir, f"shard_{i:05d}")
-        atomic_write(path + ".json", json.dumps(st))  # counts first: the .jsonl marks the shard done
+        data_dflash.write_json(path + ".json", st)  # counts first: the .jsonl marks the shard done
         data_dflash.write_chat_jsonl(path + ".jsonl", out)
         print(f"[gen] shard {i + 1}/{n_shards} on {device}: {len(convs)} conversations, {st['answers']} answers, "
               f"{st['generated_tokens']:,} tokens in {st['seconds']:.1f} s "
@@ -238,7 +231,7 @@ def main(argv=None):
         raise SystemExit(f"error: no usable conversation in {', '.join(a.data)} (skipped: {reasons})")
     os.makedirs(shards_dir, exist_ok=True)
     if not same_settings(os.path.join(shards_dir, "settings.json"), settings):
-        atomic_write(os.path.join(shards_dir, "settings.json"), json.dumps(settings, indent=1))
+        data_dflash.write_json(os.path.join(shards_dir, "settings.json"), settings)
     shards = [convs[i:i + a.shard_size] for i in range(0, len(convs), a.shard_size)]
     path = os.path.join(shards_dir, "shard_{:05d}").format
     pending = [(i, s) for i, s in enumerate(shards) if not os.path.isfile(path(i) + ".jsonl")]
@@ -263,9 +256,8 @@ def main(argv=None):
     run = {"shards": len(ran), "generated_tokens": this_run, "tok_s": this_run / t_gen, "generation_seconds": t_gen,
            "wall_seconds": time.time() - t_start, "devices": a.devices}
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    atomic_write(manifest, json.dumps({"out": os.path.abspath(a.out), "settings": settings, "counts": counts,
-                                       "this_run": run, "shard_seconds": total["seconds"], "versions": versions},
-                                      indent=1))
+    data_dflash.write_json(manifest, {"out": os.path.abspath(a.out), "settings": settings, "counts": counts,
+                                      "this_run": run, "shard_seconds": total["seconds"], "versions": versions})
     shutil.rmtree(shards_dir)  # <out> and its manifest hold everything: the shards would double the disk use
     skips = ", ".join(f"{k}={v}" for k, v in skips.items()) or "none"
     print(f"[gen] done: {counts['written']} conversations, {counts['turns_regenerated']} answers, "

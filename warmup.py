@@ -17,6 +17,7 @@ import time
 import torch
 
 import config
+import data_dflash
 import dflash_model as dm
 from diagnose import CACHE_INFO_FILE
 from master_adamw import cast_weights
@@ -47,10 +48,7 @@ def use_compile_cache(cache_dir, log=print):
             "its entries will not match (expect cold compiles)")
     if not same_build:
         # torchrun ranks share the cache: each writes its own temporary file and renames it (no half files)
-        tmp = f"{info_path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
-        os.replace(tmp, info_path)
+        data_dflash.write_json(info_path, {**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return cache_dir
 
 
