@@ -103,12 +103,11 @@ def main(argv=None):
         raise SystemExit("error: no usable prompts")
     print(f"[eval] {len(prompts)} prompts, target {a.target}, drafter {a.drafter}, {a.dtype} on {a.device}, "
           f"block {bs}, stop ids {stops}; baseline: n-gram prompt lookup (last 3/2/1 tokens, up to {bs - 1})")
-    decode = {"greedy": lambda x: (dm.target_greedy(target, x, a.max_new_tokens, stops), []),
-              "dflash": lambda x: dm.dflash_generate(drafter, target, x, a.max_new_tokens, stops),
-              "ngram": lambda x: dm.ngram_generate(target, x, a.max_new_tokens, stops, bs)}
-    warm = torch.tensor([prompts[0]], device=a.device)
-    for name, fn in decode.items():   # one untimed round each: no side pays first-call costs in the timings
-        dm.target_greedy(target, warm, 8, stops) if name == "greedy" else fn(warm)
+    decode = {"greedy": lambda x, n: (dm.target_greedy(target, x, n, stops), []),
+              "dflash": lambda x, n: dm.dflash_generate(drafter, target, x, n, stops),
+              "ngram": lambda x, n: dm.ngram_generate(target, x, n, stops, bs)}
+    for fn in decode.values():        # one untimed round each: no side pays first-call costs in the timings
+        fn(torch.tensor([prompts[0]], device=a.device), 8)
     runs = {m: new_run() for m in decode}
     meta = {"skip": a.skip, "requested": len(prompts), "target": a.target, "drafter": a.drafter,
             "prompt_files": a.prompts, "max_prompt_tokens": a.max_prompt_tokens, "max_new_tokens": a.max_new_tokens,
@@ -122,7 +121,7 @@ def main(argv=None):
         done, x, line = k + 1, torch.tensor([ids], device=a.device), []
         for name, fn in decode.items():
             sync(a.device); t0 = time.time()
-            out, acc = fn(x)
+            out, acc = fn(x, a.max_new_tokens)
             sync(a.device)
             r = runs[name]
             r["seconds"] += time.time() - t0; r["tokens"] += out.shape[1] - x.shape[1]
@@ -130,9 +129,10 @@ def main(argv=None):
             if name == "greedy":
                 ref = out
                 continue
-            if not torch.equal(ref, out):
+            lossless = torch.equal(ref, out)
+            if not lossless:
                 r["mismatches"].append(describe_mismatch(target, x, ref, out, a.skip + k))
-            line.append(f"{name} tau {sum(acc) / max(1, len(acc)):.2f}" + ("" if torch.equal(ref, out) else " NOT LOSSLESS"))
+            line.append(f"{name} tau {sum(acc) / max(1, len(acc)):.2f}" + ("" if lossless else " NOT LOSSLESS"))
         res = summarise(done, runs, meta)
         print(f"[eval] prompt {k + 1}/{len(prompts)}: {x.shape[1]} tokens in, {ref.shape[1] - x.shape[1]} out, "
               f"{', '.join(line)}; so far tau {res['dflash']['mean_tau']:.2f} (n-gram {res['ngram']['mean_tau']:.2f}), "

@@ -5,7 +5,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 import data_dflash as D
 import eval_dflash

@@ -732,7 +732,6 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
     counter over one step of a tiny drafter (SDPA path: the counter sees the matmuls, not attention)
     counts exactly dm.matmul_flops. (The fc over the frozen target features has no input grad.)"""
     import dflash_model as dm
-    import train_dflash as tr
     from torch.utils.flop_counter import FlopCounterMode
     S, A, bs, H = 256, 16, 16, 64
     torch.manual_seed(7)
