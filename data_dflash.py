@@ -255,7 +255,7 @@ def names_a_file(name):
         name.endswith((".json", ".jsonl"))
 
 
-def _identity(name):
+def identity(name):
     """A local file's absolute path, size and mtime (an edited file is read again), or a hub data set's
     name. A name that looks like a path but is no file is an error here, before any slow loading."""
     path = os.path.abspath(os.path.expanduser(name))
@@ -293,7 +293,7 @@ def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
 
     Local files are read record by record, each checked as it is: a `datasets` table's schema
     inference would turn one oddly typed record into quoted strings for its neighbours, or fail."""
-    files = [_identity(name)[0] for name in ([files] if isinstance(files, str) else files)]
+    files = [identity(name)[0] for name in ([files] if isinstance(files, str) else files)]
     conversations, skipped = [], Counter()
     for name in files:
         if os.path.isfile(name):
@@ -453,7 +453,7 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
     import datasets
     datasets.disable_progress_bars()
     # tuples, not lists: datasets shards a generator over a list
-    files = tuple(map(_identity, [files] if isinstance(files, str) else files))
+    files = tuple(map(identity, [files] if isinstance(files, str) else files))
     # datasets fingerprints a module-level function by its name only: this file's source stands for
     # the code, so an edit to the tokenisation or the mask is not served rows cached before it
     with open(__file__, "rb") as f:

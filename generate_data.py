@@ -195,8 +195,8 @@ def run_workers(a, pending, shards_dir, n_shards):
 def settings_of(a):
     """What decides the result (the batch size does not, for greedy decoding)."""
     return {"target": a.target, "target_sha256": weights_hash(a.target),
-            "sources": [{"path": os.path.abspath(f), "size": os.stat(f).st_size, "mtime_ns": os.stat(f).st_mtime_ns}
-                        for f in a.data], **{k: getattr(a, k) for k in SETTINGS}}
+            "sources": [dict(zip(("path", "size", "mtime_ns"), data_dflash.identity(f))) for f in a.data],
+            **{k: getattr(a, k) for k in SETTINGS}}
 
 
 def same_settings(path, settings):
