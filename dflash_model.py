@@ -181,7 +181,7 @@ class CompileGate:
                  f"unwarmed shapes -> {self.on_unwarmed}")
 
     def reset(self):
-        """Back to the cold, exclusive state with default limits (tests, diagnose.py)."""
+        """Back to the cold, exclusive state with default limits (the tests)."""
         with self._exclusive():
             torch.compiler.set_stance("default")
             self.reset_state()
