@@ -9,8 +9,8 @@ Greedy unless --temperature > 0. A conversation stops before the turn whose prom
 --max-length. One worker process per device takes shards of --shard-size conversations and writes each
 atomically to <out>.shards/: a stopped run goes on where it was and gives the same file. Then the shards
 become <out> and <out>.manifest.json (settings, sources, counts); a run on a finished <out> only says so.
-Speed: each round's prompts go to transformers' continuous batching (generate_batch): answers join and leave
-the running batch one by one over a paged KV cache (up to 1,024 answers a step).
+Speed: each round's prompts are decoded together on a static KV cache of up to 512 slots (Slots): a
+finished answer's slot takes the next prompt, and on a GPU each step is one CUDA-graph replay.
 """
 import argparse
 import hashlib
@@ -23,6 +23,7 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import torch
 
 import data_dflash
@@ -68,7 +69,7 @@ def weights_hash(target):
 
 
 # -----------------------------------------------------------------------------
-# one shard: regenerate turn by turn, each round one continuous batch
+# one shard: regenerate turn by turn, each round's prompts decoded together in slots
 
 def prompt_ids(tok, regen, max_length):
     """(chat-template ids of the context + generation prompt, None) or (None, why the turn is not answered)."""
@@ -82,29 +83,167 @@ def prompt_ids(tok, regen, max_length):
     return (ids, None) if len(ids) <= max_length - 1 else (None, "prompt longer than max length")
 
 
-@torch.no_grad()
-def answer(model, prompts, a, stops):
-    """[(new ids without the stop token, finished)] per prompt, by transformers' continuous batching:
-    answers enter and leave the running batch one by one (a long answer holds up no short one), over a
-    paged KV cache of the tokens written so far."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    sample = dict(do_sample=True, temperature=a.temperature, top_p=a.top_p, top_k=0) if a.temperature > 0 \
-        else dict(do_sample=False)
-    cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_token_id=stops, pad_token_id=stops[0], **sample)
-    # on a GPU the paged cache is sized from the free memory; on a CPU from the RAM, seconds to set up for
-    # the few answers a CPU run writes: there a cache for 16K tokens
-    cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=2048) if model.device.type == "cpu" else None
-    out = model.generate_batch(inputs=prompts, generation_config=cfg, continuous_batching_config=cb)
-    rows = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[1]))]  # req_<i>
+class Slots:
+    """Greedy (or sampled) decoding of many answers at once on a static KV cache of `n` slots of `length`
+    tokens: a finished answer's slot takes the next prompt at once (no batch waits for its longest answer),
+    prompts of similar length are prefilled together, and each decoding step is one replay of a CUDA graph
+    per (rows, span) shape: a 135M target's step is otherwise a few hundred kernel launches for ~1 ms of
+    work. `span` covers the longest context in the slots (rounded up to SPAN), so attention reads what is
+    written, not the whole cache. The target's own layers run the step (any Llama-like HF model: embed,
+    rotary, decoder layers, norm); only its attention is replaced, by `slot_attention` below."""
+    SPAN, PREFILL_TOKENS = 256, 16384
+
+    def __init__(self, model, n, length):
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+        AttentionInterface.register("slot_decode", slot_attention)
+        AttentionMaskInterface.register("slot_decode", sdpa_mask)   # prefill keeps sdpa's causal mask
+        model.set_attn_implementation("slot_decode")
+        c, dev = model.config, model.device
+        shape = (n, c.num_key_value_heads, length, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        self.k = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(c.num_hidden_layers)]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.model, self.n, self.length, self.graphs, self.pool = model, n, length, {}, None
+        self.ids, self.pos = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(2))
+        self.rows, self.span = torch.arange(n, device=dev), length
+
+    @staticmethod
+    def fit(model, length, most=512):
+        """Slots that fit: on a GPU half the free memory goes to the cache, at most `most`."""
+        c = model.config
+        per_slot = 2 * c.num_hidden_layers * c.num_key_value_heads * length * model.dtype.itemsize \
+            * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        if model.device.type != "cuda":
+            return 8
+        return max(1, min(most, torch.cuda.mem_get_info(model.device)[0] // 2 // per_slot))
+
+    def update(self, k, v, layer, *args):
+        """HF attention hands over the new token's keys and values: written at each slot's position."""
+        r = self.rows[:self.step_rows]
+        self.k[layer][r, :, self.pos[:self.step_rows]] = k[:, :, 0]
+        self.v[layer][r, :, self.pos[:self.step_rows]] = v[:, :, 0]
+        return self.k[layer][:self.step_rows, :, :self.span], self.v[layer][:self.step_rows, :, :self.span]
+
+    def step(self, rows, span):
+        """Logits of the next token of slots [0, rows), whose last token is `ids` at position `pos`."""
+        m, self.step_rows, self.span = self.model.model, rows, span
+        pos = self.pos[:rows, None]
+        self.mask = torch.arange(span, device=pos.device) <= pos
+        h = m.embed_tokens(self.ids[:rows, None])
+        pe = m.rotary_emb(h, pos)
+        for layer in m.layers:
+            h = layer(h, position_embeddings=pe, position_ids=pos, past_key_values=self, slots=self)
+        return self.model.lm_head(m.norm(h[:, 0])).float()
+
+    def replay(self, rows, span):
+        if self.model.device.type != "cuda":
+            return self.step(rows, span)
+        if (rows, span) not in self.graphs:   # warm on a side stream, then capture (writes are idempotent)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                self.step(rows, span)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):   # one pool: the graphs never run at the same time
+                out = self.step(rows, span)
+            self.pool, self.graphs[rows, span] = g.pool(), (g, out)
+        g, out = self.graphs[rows, span]
+        g.replay()
+        return out
+
+    def prefill(self, slots, prompts):
+        """Write the prompts' keys and values into `slots`; the logits of each prompt's next token."""
+        lens = torch.tensor([len(p) for p in prompts])
+        ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
+        for i, p in enumerate(prompts):   # right-padded: positions count from 0 in every row
+            ids[i, :len(p)] = torch.tensor(p)
+        att = (torch.arange(ids.shape[1]) < lens[:, None]).long()
+        dev = self.model.device
+        out = self.model.model(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=True)
+        rows = torch.tensor(slots, device=dev)
+        for layer, c in enumerate(out.past_key_values.layers):
+            self.k[layer][rows, :, :ids.shape[1]] = c.keys
+            self.v[layer][rows, :, :ids.shape[1]] = c.values
+        last = out.last_hidden_state[torch.arange(len(prompts), device=dev), lens.to(dev) - 1]
+        return self.model.lm_head(last).float()
+
+    @torch.no_grad()
+    def generate(self, prompts, budgets, stops, pick):
+        """New tokens per prompt (ending with a stop id, or `budgets[i]` long); pick(logits) -> token ids."""
+        queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[::-1]   # pop() takes the shortest
+        req, pos = np.full(self.n, -1), np.zeros(self.n, dtype=np.int64)
+        gen, out, stops = [[] for _ in range(self.n)], {}, np.array(stops)
+
+        def emit(slots, tokens):   # a token for each slot: kept, and the slot freed when its answer ends
+            for s, t in zip(slots, tokens.tolist()):
+                gen[s].append(t)
+                if t in stops or len(gen[s]) >= budgets[req[s]]:
+                    out[req[s]], req[s], pos[s] = gen[s], -1, 0
+                    gen[s] = []
+                else:
+                    pos[s] += 1
+
+        while queue or (req >= 0).any():
+            free = np.flatnonzero(req < 0)   # refill once an eighth of the slots is free: prefill in batches
+            while queue and len(free) and (len(free) >= self.n // 8 or not (req >= 0).any()):
+                take = []
+                while queue and len(take) < len(free) and (len(take) + 1) * len(prompts[queue[-1]]) <= \
+                        max(self.PREFILL_TOKENS, len(prompts[queue[-1]])):
+                    take.append(queue.pop())
+                slots, free = free[:len(take)].tolist(), free[len(take):]
+                req[slots] = take
+                pos[slots] = [len(prompts[i]) - 1 for i in take]   # emit() moves it to the first new token
+                emit(slots, pick(self.prefill(slots, [prompts[i] for i in take])).cpu())
+            live = np.flatnonzero(req >= 0)
+            if not len(live):
+                continue
+            rows = min(self.n, 1 << int(live[-1]).bit_length())   # power-of-two row counts: few graphs
+            span = min(self.length, -(-(int(pos[live].max()) + 1) // self.SPAN) * self.SPAN)
+            ids = torch.zeros(rows, dtype=torch.long)
+            ids[live] = torch.tensor([gen[s][-1] for s in live])
+            self.ids[:rows].copy_(ids)
+            self.pos[:rows].copy_(torch.from_numpy(pos[:rows]))
+            emit(live.tolist(), pick(self.replay(rows, span))[live].cpu())
+        return [out[i] for i in range(len(prompts))]
+
+
+def slot_attention(module, q, k, v, mask, scaling=None, slots=None, **kw):
+    """One query per slot against its cache (`slots.mask`: the positions written), grouped-query heads
+    read in place; without `slots` (a prefill) it is HF's sdpa."""
+    if slots is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, **kw)
+    b, h, _, d = q.shape
+    s = torch.matmul(q.view(b, k.shape[1], -1, d), k.transpose(-1, -2)).float() * scaling   # b, kv, group, span
+    s = s.masked_fill(~slots.mask[:, None, None, :], float("-inf"))
+    return torch.matmul(s.softmax(-1).to(v.dtype), v).view(b, 1, h, d), None
+
+
+def picker(a):
+    """Greedy, or sampling at --temperature within the --top-p nucleus."""
+    if a.temperature <= 0:
+        return lambda logits: logits.argmax(-1)
+
+    def sample(logits):
+        p, idx = (logits / a.temperature).softmax(-1).sort(-1, descending=True)
+        p[p.cumsum(-1) - p > a.top_p] = 0   # keep the smallest head whose mass reaches top_p
+        return idx.gather(-1, torch.multinomial(p, 1)).squeeze(-1)
+    return sample
+
+
+def answer(slots, prompts, a, stops):
+    """[(new ids without the stop token, finished)] per prompt: finished when the stop token came within
+    --max-new-tokens and --max-length."""
+    budgets = [min(a.max_new_tokens, a.max_length - len(p)) for p in prompts]
     results = []
-    for p, row in zip(prompts, rows):  # finished: the stop token came within both limits
-        budget = min(a.max_new_tokens, a.max_length - len(p))
+    for row, budget in zip(slots.generate(prompts, budgets, stops, picker(a)), budgets):
         end = next((i for i, t in enumerate(row[:budget]) if t in stops), None)
         results.append((row[:budget], False) if end is None else (row[:end], True))
     return results
 
 
-def run_shard(model, tok, convs, a, stops):
+def run_shard(slots, tok, convs, a, stops):
     """(regenerated conversations, stats) of one shard; depends on its conversations only."""
     st, todo, done = Counter(), {k: (msgs, []) for k, msgs in enumerate(convs)}, {}
     while todo:  # a round answers the next assistant turn of every conversation still going
@@ -117,7 +256,7 @@ def run_shard(model, tok, convs, a, stops):
                 finish(k, todo, done, st, why)
             else:
                 pending.append((k, ids))
-        for (k, _), (new, finished) in zip(pending, answer(model, [ids for _, ids in pending], a, stops)):
+        for (k, _), (new, finished) in zip(pending, answer(slots, [ids for _, ids in pending], a, stops)):
             msgs, regen = todo[k]
             st["generated_tokens"] += len(new) + finished
             if not finished and len(new) < a.max_new_tokens:  # the answer would pass max-length
@@ -156,11 +295,12 @@ def worker(device, jobs, a, shards_dir, n_shards):
     model = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.bfloat16 if gpu else torch.float32)
     model = model.to(device).eval()
     stops = eval_dflash.stop_token_ids(tok, model)
+    slots = Slots(model, Slots.fit(model, a.max_length), a.max_length)
     for n, (i, convs) in enumerate(iter(jobs.get, None), 1):
         if a.temperature > 0:
             torch.manual_seed(a.seed + i)  # a restarted shard samples as it would have uninterrupted
         t0 = time.time()
-        out, st = run_shard(model, tok, convs, a, stops)
+        out, st = run_shard(slots, tok, convs, a, stops)
         st.update(conversations=len(convs), written=len(out), seconds=time.time() - t0)
         path = os.path.join(shards_dir, f"shard_{i:05d}")
         data_dflash.write_json(path + ".json", st)  # counts first: the .jsonl marks the shard done

@@ -1,10 +1,12 @@
 """CPU tests of generate_data.py: a tiny random Llama target (test_train's helper, SmolLM2 tokenizer)
 regenerates the assistant turns of small chat files. Faults come through DFLASH_FAULT, never an option."""
+import argparse
 import json
 import os
 import sys
 
 import pytest
+import torch
 
 import data_dflash as D
 import eval_dflash
@@ -132,3 +134,24 @@ def test_empty_input_and_a_restart_with_other_settings_are_errors(target, tmp_pa
     monkeypatch.undo()
     with pytest.raises(SystemExit, match="other settings \\(max_length\\).*delete"):
         generate(target, src, tmp_path / "y.jsonl", "--max-length", 512)
+
+
+def test_slots_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target, tok):
+    """More prompts than slots, of other lengths and budgets: every answer equals HF greedy decoding of that
+    prompt alone, so slot reuse, right-padded prefill and per-slot positions leak nothing between answers."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    ref = AutoModelForCausalLM.from_pretrained(target).eval()
+    stops = eval_dflash.stop_token_ids(tok, model)
+    prompts = [tok(" ".join(["word"] * n) + f" {n}")["input_ids"] for n in (3, 40, 9, 1, 25, 60, 14)]
+    budgets = [5, 17, 9, 30, 2, 11, 20]
+    slots = G.Slots(model, 2, 128)
+    got = slots.generate(prompts, budgets, stops, lambda logits: logits.argmax(-1))
+    for p, b, row in zip(prompts, budgets, got):
+        y = ref.generate(torch.tensor([p]), max_new_tokens=b, do_sample=False, eos_token_id=stops,
+                         pad_token_id=stops[0])
+        assert row == y[0, len(p):].tolist()
+    assert {len(r) for r in got} != {1}, "every answer one token long: the test would prove little"
+    # sampling inside a nucleus of one token is greedy decoding
+    one = G.picker(argparse.Namespace(temperature=0.7, top_p=1e-6))
+    assert G.Slots(model, 3, 128).generate(prompts, budgets, stops, one) == got
