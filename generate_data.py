@@ -23,7 +23,6 @@ import sys
 import time
 from collections import Counter
 
-import numpy as np
 import torch
 
 import data_dflash
@@ -172,39 +171,35 @@ class Slots:
     def generate(self, prompts, budgets, stops, pick):
         """New tokens per prompt (ending with a stop id, or `budgets[i]` long); pick(logits) -> token ids."""
         queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[::-1]   # pop() takes the shortest
-        req, pos = np.full(self.n, -1), np.zeros(self.n, dtype=np.int64)
-        gen, out, stops = [[] for _ in range(self.n)], {}, np.array(stops)
+        req, pos, gen, out, stops = [-1] * self.n, [0] * self.n, [[] for _ in range(self.n)], {}, set(stops)
 
         def emit(slots, tokens):   # a token for each slot: kept, and the slot freed when its answer ends
             for s, t in zip(slots, tokens.tolist()):
                 gen[s].append(t)
                 if t in stops or len(gen[s]) >= budgets[req[s]]:
-                    out[req[s]], req[s], pos[s] = gen[s], -1, 0
-                    gen[s] = []
+                    out[req[s]], req[s], pos[s], gen[s] = gen[s], -1, 0, []
                 else:
                     pos[s] += 1
 
-        while queue or (req >= 0).any():
-            free = np.flatnonzero(req < 0)   # refill once an eighth of the slots is free: prefill in batches
-            while queue and len(free) and (len(free) >= self.n // 8 or not (req >= 0).any()):
+        while queue or max(req) >= 0:
+            free = [s for s in range(self.n) if req[s] < 0]   # refill once an eighth is free: prefill in batches
+            while queue and free and (len(free) >= self.n // 8 or max(req) < 0):
                 take = []
                 while queue and len(take) < len(free) and (len(take) + 1) * len(prompts[queue[-1]]) <= \
                         max(self.PREFILL_TOKENS, len(prompts[queue[-1]])):
                     take.append(queue.pop())
-                slots, free = free[:len(take)].tolist(), free[len(take):]
-                req[slots] = take
-                pos[slots] = [len(prompts[i]) - 1 for i in take]   # emit() moves it to the first new token
+                slots, free = free[:len(take)], free[len(take):]
+                for s, i in zip(slots, take):
+                    req[s], pos[s] = i, len(prompts[i]) - 1   # emit() moves pos to the first new token
                 emit(slots, pick(self.prefill(slots, [prompts[i] for i in take])).cpu())
-            live = np.flatnonzero(req >= 0)
-            if not len(live):
+            live = [s for s in range(self.n) if req[s] >= 0]
+            if not live:
                 continue
-            rows = min(self.n, 1 << int(live[-1]).bit_length())   # power-of-two row counts: few graphs
-            span = min(self.length, -(-(int(pos[live].max()) + 1) // self.SPAN) * self.SPAN)
-            ids = torch.zeros(rows, dtype=torch.long)
-            ids[live] = torch.tensor([gen[s][-1] for s in live])
-            self.ids[:rows].copy_(ids)
-            self.pos[:rows].copy_(torch.from_numpy(pos[:rows]))
-            emit(live.tolist(), pick(self.replay(rows, span))[live].cpu())
+            rows = min(self.n, 1 << live[-1].bit_length())   # power-of-two row counts: few graphs
+            span = min(self.length, -(-(max(pos[s] for s in live) + 1) // self.SPAN) * self.SPAN)
+            self.ids[:rows].copy_(torch.tensor([gen[s][-1] if gen[s] else 0 for s in range(rows)]))
+            self.pos[:rows].copy_(torch.tensor(pos[:rows]))
+            emit(live, pick(self.replay(rows, span))[live].cpu())
         return [out[i] for i in range(len(prompts))]
 
 
