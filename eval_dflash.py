@@ -1,19 +1,22 @@
-"""Measure a trained drafter: acceptance length, speed-up and losslessness on real prompts.
+"""Measure trained drafters: acceptance length, speed-up and losslessness on real prompts.
 
     python eval_dflash.py --target PATH_OR_HUB_NAME --drafter out/step_000690/drafter --prompts out/heldout.jsonl
+    python eval_dflash.py --target ... --drafter out/step_000*/drafter --prompts ...   # compare checkpoints
     python eval_dflash.py --merge part0.json part1.json [--json all.json]
 
 Each prompt (a conversation up to its first reply, in the target's chat template) is decoded greedily by
-the target alone, by DFlash and by n-gram prompt lookup (the speculator that needs no training: the
-tokens that followed the last earlier match of the context's last 3, 2 or 1 tokens), all timed: tau
-(the mean acceptance length), its histogram, the rates and speed-ups, in one table. Both speculators'
-output must equal the target's token for token, or the exit status is 1.
-The defaults fit the device: 100 prompts x 256 new tokens on a GPU, 5 x 32 on a CPU (a 135M target
-decodes a few tokens per second there). --merge adds up the --json results of runs over disjoint
-prompt ranges (--skip / --num-prompts, e.g. one process per GPU); --processes N does that on one device.
+the target alone, once by n-gram prompt lookup (the speculator that needs no training: the tokens that
+followed the last earlier match of the context's last 3, 2 or 1 tokens) and once by each DFlash drafter,
+all timed: tau (the mean acceptance length), its histogram, the acceptance by draft position, the rates
+and speed-ups, in one table. Every speculator's output must equal the target's token for token, or the
+exit status is 1. The defaults fit the device: 100 prompts x 256 new tokens on a GPU, 5 x 32 on a CPU
+(a 135M target decodes a few tokens per second there). --merge adds up the --json results of runs over
+disjoint prompt ranges (--skip / --num-prompts, e.g. one process per GPU); --processes N does that on
+one device.
 """
 import argparse
 import collections
+import functools
 import json
 import os
 import sys
@@ -28,7 +31,8 @@ import dflash_model as dm
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target")
-    p.add_argument("--drafter")
+    p.add_argument("--drafter", nargs="+", default=[], metavar="PATH",
+                   help="one or more drafter folders, all of one block size, measured on the same prompts")
     p.add_argument("--prompts", nargs="+", help="ShareGPT JSON/JSONL or chat JSONL")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="only add up these --json results of runs over disjoint prompt ranges")
@@ -53,10 +57,21 @@ def parse_args(argv):
         p.error(f"{', '.join(missing)} required (or --merge)")
     if a.merge and len(missing) < 3:
         p.error("--merge adds up earlier results: give it without --target/--drafter/--prompts")
+    a.drafters = dict(zip(drafter_labels(a.drafter), a.drafter))
+    if len(a.drafters) < len(a.drafter):
+        p.error(f"a drafter is given twice: {' '.join(a.drafter)}")
     gpu = torch.device(a.device).type == "cuda"
     a.num_prompts = a.num_prompts or (100 if gpu else 5)
     a.max_new_tokens = a.max_new_tokens or (256 if gpu else 32)
     return a
+
+
+def drafter_labels(paths):
+    """A short name per drafter: the step folder of a checkpoint's .../step_000690/drafter, else the
+    folder's own name; the paths themselves where those names collide."""
+    parts = [os.path.normpath(p).split(os.sep) for p in paths]
+    short = [q[-2] if q[-1] == "drafter" and len(q) > 1 else q[-1] for q in parts]
+    return short if len(set(short)) == len(short) else [os.path.normpath(p) for p in paths]
 
 
 def prompts_from(files, tokenizer, n, skip, max_tokens):
@@ -82,7 +97,15 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-METHODS = {"dflash": "DFlash", "ngram": "n-gram lookup"}
+def speculators(x):
+    """(name, entry) of each speculator in a result, or in anything laid out like one ({"dflash": {label:
+    entry}, "ngram": entry}): every drafter in order, then n-gram lookup."""
+    return [*x["dflash"].items(), ("n-gram lookup", x["ngram"])]
+
+
+def nested(labels, values):
+    """The inverse of speculators: values in its order, laid out like a result."""
+    return {"dflash": dict(zip(labels, values[:-1])), "ngram": values[-1]}
 
 
 def main(argv=None):
@@ -96,50 +119,65 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     tok = AutoTokenizer.from_pretrained(a.target)
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=dtype).to(a.device).eval()
-    drafter = dm.load_drafter(a.drafter, target, device=a.device, dtype=dtype).eval()
-    stops, bs = stop_token_ids(tok, target), drafter.config.block_size
+    drafters = {lb: dm.load_drafter(p, target, device=a.device, dtype=dtype).eval() for lb, p in a.drafters.items()}
+    sizes = {lb: d.config.block_size for lb, d in drafters.items()}
+    if len(set(sizes.values())) > 1:      # n-gram lookup and the histograms' rows follow one block size
+        raise SystemExit(f"error: the drafters' block sizes differ ({sizes}): compare drafters of one block size")
+    stops, bs = stop_token_ids(tok, target), next(iter(sizes.values()))
     prompts, _ = prompts_from(a.prompts, tok, a.num_prompts, a.skip, a.max_prompt_tokens)
     if not prompts:
         raise SystemExit("error: no usable prompts")
-    print(f"[eval] {len(prompts)} prompts, target {a.target}, drafter {a.drafter}, {a.dtype} on {a.device}, "
+    print(f"[eval] {len(prompts)} prompts, target {a.target}, {len(drafters)} drafter(s), {a.dtype} on {a.device}, "
           f"block {bs}, stop ids {stops}; baseline: n-gram prompt lookup (last 3/2/1 tokens, up to {bs - 1})")
-    decode = {"greedy": lambda x, n: (dm.target_greedy(target, x, n, stops), []),
-              "dflash": lambda x, n: dm.dflash_generate(drafter, target, x, n, stops),
-              "ngram": lambda x, n: dm.ngram_generate(target, x, n, stops, bs)}
-    for fn in decode.values():        # one untimed round each: no side pays first-call costs in the timings
-        fn(torch.tensor([prompts[0]], device=a.device), 8)
-    runs = {m: new_run() for m in decode}
-    meta = {"skip": a.skip, "requested": len(prompts), "target": a.target, "drafter": a.drafter,
+    greedy = lambda x, n: (dm.target_greedy(target, x, n, stops), [])
+    decoders = nested(list(drafters), [
+        *(functools.partial(dm.dflash_generate, d, target, stop_token_ids=stops) for d in drafters.values()),
+        functools.partial(dm.ngram_generate, target, stop_token_ids=stops, block_size=bs)])
+    for fn in [greedy, *(fn for _, fn in speculators(decoders))]:  # one untimed round each: no side pays
+        fn(torch.tensor([prompts[0]], device=a.device), 8)          # first-call costs in the timings
+    runs = new_runs(list(drafters))
+    meta = {"skip": a.skip, "requested": len(prompts), "target": a.target, "drafters": a.drafters,
             "prompt_files": a.prompts, "max_prompt_tokens": a.max_prompt_tokens, "max_new_tokens": a.max_new_tokens,
             "dtype": a.dtype, "device": str(a.device), "block_size": bs}
-    t_start, done = time.time(), 0
+    t_start, done, per_prompt = time.time(), 0, []
     for k, ids in enumerate(prompts):
         if k and a.max_minutes and time.time() - t_start > 60 * a.max_minutes:
             print(f"[eval] NOTICE: time budget of {a.max_minutes} min reached after {k} of {len(prompts)} "
                   "prompts; reporting those (incomplete)")
             break
-        done, x, line = k + 1, torch.tensor([ids], device=a.device), []
-        for name, fn in decode.items():
-            sync(a.device); t0 = time.time()
-            out, acc = fn(x, a.max_new_tokens)
-            sync(a.device)
-            r = runs[name]
-            r["seconds"] += time.time() - t0; r["tokens"] += out.shape[1] - x.shape[1]
-            r["hist"].update(acc)
-            if name == "greedy":
-                ref = out
-                continue
-            lossless = torch.equal(ref, out)
-            if not lossless:
-                r["mismatches"].append(describe_mismatch(target, x, ref, out, a.skip + k))
-            line.append(f"{name} tau {sum(acc) / max(1, len(acc)):.2f}" + ("" if lossless else " NOT LOSSLESS"))
-        res = summarise(done, runs, meta)
-        print(f"[eval] prompt {k + 1}/{len(prompts)}: {x.shape[1]} tokens in, {ref.shape[1] - x.shape[1]} out, "
-              f"{', '.join(line)}; so far tau {res['dflash']['mean_tau']:.2f} (n-gram {res['ngram']['mean_tau']:.2f}), "
-              f"speed-up {res['dflash']['speedup']:.2f}x", flush=True)
+        done, x = k + 1, torch.tensor([ids], device=a.device)
+        ref, _ = timed(greedy, runs["greedy"], x, a.max_new_tokens, a.device)
+        taus, lossy = [], set()
+        for (name, fn), (_, run) in zip(speculators(decoders), speculators(runs)):
+            out, acc = timed(fn, run, x, a.max_new_tokens, a.device)
+            if not torch.equal(ref, out):
+                run["mismatches"].append(describe_mismatch(target, x, ref, out, a.skip + k))
+                lossy.add(name)
+            taus.append(sum(acc) / len(acc) if acc else None)
+        per_prompt.append({"prompt": a.skip + k, "tokens_in": x.shape[1], "tokens_out": ref.shape[1] - x.shape[1],
+                           "tau": nested(list(drafters), taus)})
+        res = summarise(done, runs, meta, per_prompt)
+        line = [f"{name} {fmt(t)} ({r['mean_tau']:.2f})" + (" NOT LOSSLESS" if name in lossy else "")
+                for t, (name, r) in zip(taus, speculators(res))]
+        print(f"[eval] prompt {k + 1}/{len(prompts)}: {x.shape[1]} tokens in, {ref.shape[1] - x.shape[1]} out; "
+              f"tau (so far): {', '.join(line)}", flush=True)
         if a.json and (k + 1) % 10 == 0:   # partial results survive a run that is stopped early
             data_dflash.write_json(a.json, res)
-    return report(summarise(done, runs, meta), a.json)
+    return report(summarise(done, runs, meta, per_prompt), a.json)
+
+
+def timed(fn, run, x, n, device):
+    """Decode up to n tokens after x with fn, adding its time, tokens and acceptance lengths to run."""
+    sync(device); t0 = time.time()
+    out, acc = fn(x, n)
+    sync(device)
+    run["seconds"] += time.time() - t0; run["tokens"] += out.shape[1] - x.shape[1]
+    run["hist"].update(acc)
+    return out, acc
+
+
+def fmt(x):
+    return "-" if x is None else f"{x:.2f}"
 
 
 def split(a):
@@ -151,7 +189,7 @@ def split(a):
     parts, procs = [os.path.join(tmp, f"part{i}.json") for i in range(n)], []
     for i in range(n):
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--target", a.target, "--drafter", a.drafter, "--prompts",
+            [sys.executable, os.path.abspath(__file__), "--target", a.target, "--drafter", *a.drafter, "--prompts",
              *a.prompts, "--skip", str(bounds[i]), "--num-prompts", str(bounds[i + 1] - bounds[i]),
              "--max-new-tokens", str(a.max_new_tokens), "--max-prompt-tokens", str(a.max_prompt_tokens),
              "--device", a.device, "--dtype", a.dtype, "--max-minutes", str(a.max_minutes), "--json", parts[i]]))
@@ -162,24 +200,31 @@ def split(a):
 
 def report(res, json_path):
     """Print a result (one run's or merged) and write it; exit status 1 if any prompt was lossy."""
-    bs, n = res["block_size"], res["prompts"]
-    print(f"\n{'':16s} {'tau':>6s} {'tok/s':>9s} {'speed-up':>9s}  lossless\n{'target greedy':16s} {'':6s} "
+    bs, n, rows = res["block_size"], res["prompts"], speculators(res)
+    w = max(16, *(len(name) for name, _ in rows))
+    print("\nDFlash drafters: " + ", ".join(f"{lb} = {p}" for lb, p in res["drafters"].items()))
+    print(f"{'':{w}s} {'tau':>6s} {'tok/s':>9s} {'speed-up':>9s}  lossless\n{'target greedy':{w}s} {'':6s} "
           f"{res['greedy']['tok_s']:9.1f} {1:8.2f}x")
-    for m, label in METHODS.items():
-        r = res[m]
-        print(f"{label:16s} {r['mean_tau']:6.3f} {r['tok_s']:9.1f} {r['speedup']:8.2f}x  {r['lossless']}/{n}")
-    print(f"acceptance lengths (rounds; block {bs}):  {'DFlash':>8s} {'n-gram':>8s}")
-    hists = [{int(k): v for k, v in res[m]["histogram"].items()} for m in METHODS]
-    print(format_histogram(*hists, bs=bs))
+    for name, r in rows:
+        print(f"{name:{w}s} {r['mean_tau']:6.3f} {r['tok_s']:9.1f} {r['speedup']:8.2f}x  {r['lossless']}/{n}")
+    cw = max(8, *(len(name) for name, _ in rows))
+    print(f"acceptance lengths (rounds; block {bs}):\n     " + " ".join(f"{name:>{cw}s}" for name, _ in rows))
+    print(format_histogram(*({int(k): v for k, v in r["histogram"].items()} for _, r in rows), bs=bs, width=cw))
+    print(f"acceptance by draft position 1..{bs - 1} (of the rounds that reach it, the share that accept it):")
+    for name, r in rows:
+        print(f"  {name:{w}s} " + " ".join(f"{fmt(x):>4s}" for x in r["acceptance_by_position"]))
     if not res["complete"]:
         print(f"(incomplete: {n} of {res['requested']} prompts)")
     if json_path:
         data_dflash.write_json(json_path, res)
-    bad = [(m, x) for m in METHODS for x in res[m]["mismatches"]]
-    for m, x in bad:
-        print(f"ERROR: prompt {x['prompt']}: {METHODS[m]} output differs from target greedy at new token "
+    bad = [(name, x) for name, r in rows for x in r["mismatches"]]
+    for name, x in bad:
+        print(f"ERROR: prompt {x['prompt']}: {name} output differs from target greedy at new token "
               f"{x['at']} (target logit margin there {x['margin']:.2e})")
     return 1 if bad else 0
+
+
+MEASUREMENT = ("target", "drafters", "prompt_files", "max_prompt_tokens", "max_new_tokens", "dtype", "block_size")
 
 
 def merge(paths, json_path):
@@ -188,30 +233,34 @@ def merge(paths, json_path):
     for path in paths:
         with open(path) as f:
             r = json.load(f)
+        if "drafters" not in r:
+            raise SystemExit(f"error: {path} has no 'drafters': not a result of this eval_dflash.py")
         parts.append((r["skip"], r["skip"] + r["prompts"], path, r))
     parts.sort(key=lambda p: p[0])
+    first = parts[0][3]
+    for _, _, path, r in parts:
+        for k in MEASUREMENT:
+            if r[k] != first[k]:
+                raise SystemExit(f"error: {path} has {k} {r[k]}, {parts[0][2]} {first[k]}: not one measurement")
     for (s0, e0, p0, r0), (s1, e1, p1, r1) in zip(parts, parts[1:]):
         if s1 < e0:
             raise SystemExit(f"error: {p0} (prompts {s0 + 1}-{e0}) and {p1} (prompts {s1 + 1}-{e1}) overlap")
-    first = parts[0][3]
-    for _, _, path, r in parts:
-        for k in ("target", "drafter", "prompt_files", "max_prompt_tokens", "max_new_tokens", "dtype", "block_size"):
-            if r.get(k) != first.get(k):
-                raise SystemExit(f"error: {path} has {k} {r.get(k)}, {parts[0][2]} {first.get(k)}: not one measurement")
-    runs = {m: new_run() for m in ("greedy", *METHODS)}
+    labels = list(first["drafters"])
+    runs, per_prompt = new_runs(labels), []
     for r in (p[3] for p in parts):
-        for m, run in runs.items():
-            run["tokens"] += r[m]["tokens"]
-            run["seconds"] += r[m]["seconds"]
-            run["hist"].update({int(k): v for k, v in r[m].get("histogram", {}).items()})
-            run["mismatches"] += r[m].get("mismatches", [])
+        for run, got in [(runs["greedy"], r["greedy"]), (runs["ngram"], r["ngram"]),
+                         *((runs["dflash"][lb], r["dflash"][lb]) for lb in labels)]:
+            run["tokens"] += got["tokens"]
+            run["seconds"] += got["seconds"]
+            run["hist"].update({int(k): v for k, v in got.get("histogram", {}).items()})
+            run["mismatches"] += got.get("mismatches", [])
+        per_prompt += r["per_prompt"]
     gaps = [f"{e0 + 1}-{s1}" for (_, e0, _, _), (s1, _, _, _) in zip(parts, parts[1:]) if s1 > e0]
     last = parts[-1][3]
-    meta = {k: first[k] for k in ("target", "drafter", "prompt_files", "max_prompt_tokens", "max_new_tokens",
-                                  "dtype", "block_size")}
+    meta = {k: first[k] for k in MEASUREMENT}
     meta.update(skip=parts[0][0], requested=last["skip"] + last["requested"] - parts[0][0],
                 device=", ".join(sorted({p[3]["device"] for p in parts})))
-    res = summarise(sum(p[3]["prompts"] for p in parts), runs, meta)
+    res = summarise(sum(p[3]["prompts"] for p in parts), runs, meta, per_prompt)
     res["complete"] = not gaps and last["complete"]     # (an earlier part cut short leaves a gap, or none)
     res["merged"] = [p[2] for p in parts]
     print(f"[eval] merged {len(parts)} results: prompts {parts[0][0] + 1}-{parts[-1][1]}"
@@ -229,37 +278,49 @@ def stop_token_ids(tok, target):
     return sorted(t for t in ids if isinstance(t, int) and t >= 0)
 
 
-def format_histogram(*hists, bs):
+def format_histogram(*hists, bs, width=8):
     """A row per acceptance length 1..bs: each method's count of rounds, a bar for the first; all zero
     when no prompt ran a drafting round (each ended at its first token: a stop id or --max-new-tokens 1)."""
     top = max(hists[0].values(), default=0)
-    return "\n".join(f"  {L:2d} " + " ".join(f"{h.get(L, 0):8d}" for h in hists)
+    return "\n".join(f"  {L:2d} " + " ".join(f"{h.get(L, 0):{width}d}" for h in hists)
                      + f" {'#' * int(40 * hists[0].get(L, 0) / max(1, top))}" for L in range(1, bs + 1))
 
 
-def measures(run, target):
-    """Tau, histogram, rate and speed-up of one method from its counts and the target's (kept for --merge)."""
+def acceptance_by_position(hist, bs):
+    """For draft position k = 1..bs-1: of the rounds that accepted at least k tokens (reached position k),
+    the share that accepted at least k+1 (took its token); None where no round reached it. The product of
+    the first k shares is the share of rounds that accept at least k+1 tokens."""
+    at_least = [sum(c for L, c in hist.items() if L >= k) for k in range(1, bs + 1)]
+    return [at_least[k] / at_least[k - 1] if at_least[k - 1] else None for k in range(1, bs)]
+
+
+def measures(run, target, bs, n_prompts):
+    """Tau, histogram, acceptance by position, rate, speed-up and losslessness of one method from its
+    counts and the target's (the counts are kept for --merge)."""
     hist, rounds = run["hist"], sum(run["hist"].values())
     tok_s = run["tokens"] / max(run["seconds"], 1e-9)
     return {"mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
-            "histogram": dict(sorted(hist.items())), "tok_s": tok_s,
-            "speedup": tok_s / max(target["tokens"] / max(target["seconds"], 1e-9), 1e-9),
-            "tokens": run["tokens"], "seconds": run["seconds"], "mismatches": run["mismatches"]}
+            "histogram": dict(sorted(hist.items())), "acceptance_by_position": acceptance_by_position(hist, bs),
+            "tok_s": tok_s, "speedup": tok_s / max(target["tokens"] / max(target["seconds"], 1e-9), 1e-9),
+            "tokens": run["tokens"], "seconds": run["seconds"],
+            "lossless": n_prompts - len(run["mismatches"]), "mismatches": run["mismatches"]}
 
 
-def new_run():
-    return {"hist": collections.Counter(), "tokens": 0, "seconds": 0.0, "mismatches": []}
+def new_runs(labels):
+    """Empty counts (rounds per acceptance length, tokens, seconds, mismatches) of the target alone and of
+    each speculator, laid out like a result."""
+    new = lambda: {"hist": collections.Counter(), "tokens": 0, "seconds": 0.0, "mismatches": []}
+    return {"greedy": new(), **nested(labels, [new() for _ in range(len(labels) + 1)])}
 
 
-def summarise(n_prompts, runs, meta):
-    """The result: the run's settings (`meta`), the target alone's rate, each speculator's measures."""
-    g = runs["greedy"]
-    res = {"prompts": n_prompts, "complete": n_prompts == meta["requested"], **meta,
-           "greedy": {"tokens": g["tokens"], "seconds": g["seconds"], "tok_s": g["tokens"] / max(g["seconds"], 1e-9)}}
-    for m in METHODS:
-        res[m] = measures(runs[m], g)
-        res[m]["lossless"] = n_prompts - len(runs[m]["mismatches"])
-    return res
+def summarise(n_prompts, runs, meta, per_prompt):
+    """The result: the run's settings (`meta`), the target alone's rate, each speculator's measures, and
+    per prompt its tokens in and out and each speculator's tau there."""
+    g, labels = runs["greedy"], list(runs["dflash"])
+    return {"prompts": n_prompts, "complete": n_prompts == meta["requested"], **meta,
+            "greedy": {"tokens": g["tokens"], "seconds": g["seconds"], "tok_s": g["tokens"] / max(g["seconds"], 1e-9)},
+            **nested(labels, [measures(r, g, meta["block_size"], n_prompts) for _, r in speculators(runs)]),
+            "per_prompt": per_prompt}
 
 
 @torch.no_grad()

@@ -1022,6 +1022,18 @@ def test_eval_histogram_without_drafting_rounds():
     assert [line.split()[:3] for line in two] == [["1", "2", "0"], ["2", "0", "5"]]
 
 
+def test_eval_acceptance_by_position_from_a_histogram_equals_the_hand_count():
+    """Block 6, rounds by acceptance length {1: 4, 2: 3, 4: 2, 5: 1}: 10 rounds reach position 1 and 6
+    accept it; 6 reach 2, 3 accept; 3 reach 3, all accept; 3 reach 4, 1 accepts; 1 reaches 5, none.
+    No round reaching a position: None, not a division by zero."""
+    import collections
+    import eval_dflash
+    got = eval_dflash.acceptance_by_position(collections.Counter({1: 4, 2: 3, 4: 2, 5: 1}), bs=6)
+    assert got == [6 / 10, 3 / 6, 3 / 3, 1 / 3, 0 / 1]
+    assert eval_dflash.acceptance_by_position(collections.Counter({1: 5}), bs=4) == [0.0, None, None]
+    assert eval_dflash.acceptance_by_position(collections.Counter(), bs=3) == [None, None]
+
+
 if __name__ == "__main__":
     # The test command: every test file of the project, on CPU. Most tests run a script in a process of
     # its own, so two pytest workers (pytest-xdist, in requirements-test.txt) take about half the time.

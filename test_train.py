@@ -984,67 +984,112 @@ def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
 
 
 def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path):
-    """eval_dflash.py end to end (tiny target, untrained drafter, chat prompts), with the CPU defaults
+    """eval_dflash.py end to end (tiny target, two drafters, chat prompts), with the CPU defaults
     (5 prompts, 32 new tokens): a line per prompt, every prompt lossless, the JSON complete and
-    consistent with the printout; a time budget stops after the first prompt and reports it, marked
+    consistent with the printout, a table row per drafter; each drafter measures in the shared run
+    exactly what it measures alone; a time budget stops after the first prompt and reports it, marked
     incomplete; --merge adds up runs over disjoint prompt ranges into the one run's figures and refuses
-    overlaps; --processes 2 does that split itself."""
+    overlaps and other drafters; --processes 2 does that split itself; drafters of two block sizes are
+    an error."""
+    import collections
     import dflash_model as dm
-    from transformers import AutoModelForCausalLM
+    import eval_dflash
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     target = AutoModelForCausalLM.from_pretrained(llama)
-    cfg = dm.DFlashConfig.from_target_config(target.config, num_draft_layers=1, block_size=4,
-                                             mask_token_id=target.config.vocab_size - 1)
-    torch.manual_seed(0)
-    dm.save_drafter(dm.DFlashDrafter(cfg).attach_target(target), str(tmp_path / "drafter"))
     prompts = tmp_path / "prompts.jsonl"
     with open(prompts, "w") as f:
         for i in range(6):
             f.write(json.dumps({"messages": [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
                                              {"role": "assistant", "content": "An answer."}]}) + "\n")
-    base = [sys.executable, str(REPO / "eval_dflash.py"), "--target", llama, "--drafter", str(tmp_path / "drafter"),
-            "--prompts", str(prompts), "--device", "cpu"]
+    # step_000001 is untrained; step_000002 drafts the token the target repeats most after the first prompt
+    # (its layer adds nothing: each block position's logits are those of its input, the mask token), so
+    # the two drafters measure differently
+    x = torch.tensor(eval_dflash.prompts_from([str(prompts)], AutoTokenizer.from_pretrained(llama), 1, 0, 1024)[0])
+    common = collections.Counter(dm.target_greedy(target, x, 32)[0, x.shape[1]:].tolist()).most_common(1)[0][0]
+    drafters = {}
+    for seed, label, bs in ((0, "step_000001", 4), (1, "step_000002", 4), (2, "step_000003", 8)):
+        cfg = dm.DFlashConfig.from_target_config(target.config, num_draft_layers=1, block_size=bs,
+                                                 mask_token_id=common if seed == 1 else target.config.vocab_size - 1)
+        torch.manual_seed(seed)
+        drafter = dm.DFlashDrafter(cfg).attach_target(target)
+        if seed == 1:
+            torch.nn.init.zeros_(drafter.layers[0].self_attn.o_proj.weight)
+            torch.nn.init.zeros_(drafter.layers[0].mlp.down_proj.weight)
+        drafters[label] = str(tmp_path / label / "drafter")
+        dm.save_drafter(drafter, drafters[label])
+    labels = ["step_000001", "step_000002"]
+    eval_py = [sys.executable, str(REPO / "eval_dflash.py")]
+    one = eval_py + ["--target", llama, "--prompts", str(prompts), "--device", "cpu", "--drafter"]
+    base = one + [drafters[lb] for lb in labels]
+
+    def speculators(res):
+        return [*((lb, res["dflash"][lb]) for lb in labels), ("n-gram lookup", res["ngram"])]
 
     p = run_cmd(base + ["--json", str(tmp_path / "all.json")])
     assert_ok(p)
     res = res_all = json.loads((tmp_path / "all.json").read_text())
     assert res["max_new_tokens"] == 32 and len(re.findall(r"\[eval\] prompt \d/5: ", p.out)) == 5, p.out
     assert res["prompts"] == res["requested"] == 5 and res["complete"], res
-    for m, label in (("dflash", "DFlash"), ("ngram", "n-gram lookup")):      # both speculators, one table
-        r = res[m]
+    assert res["drafters"] == {lb: drafters[lb] for lb in labels} and list(res["dflash"]) == labels, res
+    for label, r in speculators(res):                     # every speculator, one table
         assert r["lossless"] == 5 and r["mismatches"] == [] and sum(r["histogram"].values()) == r["rounds"] > 0
         tau = sum(int(k) * v for k, v in r["histogram"].items()) / r["rounds"]
         assert abs(tau - r["mean_tau"]) < 1e-9 and 1 <= tau <= 4
-        assert re.search(rf"{label} +{tau:.3f} +[\d.]+ +[\d.]+x  5/5", p.out), p.out
+        assert re.search(rf"^{label} +{tau:.3f} +[\d.]+ +[\d.]+x  5/5$", p.out, re.M), p.out
+        assert len(r["acceptance_by_position"]) == 3 and re.search(rf"^  {label} +[-\d. ]+$", p.out, re.M), p.out
+    assert [(q["prompt"], q["tokens_in"] > 0, set(q["tau"]["dflash"])) for q in res["per_prompt"]] == \
+        [(i, True, set(labels)) for i in range(5)], res["per_prompt"]
+    assert res["dflash"]["step_000002"]["mean_tau"] > res["dflash"]["step_000001"]["mean_tau"] + 0.5, res
+    assert sum(q["tokens_out"] for q in res["per_prompt"]) == res["greedy"]["tokens"]
+    assert re.search(r"tau \(so far\): step_000001 [\d.]+ \([\d.]+\), step_000002 [\d.]+ \([\d.]+\), "
+                     r"n-gram lookup [\d.]+ \([\d.]+\)", p.out), p.out
+
+    # each drafter alone: the shared run's figures for it, prompt by prompt (greedy decoding is deterministic)
+    for label in labels:
+        p = run_cmd(one + [drafters[label], "--json", str(tmp_path / f"{label}.json")])
+        assert_ok(p)
+        alone = json.loads((tmp_path / f"{label}.json").read_text())
+        assert list(alone["dflash"]) == [label], alone
+        for k in ("histogram", "rounds", "mean_tau", "acceptance_by_position", "lossless"):
+            assert alone["dflash"][label][k] == res_all["dflash"][label][k] and alone["ngram"][k] == res_all["ngram"][k]
+        assert [q["tau"]["dflash"][label] for q in alone["per_prompt"]] == \
+            [q["tau"]["dflash"][label] for q in res_all["per_prompt"]]
+
     p = run_cmd(base + ["--max-minutes", "1e-9", "--json", str(tmp_path / "cut.json")])
     assert_ok(p)
     res = json.loads((tmp_path / "cut.json").read_text())
     assert res["prompts"] == 1 and res["requested"] == 5 and not res["complete"], res
     assert "time budget of 1e-09 min reached after 1 of 5 prompts" in p.out and "(incomplete: 1 of 5" in p.out
 
-    # the same 5 prompts in two runs (1 + 4), added up: the one run's rounds and histogram (greedy
-    # decoding is deterministic), each rate as total tokens over total seconds
+    # the same 5 prompts in two runs (1 + 4), added up: the one run's rounds, histograms and per-prompt
+    # list, each rate as total tokens over total seconds
     p = run_cmd(base + ["--skip", "1", "--num-prompts", "4", "--json", str(tmp_path / "rest.json")])
     assert_ok(p)
     merged = tmp_path / "merged.json"
-    p = run_cmd([sys.executable, str(REPO / "eval_dflash.py"), "--merge", str(tmp_path / "rest.json"),
-                 str(tmp_path / "cut.json"), "--json", str(merged)])
+    p = run_cmd(eval_py + ["--merge", str(tmp_path / "rest.json"), str(tmp_path / "cut.json"), "--json", str(merged)])
     assert_ok(p)
     m, parts = json.loads(merged.read_text()), [json.loads((tmp_path / n).read_text()) for n in ("cut.json", "rest.json")]
-    for k in ("dflash", "ngram"):
-        assert m["prompts"] == 5 and m[k]["lossless"] == 5 and m[k]["histogram"] == res_all[k]["histogram"], m
-        assert m[k]["rounds"] == res_all[k]["rounds"] and abs(m[k]["mean_tau"] - res_all[k]["mean_tau"]) < 1e-9
-    assert m["complete"] and m["requested"] == 5, m
+    for (_, r), (_, r_all) in zip(speculators(m), speculators(res_all)):
+        assert m["prompts"] == 5 and r["lossless"] == 5 and r["histogram"] == r_all["histogram"], m
+        assert r["rounds"] == r_all["rounds"] and abs(r["mean_tau"] - r_all["mean_tau"]) < 1e-9
+    assert m["complete"] and m["requested"] == 5 and m["per_prompt"] == res_all["per_prompt"], m
     secs = sum(r["greedy"]["seconds"] for r in parts)
     assert abs(m["greedy"]["tok_s"] - sum(r["greedy"]["tokens"] for r in parts) / secs) < 1e-6
-    assert "merged 2 results: prompts 1-5" in p.out and re.search(r"DFlash .* 5/5", p.out), p.out
+    assert "merged 2 results: prompts 1-5" in p.out and re.search(r"step_000002 .* 5/5", p.out), p.out
     p = run_cmd(base + ["--processes", "2", "--json", str(tmp_path / "two.json")])     # the same, split in two
     assert_ok(p)
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["prompts"] == 5 and two["complete"] and "merged 2 results: prompts 1-5" in p.out, p.out
-    assert all(two[k]["histogram"] == res_all[k]["histogram"] and two[k]["lossless"] == 5 for k in ("dflash", "ngram"))
-    p = run_cmd([sys.executable, str(REPO / "eval_dflash.py"), "--merge", str(tmp_path / "all.json"),
-                 str(tmp_path / "rest.json")])
+    for (_, r), (_, r_all) in zip(speculators(two), speculators(res_all)):
+        for k in ("histogram", "rounds", "acceptance_by_position", "lossless"):
+            assert r[k] == r_all[k], (k, r, r_all)
+    assert two["per_prompt"] == res_all["per_prompt"] and two["drafters"] == res_all["drafters"]
+    p = run_cmd(eval_py + ["--merge", str(tmp_path / "all.json"), str(tmp_path / "rest.json")])
     assert p.rc != 0 and "(prompts 1-5) and" in p.out and "(prompts 2-5) overlap" in p.out, p.tail()
+    p = run_cmd(eval_py + ["--merge", str(tmp_path / "cut.json"), str(tmp_path / "step_000001.json")])
+    assert p.rc != 0 and "has drafters {'step_000001'" in p.out and "not one measurement" in p.out, p.tail()
+    p = run_cmd(base + [drafters["step_000003"]])
+    assert p.rc != 0 and "block sizes differ" in p.out and "'step_000003': 8" in p.out, p.tail()
 
 
 # -----------------------------------------------------------------------------
