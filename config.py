@@ -68,6 +68,8 @@ class TrainConfig:
     ckpt_interval: int = opt(500, "optimiser steps between checkpoints")
     keep_last: int = opt(3, "checkpoints kept")
     log_interval: int = opt(10, "optimiser steps between log lines")
+    tensorboard: str = opt("", "also write the log line's figures as TensorBoard events to this folder "
+                               "('' = off; needs pip install tensorboard)")
     resume: bool = opt(False, "continue from the newest intact checkpoint in out_dir")
 
 
@@ -131,6 +133,11 @@ def validate(cfg):
         if b and not all(2 * cfg.block_size <= x <= cfg.max_length for x in b):
             errs.append(f"--buckets must lie in [2 x block size, max_length] = [{2 * cfg.block_size}, "
                         f"{cfg.max_length}], got {cfg.buckets}")
+    if cfg.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError as e:
+            errs.append(f"--tensorboard needs the tensorboard package: pip install tensorboard ({e})")
     for name in cfg.data:      # before any slow set-up: a typo is a one-line error at once
         local = data_dflash.names_a_file(name) and not name.startswith("synthetic:")
         if local and not os.path.isfile(os.path.expanduser(name)):

@@ -118,6 +118,14 @@ def assert_ok(proc):
     assert proc.rc == 0, f"exit code {proc.rc}; output tail:\n{proc.tail()}"
 
 
+def tb_scalars(logdir):
+    """{tag: [(step, value), ...]} of the TensorBoard events under logdir, as TensorBoard shows them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(logdir))
+    ea.Reload()
+    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -303,6 +311,16 @@ def test_device_lists_auto_split_and_local_rank(monkeypatch):
     assert [str(x) for x in t] == ["cuda:3"] and [str(x) for x in d] == ["cuda:3"]
     with pytest.raises(SystemExit, match="only 8 CUDA device"):
         config.resolve_devices(config.parse_args(["--target-devices", "cuda:9"]))
+
+
+def test_tensorboard_without_its_package_is_an_error_before_anything_starts(monkeypatch, tmp_path):
+    import config
+    assert config.parse_args(["--tensorboard", str(tmp_path / "tb")]).tensorboard == str(tmp_path / "tb")
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)      # the import fails, as when not installed
+    with pytest.raises(SystemExit, match="--tensorboard needs the tensorboard package: pip install tensorboard"):
+        config.parse_args(["--tensorboard", str(tmp_path / "tb")])
+    assert config.parse_args([]).tensorboard == ""                           # off: never imported
+    assert not (tmp_path / "tb").exists()
 
 
 def test_max_length_beyond_the_targets_positions_is_an_early_error():
@@ -772,7 +790,8 @@ def test_exception_in_a_thread_exits_nonzero_within_seconds_with_traceback_and_i
     # i.e. after the drafter took batch 3 (= began step 4), so checkpoint 2 exists then as well.
     fail = {"target": "target:7", "drafter": "drafter:4"}[where]
     p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 60,
-              "--max-steps", 40, "--ckpt-interval", 2, "--queue-depth", 1, "--out-dir", out, fault=fail)
+              "--max-steps", 40, "--ckpt-interval", 2, "--queue-depth", 1, "--out-dir", out,
+              "--tensorboard", tmp_path / "tb", fault=fail)
     assert p.rc not in (0, None) and p.rc > 0, f"exit code {p.rc}\n{p.tail()}"
     assert "injected failure" in p.out and "Traceback" in p.out, p.tail()
     assert re.search(rf"\[FATAL\] thread {where}-0:cpu failed", p.out), p.tail()
@@ -781,6 +800,7 @@ def test_exception_in_a_thread_exits_nonzero_within_seconds_with_traceback_and_i
     assert p.t_end - p.time_of("[warmup] done") < 30, p.tail()
     if where == "drafter":
         assert p.t_end - p.time_of("step 3/40") < 30 and "step 4/40" not in p.out
+        assert [s for s, _ in tb_scalars(tmp_path / "tb")["loss"]] == [1, 2, 3]     # the events up to the failure
     log = (out / "train.log").read_text()
     assert "injected failure" in log and "[FATAL]" in log
     last = re.search(r"\[FATAL\] run stopped\. Last intact checkpoint: (\S+)", p.out).group(1)
@@ -885,7 +905,7 @@ def test_torchrun_two_processes_keep_identical_replicas_and_resume_on_their_own_
     cmd = [str(c) for c in [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                             free_port(), TRAIN, *TINY, "--target", llama, "--data", data, "--cache-dir", cache_dir,
                             "--heldout", 0, "--buckets", 256, "--tokens-per-batch", 256, "--epochs", 3,
-                            "--ckpt-interval", 3, "--out-dir", out]]
+                            "--ckpt-interval", 3, "--tensorboard", tmp_path / "tb", "--out-dir", out]]
     p = run_cmd(cmd, timeout=180)
     assert_ok(p)
     rank1 = (out / "train.rank1.log").read_text()        # rank > 0 logs to its own file, not stdout
@@ -897,6 +917,9 @@ def test_torchrun_two_processes_keep_identical_replicas_and_resume_on_their_own_
     assert m, p.tail()
     assert m.group(1) == load_state(out / "step_000006")["replica_fingerprints"][0]   # the saved final weights
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]       # rank 0 only writes metrics
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1   # and TensorBoard events
+    loss = tb_scalars(tmp_path / "tb")["loss"]
+    assert [s for s, _ in loss] == [1, 2, 3, 4, 5, 6]
     assert checkpoints(out) == ["step_000003", "step_000006"]
 
     # both ranks resume from step 3: each reads its data position against its own shard (rank 1 has 2
@@ -911,10 +934,34 @@ def test_torchrun_two_processes_keep_identical_replicas_and_resume_on_their_own_
     m2 = re.search(r"bit-identical after step 6 .*fingerprint (\w+)\)", p2.out)
     assert m2 and m2.group(1) == m.group(1), p2.tail()
     assert [r["step"] for r in metrics(again)] == [1, 2, 3, 4, 5, 6]
+    # the events of steps 4-6 from before the resume are hidden by those trained again: each step once
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2
+    assert [s for s, _ in tb_scalars(tmp_path / "tb")["loss"]] == [1, 2, 3, 4, 5, 6]
 
 
 # -----------------------------------------------------------------------------
 # 6. the one command and the tools
+
+
+def test_tensorboard_events_hold_every_figure_of_the_log_line_at_its_step_equal_to_metrics_jsonl(
+        llama, sharegpt, cache_dir, tmp_path):
+    out, tb = tmp_path / "out", tmp_path / "tb"
+    p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 20,
+              "--heldout", 0, "--max-steps", 4, "--ckpt-interval", 100, "--out-dir", out, "--tensorboard", tb)
+    assert_ok(p)
+    assert f"  tensorboard    tensorboard --logdir {tb}" in p.out, p.tail()      # the summary says how to view it
+    assert re.search(r"step 4/4 .*\| busy target \d+% drafter \d+% \|", p.out), p.tail()
+    events, recs = tb_scalars(tb), metrics(out)
+    logged = {"loss", "acc@1", "acc@7", "sim_tau", "lr", "grad_norm", "tok_s", "mfu_drafter", "busy_target",
+              "busy_drafter", "queue_load", "queue_feat", "sync_ms", "eta_min", "ckpt_pause_s"}     # no GPU: no mem_gib
+    assert set(events) == logged, sorted(events)
+    assert all([s for s, _ in events[tag]] == [1, 2, 3, 4] for tag in logged), events
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))             # TensorBoard keeps float32
+    for tag, key in {"loss": "loss", "sim_tau": "sim_tau", "lr": "lr", "grad_norm": "grad_norm"}.items():
+        assert [v for _, v in events[tag]] == [f32(r[key]) for r in recs], tag
+    for tag, i in {"acc@1": 0, "acc@7": -1}.items():
+        assert [v for _, v in events[tag]] == [f32(r["acc"][i]) for r in recs], tag
+    assert all(v > 0 for _, v in events["tok_s"]) and all(0 < v <= 1.5 for _, v in events["busy_drafter"])
 
 
 def test_start_training_sh_embedded_default_end_to_end(embedded, tmp_path):

@@ -191,11 +191,14 @@ class Trainer:
         drafters = [self.run.start_thread(f"drafter-{r}:{d}", self.drafter_worker, r, sync)
                     for r, d in enumerate(self.ddevs)]
         log(f"[run] {len(threads) - 1} target + {len(drafters)} drafter threads started")
-        while any(t.is_alive() for t in drafters) and not self.run.stop.is_set():
-            for t in drafters:
-                t.join(timeout=0.5)
-        self.run.stop.set()                                   # stop loader and target threads
-        self.ckpt.close()
+        try:
+            while any(t.is_alive() for t in drafters) and not self.run.stop.is_set():
+                for t in drafters:
+                    t.join(timeout=0.5)
+        finally:                # after a failure or a Ctrl-C too: the TensorBoard events end complete
+            self.run.stop.set()                               # stop loader and target threads
+            self.ckpt.close()
+            self.meter.close()
         if self.run.failures:
             for name, tb in self.run.failures:
                 log(f"\n[FATAL] thread {name} failed:\n{tb}")
@@ -404,7 +407,19 @@ class Meter:
         self.t_busy, self.d_busy, self.d_sync = [0.0] * len(t.tdevs), [0.0] * len(t.ddevs), [0.0] * len(t.ddevs)
         self.tokens = self.tokens_log = self.flops = self.flops_log = 0.0
         self.tok_hist, self.losses, self.last, self.ckpt_pause, self.mfu_warned = [], [], None, 0.0, False
+        self.busy_log = (0.0, 0.0)
         self.t_start = self.t_log = time.time()
+        self.tb = None
+        if t.cfg.tensorboard and t.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+            # a resume hides the events of steps trained again, as metrics.jsonl drops their records
+            self.tb = SummaryWriter(t.cfg.tensorboard, purge_step=t.step + 1 if t.step else None)
+            t.log(f"[tensorboard] writing to {t.cfg.tensorboard} (view: tensorboard --logdir {t.cfg.tensorboard})")
+
+    def close(self):
+        """Writes the TensorBoard events still buffered (metrics.jsonl is flushed at every record)."""
+        if self.tb:
+            self.tb.close()
 
     @property
     def last_step(self):
@@ -425,25 +440,39 @@ class Meter:
         return rec
 
     def log_line(self, step, rec):
+        """The log line and the TensorBoard scalars, both from one dict of the interval's figures."""
         t, bs = self.t, self.t.cfg.block_size
         now = time.time()
         # a checkpoint's pause is reported apart: the rates say how fast training runs
         pause, self.ckpt_pause = self.ckpt_pause, 0.0
         dt = max(now - self.t_log - pause, 1e-9)
-        tok_s = (self.tokens - self.tokens_log) / dt
-        mfu = (self.flops - self.flops_log) / dt / (t.peak_flops * len(set(t.ddevs)) * t.world)
-        self.t_log, self.tokens_log, self.flops_log = now, self.tokens, self.flops
-        eta = (t.total_steps - step) * (now - self.t_start) / max(1, step - t.step)
+        busy = sum(self.t_busy) / len(self.t_busy), sum(self.d_busy) / len(self.d_busy)   # mean per device
+        x = {"loss": rec["loss"], "acc@1": rec["acc"][0], f"acc@{bs - 1}": rec["acc"][-1], "sim_tau": rec["sim_tau"],
+             "lr": rec["lr"], "grad_norm": rec["grad_norm"], "tok_s": (self.tokens - self.tokens_log) / dt,
+             "mfu_drafter": (self.flops - self.flops_log) / dt / (t.peak_flops * len(set(t.ddevs)) * t.world),
+             "busy_target": (busy[0] - self.busy_log[0]) / dt, "busy_drafter": (busy[1] - self.busy_log[1]) / dt,
+             "queue_load": t.load_q.qsize(), "queue_feat": len(t.buf), "sync_ms": 1000 * t.t_sync_last,
+             "eta_min": (t.total_steps - step) * (now - self.t_start) / max(1, step - t.step) / 60,
+             "ckpt_pause_s": pause}
+        self.t_log, self.tokens_log, self.flops_log, self.busy_log = now, self.tokens, self.flops, busy
         progress = f"{step}/{t.total_steps}"
         if t.cfg.max_minutes:       # the budget, not the step count, ends such a run
-            eta = min(eta, 60 * t.cfg.max_minutes - t.train_seconds())
+            x["eta_min"] = min(x["eta_min"], t.cfg.max_minutes - t.train_seconds() / 60)
+            x["budget_used"] = t.time_frac
             progress = f"{step} ({t.time_frac:.0%} of {t.cfg.max_minutes:g} min)"
-        mem = f"{torch.cuda.max_memory_allocated(t.ddevs[0]) / 2**30:.1f}GiB" if t.ddevs[0].type == "cuda" else "-"
-        t.log(f"step {progress} | loss {rec['loss']:.4f} "
-              f"| acc@1 {rec['acc'][0]:.3f} acc@{bs - 1} {rec['acc'][-1]:.3f} | sim_tau {rec['sim_tau']:.2f} "
-              f"| lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.2f} | {tok_s:,.0f} tok/s | MFU drafter {mfu:.1%} "
-              f"| queues load {t.load_q.qsize()} feat {len(t.buf)} | sync {1000 * t.t_sync_last:.0f}ms | mem {mem} "
-              f"| ETA {eta / 60:.1f}min" + (f" | checkpoint pause {pause:.2f}s (not in the rates)" if pause else ""))
+        if t.ddevs[0].type == "cuda":
+            x["mem_gib"] = torch.cuda.max_memory_allocated(t.ddevs[0]) / 2**30
+        t.log(f"step {progress} | loss {x['loss']:.4f} | acc@1 {x['acc@1']:.3f} acc@{bs - 1} {x[f'acc@{bs - 1}']:.3f} "
+              f"| sim_tau {x['sim_tau']:.2f} | lr {x['lr']:.2e} | gnorm {x['grad_norm']:.2f} | {x['tok_s']:,.0f} tok/s "
+              f"| MFU drafter {x['mfu_drafter']:.1%} | busy target {x['busy_target']:.0%} drafter "
+              f"{x['busy_drafter']:.0%} | queues load {x['queue_load']} feat {x['queue_feat']} | sync "
+              f"{x['sync_ms']:.0f}ms | mem " + (f"{x['mem_gib']:.1f}GiB" if "mem_gib" in x else "-") + f" | ETA "
+              f"{x['eta_min']:.1f}min" + (f" | checkpoint pause {pause:.2f}s (not in the rates)" if pause else ""))
+        if self.tb:
+            for k, v in x.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()         # readable while the run goes on, and after a kill
+        tok_s, mfu = x["tok_s"], x["mfu_drafter"]
         if mfu > 1.0 and not self.mfu_warned:
             self.mfu_warned = True
             t.log(f"WARNING: MFU above 100%: the matmul peak measured at the start ({t.peak_flops / 1e12:.0f} "
@@ -477,6 +506,7 @@ class Meter:
             f"  busy           target {share(t_busy)} drafter {share(d_busy)} (share of the training time on "
             f"device work); drafter wait at the step barrier + sync {share(d_sync)}",
             f"  checkpoint     {last[-1] if last else 'none'}",
+            *([f"  tensorboard    tensorboard --logdir {t.cfg.tensorboard}"] if t.cfg.tensorboard else []),
             "  measure real acceptance:",
             f"    python eval_dflash.py --target {t.tpath} --drafter {last[-1]}/drafter --prompts {prompts}"
             + eval_processes(t) if last else "    (no checkpoint)", "=" * 72]))
