@@ -9,11 +9,14 @@ Greedy unless --temperature > 0. A conversation stops before the turn whose prom
 --max-length. One worker process per device takes shards of --shard-size conversations and writes each
 atomically to <out>.shards/: a stopped run goes on where it was and gives the same file. Then the shards
 become <out> and <out>.manifest.json (settings, sources, counts); a run on a finished <out> only says so.
-Speed: each round's prompts are decoded together on a static KV cache of up to 512 slots (Slots): a
-finished answer's slot takes the next prompt, and on a GPU each step is one CUDA-graph replay.
+Speed: a shard's answers are decoded together on a static KV cache of up to 512 slots (Slots): a
+finished answer's slot takes the next prompt, a conversation's next turn is queued as soon as its answer
+is written, and on a GPU each step is one CUDA-graph replay.
 """
 import argparse
 import hashlib
+import heapq
+import itertools
 import json
 import os
 import queue
@@ -68,7 +71,7 @@ def weights_hash(target):
 
 
 # -----------------------------------------------------------------------------
-# one shard: regenerate turn by turn, each round's prompts decoded together in slots
+# one shard: regenerate turn by turn, all conversations at once in the slots
 
 def prompt_ids(tok, regen, max_length):
     """(chat-template ids of the context + generation prompt, None) or (None, why the turn is not answered)."""
@@ -168,39 +171,51 @@ class Slots:
         return self.model.lm_head(last).float()
 
     @torch.no_grad()
-    def generate(self, prompts, budgets, stops, pick):
-        """New tokens per prompt (ending with a stop id, or `budgets[i]` long); pick(logits) -> token ids."""
-        queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[::-1]   # pop() takes the shortest
-        req, pos, gen, out, stops = [-1] * self.n, [0] * self.n, [[] for _ in range(self.n)], {}, set(stops)
+    def generate(self, requests, stops, pick, follow=lambda key, tokens: None):
+        """Decode requests (key, prompt ids, budget, chain) until none is left; pick(logits) -> token ids.
+        An answer ends at a stop id (kept) or after `budget` tokens; follow(key, tokens) then returns the
+        next request of that key (a conversation's next turn), or None. The longest chains start first
+        and keep going, so the last turns of a long conversation do not decode alone at the end."""
+        heap, seq = [], itertools.count()
+        push = lambda r: heapq.heappush(heap, (-r[3], len(r[1]), next(seq), r))
+        for r in requests:
+            push(r)
+        req, pos, gen, stops = [None] * self.n, [0] * self.n, [[] for _ in range(self.n)], set(stops)
 
         def emit(slots, tokens):   # a token for each slot: kept, and the slot freed when its answer ends
             for s, t in zip(slots, tokens.tolist()):
                 gen[s].append(t)
-                if t in stops or len(gen[s]) >= budgets[req[s]]:
-                    out[req[s]], req[s], pos[s], gen[s] = gen[s], -1, 0, []
+                if t in stops or len(gen[s]) >= req[s][2]:
+                    nxt = follow(req[s][0], gen[s])
+                    if nxt is not None:
+                        push(nxt)
+                    req[s], pos[s], gen[s] = None, 0, []
                 else:
                     pos[s] += 1
 
-        while queue or max(req) >= 0:
-            free = [s for s in range(self.n) if req[s] < 0]   # refill once an eighth is free: prefill in batches
-            while queue and free and (len(free) >= self.n // 8 or max(req) < 0):
-                take = []
-                while queue and len(take) < len(free) and (len(take) + 1) * len(prompts[queue[-1]]) <= \
-                        max(self.PREFILL_TOKENS, len(prompts[queue[-1]])):
-                    take.append(queue.pop())
+        while True:
+            free = [s for s in range(self.n) if req[s] is None]   # refill once an eighth is free: batched prefill
+            while heap and free and (len(free) >= self.n // 8 or len(free) == self.n):
+                take = [heapq.heappop(heap)[3]]
+                longest = len(take[0][1])   # prompts are right-padded to the longest of their prefill
+                while heap and len(take) < len(free) and \
+                        (len(take) + 1) * max(longest, len(heap[0][3][1])) <= self.PREFILL_TOKENS:
+                    take.append(heapq.heappop(heap)[3])
+                    longest = max(longest, len(take[-1][1]))
                 slots, free = free[:len(take)], free[len(take):]
-                for s, i in zip(slots, take):
-                    req[s], pos[s] = i, len(prompts[i]) - 1   # emit() moves pos to the first new token
-                emit(slots, pick(self.prefill(slots, [prompts[i] for i in take])).cpu())
-            live = [s for s in range(self.n) if req[s] >= 0]
+                for s, r in zip(slots, take):
+                    req[s], pos[s] = r, len(r[1]) - 1   # emit() moves pos to the first new token
+                emit(slots, pick(self.prefill(slots, [r[1] for r in take])).cpu())
+            live = [s for s in range(self.n) if req[s] is not None]
             if not live:
-                continue
+                if heap:
+                    continue
+                return
             rows = min(self.n, 1 << live[-1].bit_length())   # power-of-two row counts: few graphs
             span = min(self.length, -(-(max(pos[s] for s in live) + 1) // self.SPAN) * self.SPAN)
             self.ids[:rows].copy_(torch.tensor([gen[s][-1] if gen[s] else 0 for s in range(rows)]))
             self.pos[:rows].copy_(torch.tensor(pos[:rows]))
             emit(live, pick(self.replay(rows, span))[live].cpu())
-        return [out[i] for i in range(len(prompts))]
 
 
 def slot_attention(module, q, k, v, mask, scaling=None, slots=None, **kw):
@@ -227,53 +242,47 @@ def picker(a):
     return sample
 
 
-def answer(slots, prompts, a, stops):
-    """[(new ids without the stop token, finished)] per prompt: finished when the stop token came within
-    --max-new-tokens and --max-length."""
-    budgets = [min(a.max_new_tokens, a.max_length - len(p)) for p in prompts]
-    results = []
-    for row, budget in zip(slots.generate(prompts, budgets, stops, picker(a)), budgets):
-        end = next((i for i, t in enumerate(row[:budget]) if t in stops), None)
-        results.append((row[:budget], False) if end is None else (row[:end], True))
-    return results
-
-
 def run_shard(slots, tok, convs, a, stops):
-    """(regenerated conversations, stats) of one shard; depends on its conversations only."""
-    st, todo, done = Counter(), {k: (msgs, []) for k, msgs in enumerate(convs)}, {}
-    while todo:  # a round answers the next assistant turn of every conversation still going
-        pending = []
-        for k, (msgs, regen) in list(todo.items()):
-            while msgs[len(regen)]["role"] != "assistant":  # system and user turns are kept as they are
-                regen.append(dict(msgs[len(regen)]))
-            ids, why = prompt_ids(tok, regen, a.max_length)
-            if ids is None:
-                finish(k, todo, done, st, why)
-            else:
-                pending.append((k, ids))
-        for (k, _), (new, finished) in zip(pending, answer(slots, [ids for _, ids in pending], a, stops)):
-            msgs, regen = todo[k]
-            st["generated_tokens"] += len(new) + finished
-            if not finished and len(new) < a.max_new_tokens:  # the answer would pass max-length
-                finish(k, todo, done, st, "answer beyond max length")
-                continue
-            st["hit_max_new_tokens"] += not finished
-            st["answers"] += 1
-            regen.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()})
-            if not any(m["role"] == "assistant" for m in msgs[len(regen):]):
-                finish(k, todo, done, st)
+    """(regenerated conversations, stats) of one shard; depends on its conversations only. Each answer
+    is greedy (or sampled) on the regenerated context before it; a conversation's next turn is asked for
+    as soon as its answer is written."""
+    st, regen, done, pick = Counter(), {k: [] for k in range(len(convs))}, {}, picker(a)
+
+    def finish(k, why=None):   # kept up to its last regenerated answer (cut there, for `why`), or dropped
+        r = regen.pop(k)
+        while r and r[-1]["role"] != "assistant":
+            r.pop()
+        if r:
+            done[k] = r
+        if why:
+            st[f"{'cut' if r else 'skipped'}: {why}"] += 1
+
+    def next_turn(k):
+        msgs, r = convs[k], regen[k]
+        if not any(m["role"] == "assistant" for m in msgs[len(r):]):
+            return finish(k)
+        while msgs[len(r)]["role"] != "assistant":   # system and user turns are kept as they are
+            r.append(dict(msgs[len(r)]))
+        ids, why = prompt_ids(tok, r, a.max_length)
+        if ids is None:
+            return finish(k, why)
+        chain = sum(m["role"] == "assistant" for m in msgs[len(r):])
+        return k, ids, min(a.max_new_tokens, a.max_length - len(ids)), chain
+
+    def answered(k, row):   # finished: the stop token came within --max-new-tokens and --max-length
+        finished = row[-1] in stops
+        new = row[:-1] if finished else row
+        st["generated_tokens"] += len(row)
+        if not finished and len(new) < a.max_new_tokens:   # the answer would pass max-length
+            return finish(k, "answer beyond max length")
+        st["hit_max_new_tokens"] += not finished
+        st["answers"] += 1
+        regen[k].append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()})
+        return next_turn(k)
+
+    first = [r for r in map(next_turn, range(len(convs))) if r is not None]
+    slots.generate(first, stops, pick, answered)
     return [done[k] for k in sorted(done)], st
-
-
-def finish(k, todo, done, st, why=None):
-    """Conversation k ends: kept up to its last regenerated answer (cut there, for `why`), or dropped."""
-    regen = todo.pop(k)[1]
-    while regen and regen[-1]["role"] != "assistant":
-        regen.pop()
-    if regen:
-        done[k] = regen
-    if why:
-        st[f"{'cut' if regen else 'skipped'}: {why}"] += 1
 
 
 # -----------------------------------------------------------------------------

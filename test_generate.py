@@ -145,8 +145,12 @@ def test_slots_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target
     stops = eval_dflash.stop_token_ids(tok, model)
     prompts = [tok(" ".join(["word"] * n) + f" {n}")["input_ids"] for n in (3, 40, 9, 1, 25, 60, 14)]
     budgets = [5, 17, 9, 30, 2, 11, 20]
-    slots = G.Slots(model, 2, 128)
-    got = slots.generate(prompts, budgets, stops, lambda logits: logits.argmax(-1))
+    def decode(n_slots, pick):
+        got = {}
+        G.Slots(model, n_slots, 128).generate([(i, p, b, 0) for i, (p, b) in enumerate(zip(prompts, budgets))],
+                                             stops, pick, lambda i, tokens: got.update({i: tokens}))
+        return [got[i] for i in range(len(prompts))]
+    got = decode(2, lambda logits: logits.argmax(-1))
     for p, b, row in zip(prompts, budgets, got):
         y = ref.generate(torch.tensor([p]), max_new_tokens=b, do_sample=False, eos_token_id=stops,
                          pad_token_id=stops[0])
@@ -154,4 +158,4 @@ def test_slots_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target
     assert {len(r) for r in got} != {1}, "every answer one token long: the test would prove little"
     # sampling inside a nucleus of one token is greedy decoding
     one = G.picker(argparse.Namespace(temperature=0.7, top_p=1e-6))
-    assert G.Slots(model, 3, 128).generate(prompts, budgets, stops, one) == got
+    assert decode(3, one) == got
