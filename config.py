@@ -314,25 +314,24 @@ def new_drafter(dcfg, emb, head, dev, seed):
 
 
 def load_target(path, device, dtype, layer_ids, log=print):
-    """The target, frozen, cut after the deepest captured layer (+1: transformers' hidden_states are
-    the layers' inputs, and the last entry is normed)."""
+    """The target, frozen, cut after the deepest captured layer: that layer's output is the last of
+    transformers' hidden_states, which would be normed, so the final norm becomes the identity."""
     from transformers import AutoModelForCausalLM
     if path.startswith("random:"):
         tcfg, _ = load_target_config(path)
-        tcfg.num_hidden_layers = min(tcfg.num_hidden_layers, max(layer_ids) + 2)
         # the same weights on every target device and run: a batch's features must not depend on its thread
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
-        log(f"[target] random weights from {path[7:]} on {device}: {tcfg.num_hidden_layers} layers")
+        cut_after(model.model, layer_ids)
+        log(f"[target] random weights from {path[7:]} on {device}: {len(model.model.layers)} layers")
         return model.eval().requires_grad_(False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
     base = model.model
-    n_keep = min(len(base.layers), max(layer_ids) + 2)
     probe = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
     with torch.no_grad():
         full = dm.target_features(base(probe, output_hidden_states=True).hidden_states, layer_ids)
-        base.layers = base.layers[:n_keep]
+        n_keep = cut_after(base, layer_ids)
         cut = dm.target_features(base(probe, output_hidden_states=True).hidden_states, layer_ids)
     # a transformers change in how hidden_states are indexed or normed would train on wrong features
     if not torch.allclose(full.float(), cut.float(), atol=1e-3, rtol=1e-3):
@@ -340,3 +339,12 @@ def load_target(path, device, dtype, layer_ids, log=print):
                            "transformers' hidden_states indexing changed; cannot train safely")
     log(f"[target] {path} on {device}: kept {n_keep}/{model.config.num_hidden_layers} layers, no LM head")
     return model
+
+
+def cut_after(base, layer_ids):
+    """Keep layers 0..max(layer_ids) of a transformers base model; the number kept."""
+    n_keep = max(layer_ids) + 1
+    if n_keep < len(base.layers):
+        base.layers = base.layers[:n_keep]
+        base.norm = torch.nn.Identity()
+    return len(base.layers)

@@ -931,6 +931,28 @@ def test_a_random_target_has_the_same_weights_on_every_device_and_in_every_run(t
     assert sa["model.layers.0.mlp.up_proj.weight"].std() > 0      # random, not zeros
 
 
+def test_the_target_runs_only_up_to_its_deepest_captured_layer_with_the_full_models_features(tmp_path):
+    """Layers past the deepest feature layer are dropped and the final norm with them (that layer's
+    output is the last hidden state, which transformers would norm): the features stay the full model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import config
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    full = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        hs = full.model(ids, output_hidden_states=True).hidden_states      # hs[i + 1]: layer i's output
+        lines = []
+        cut = config.load_target(str(tmp_path), "cpu", torch.float32, [1, 3], log=lines.append)
+        feats = dm.target_features(cut.model(ids, output_hidden_states=True).hidden_states, [1, 3])
+    assert len(cut.model.layers) == 4 and isinstance(cut.model.norm, torch.nn.Identity)
+    assert torch.equal(feats, torch.cat([hs[2], hs[4]], -1))
+    assert "kept 4/6 layers" in lines[-1]
+    last = config.load_target(str(tmp_path), "cpu", torch.float32, [1, 5], log=lines.append)
+    assert len(last.model.layers) == 6 and not isinstance(last.model.norm, torch.nn.Identity)  # nothing to cut
+
+
 def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
     """TORCHDYNAMO_DISABLE=1 turns every torch.compile into the plain function: flex_attention would
     then run its dense math path (B x H x Q x KV scores), silently. The guard makes it an error, for
