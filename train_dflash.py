@@ -39,6 +39,7 @@ import config
 import data_dflash
 import diagnose
 import dflash_model as dm
+import layout
 import warmup
 from replicas import Replicas
 from pipeline import ReorderBuffer, Run, StepSync, fault, inject
@@ -81,6 +82,8 @@ class Trainer:
             warmup.use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"), log)
         warmup.warm_up(self.replicas.drafters, self.shapes, self.gamma, self.attn, cfg.on_unwarmed, log)
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
+        if self.ddevs[0].type == "cuda":
+            self.advise_layout()
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers
         self.peak_flops = measure_peak_flops(self.ddevs[0])
         now = time.time()
@@ -172,6 +175,27 @@ class Trainer:
             self.cursor = (self.cursor // nb_old) * nb + min(self.cursor % nb_old, nb - 1)
         self.log(f"[resume] {path}: step {self.step}, batch cursor {self.cursor}, fp32 masters + moments "
                  "match the saved digest")
+
+    def advise_layout(self):
+        """Log the predicted tokens/s of every layout of this node's GPUs, from one timed target forward and
+        drafter step per shape (kept beside the compile cache), and warn when one beats this run's by >10%."""
+        cc = self.cfg.compile_cache or os.path.join(self.cfg.out_dir, "compile_cache")
+        key = {"gpu": torch.cuda.get_device_name(self.ddevs[0]), "torch": torch.__version__, "target": self.tpath,
+               "target_layers": len(self.targets[0].model.layers), "drafter": repr(self.dcfg),
+               "shapes": [list(s) for s in self.shapes], "attn": self.attn}
+        times = warmup.time_shapes(self.targets[0], self.replicas.drafters[0], self.shapes, self.gamma, self.attn,
+                                   os.path.join(cc, "layout_times.json"), key)
+        batches, lengths = self.stream._epoch(0), self.stream.lengths
+        buckets = []
+        for B, S, A in self.shapes:
+            mine = [sum(min(lengths[i], S) for i in idx) for s, idx in batches if s == S]
+            if mine:                  # share of the batches, mean real tokens of a batch, its seconds
+                buckets.append(layout.Bucket(len(mine), sum(mine) / len(mine), *times[(B, S, A)]))
+        rows = layout.layouts(torch.cuda.device_count(), buckets)
+        _, _, warning = layout.choose(rows, buckets, self.tdevs, self.ddevs)
+        self.log("[layout] predicted tokens/s of this node's layouts (times per shape (B,S,A): "
+                 + ", ".join(f"{s} target {1e3 * t:.0f} ms drafter {1e3 * d:.0f} ms" for s, (t, d) in times.items())
+                 + f"):\n{layout.format_table(rows)}" + (f"\n[layout] {warning}" if warning else ""))
 
     # --- threads -----------------------------------------------------------------------------
     def run_threads(self):

@@ -77,6 +77,42 @@ def warm_shape(drafter, shape, gamma, attn):
         torch.cuda.synchronize(dev)
 
 
+def time_shapes(target, drafter, shapes, gamma, attn, path, key):
+    """{shape: (seconds of one target forward, of one drafter step)} for the layout advisor, each timed
+    once after an untimed call on the first target and drafter device; kept in `path` under `key` (GPU,
+    builds, models, shapes), so a restart reads them instead of timing again."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved["key"] == key:
+            return {tuple(s): tuple(t) for s, t in saved["times"]}
+    except (OSError, ValueError, KeyError):
+        pass
+    tdev, times = next(target.parameters()).device, {}
+    for shape in shapes:
+        ids = torch.randint(0, target.config.vocab_size, shape[:2], device=tdev)
+
+        def forward():
+            with torch.no_grad():
+                target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        times[tuple(shape)] = (_timed(forward, tdev),
+                               _timed(lambda: warm_shape(drafter, shape, gamma, attn), drafter.fc.weight.device))
+    data_dflash.write_json(path, {"key": key, "times": [[list(s), list(t)] for s, t in times.items()]})
+    return times
+
+
+def _timed(fn, dev):
+    """Seconds of the second of two calls (the first pays first-call costs)."""
+    for _ in range(2):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.time()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    return time.time() - t0
+
+
 def _cache_counters():
     from torch._dynamo.utils import counters
     return (counters["aot_autograd"].get("autograd_cache_hit", 0), counters["inductor"].get("fxgraph_cache_hit", 0),
