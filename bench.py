@@ -50,6 +50,8 @@ def parse_args(argv):
     p.add_argument("--drafter-devices", default="", help="pipeline drafter devices (default: --device)")
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
     p.add_argument("--device", default="", help="device of the one-device measurements (default cuda:0, or cpu)")
+    p.add_argument("--node-gpus", type=int, default=8,
+                   help="print the layout advisor's predictions for a node of this many such GPUs")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)
     if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
@@ -67,6 +69,7 @@ def main(argv=None):
     import torch
     import config
     import dflash_model as dm
+    import layout
     import replicas
     import train_dflash as tr
     from master_adamw import MasterAdamW
@@ -170,6 +173,10 @@ def main(argv=None):
         log(f"[bench] drafter step (naive): {1e3 * t_naive:.1f} ms, MFU {res['naive_mfu']:.1%}; "
             f"ours is {t_naive / t_ours:.2f}x faster")
     res["sum_of_parts_tok_s"] = B * S / (t_target + t_ours)
+    rows = layout.layouts(a.node_gpus, [layout.Bucket(1, B * S, t_target, t_ours)])
+    res["layouts"] = [r._asdict() for r in rows]
+    log(f"[bench] predicted layouts of {a.node_gpus} such GPUs (layout.py, from the two times above):\n"
+        + layout.format_table(rows))
     del target, drafter, opt, feats
     if dev.type == "cuda":
         torch.cuda.empty_cache()
