@@ -96,6 +96,7 @@ class Slots:
     SPAN, PREFILL_TOKENS = 256, 16384
 
     def __init__(self, model, n, length):
+        check_decodable(model, length)
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
         AttentionInterface.register("slot_decode", slot_attention)
@@ -216,6 +217,19 @@ class Slots:
             self.ids[:rows].copy_(torch.tensor([gen[s][-1] if gen[s] else 0 for s in range(rows)]))
             self.pos[:rows].copy_(torch.tensor(pos[:rows]))
             emit(live, pick(self.replay(rows, span))[live].cpu())
+
+
+def check_decodable(model, length):
+    """Slots run the target's own layers with full causal attention over each context: a model of
+    another shape, or with sliding-window layers that a context of `length` would reach, is refused."""
+    c, base = model.config, getattr(model, "model", None)
+    missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
+    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
+    sliding = set(getattr(c, "layer_types", None) or []) - {"full_attention"} or (window and window < length)
+    if missing or sliding:
+        raise SystemExit(f"error: generate_data.py decodes Llama-like targets with full attention; "
+                         f"{type(model).__name__} " + (f"has no model.{', model.'.join(missing)}" if missing else
+                         f"has sliding-window attention within --max-length {length}"))
 
 
 def slot_attention(module, q, k, v, mask, scaling=None, slots=None, **kw):

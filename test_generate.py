@@ -159,3 +159,14 @@ def test_slots_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target
     # sampling inside a nucleus of one token is greedy decoding
     one = G.picker(argparse.Namespace(temperature=0.7, top_p=1e-6))
     assert decode(3, one) == got
+
+
+def test_a_target_the_slots_cannot_decode_exactly_is_refused(target):
+    """Sliding-window layers within --max-length would be attended in full: an error, not other answers."""
+    from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, sliding_window=256))
+    with pytest.raises(SystemExit, match="sliding-window attention within --max-length 512"):
+        G.Slots(mistral, 2, 512)
+    G.Slots(mistral, 2, 256)                                  # a window no context reaches is full attention
+    G.Slots(AutoModelForCausalLM.from_pretrained(target), 2, 512)
