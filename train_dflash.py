@@ -82,7 +82,7 @@ class Trainer:
             warmup.use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"), log)
         warmup.warm_up(self.replicas.drafters, self.shapes, self.gamma, self.attn, cfg.on_unwarmed, log)
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
-        if self.ddevs[0].type == "cuda":
+        if self.ddevs[0].type == "cuda" and self.world == 1:   # one process holds the node's GPUs
             self.advise_layout()
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers
         self.peak_flops = measure_peak_flops(self.ddevs[0])
