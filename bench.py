@@ -5,6 +5,7 @@
     python bench.py --all-shapes       # cold warm-up of every default bucket, then the pipeline's warm start
     python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1
                                        # only the threaded loop, on any layout of GPUs
+    python bench.py --decode --target-config config.json --seq 2048   # generate_data.py's decoding step
 
 Ours:  the trainer's step: tile-level block mask from the anchors, the whole drafter trunk compiled
        (flex inside), the Triton LM-head CE, MasterAdamW with the clip inside its pass.
@@ -43,6 +44,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=10, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds; the median is reported")
     p.add_argument("--all-shapes", action="store_true", help="cold warm-up of every default bucket")
+    p.add_argument("--decode", action="store_true",
+                   help="only generate_data.py's decoding step: one CUDA-graph replay over every slot that fits")
     p.add_argument("--pipeline-steps", type=int, default=40, help="optimiser steps of the pipeline run")
     p.add_argument("--no-pipeline", action="store_true", help="skip the threaded pipeline")
     p.add_argument("--pipeline-only", action="store_true", help="only the threaded pipeline")
@@ -93,6 +96,9 @@ def main(argv=None):
     log = lambda m: print(m, flush=True)
     if a.pipeline_only:
         res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))
+        return report(a, res)
+    if a.decode:
+        res.update(decode(a, spec, S, dev, log))
         return report(a, res)
     peak = tr.measure_peak_flops(dev)
     res["peak_tflops"] = peak / 1e12
@@ -219,6 +225,29 @@ def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
     hidden = drafter.body(feats, block_ids, torch.arange(S, device=dev).expand(B, S), block_pos, attend)
     return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048,
                           ce=kernels.ce_chunk_eager)[0]
+
+
+def decode(a, spec, S, dev, log):
+    """generate_data.py's decoding step on a random target of `spec`: the slots that fit a context of S
+    (at most 512), each at a random position below the span; ms per step for spans S/4, S/2 and S."""
+    import torch
+    import config
+    import generate_data
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=config.param_dtype(dev)).eval()
+    slots = generate_data.Slots(model, generate_data.Slots.fit(model, S), S)
+    slots.ids.copy_(torch.randint(0, spec["vocab_size"], (slots.n,)))
+    res = {"decode_slots": slots.n, "decode_ms": {}}
+    for span in (S // 4, S // 2, S):
+        slots.pos.copy_(torch.randint(0, span, (slots.n,)))
+        with torch.no_grad():
+            t, spread = median_time(lambda: slots.replay(slots.n, span), a.steps, dev, a.rounds)
+        res["decode_ms"][span] = 1e3 * t
+        log(f"[bench] decoding step, {slots.n} slots, span {span}: {1e3 * t:.2f} ms "
+            f"[{1e3 * spread[0]:.2f}-{1e3 * spread[1]:.2f}] = {slots.n / t:,.0f} tok/s with every slot busy")
+    return res
 
 
 def median_time(fn, n, dev, rounds=1):
