@@ -419,7 +419,7 @@ def main(argv=None):
     shutil.rmtree(shards_dir)  # <out> and its manifest hold everything: the shards would double the disk use
     skips = ", ".join(f"{k}={v}" for k, v in skips.items()) or "none"
     print(f"[gen] done: {counts['written']} conversations, {counts['turns_regenerated']} answers, "
-          f"{counts['generated_tokens']:,} tokens ({run['tok_s']:,.0f} tok/s this run, load and compile "
+          f"{counts['generated_tokens']:,} tokens ({run['tok_s']:,.0f} tok/s this run, load and graph capture "
           f"included), {run['wall_seconds']:.1f} s | skipped: {skips} -> {a.out}\n"
           f"[gen] train on it: python train_dflash.py --target {a.target} --data {a.out}")
     return 0
