@@ -105,7 +105,7 @@ def main(argv=None):
     log(f"[bench] {res['device']} torch {torch.__version__}: matmul peak {peak / 1e12:.0f} TFLOP/s")
 
     def timed(name, fn):      # median seconds per call; the rounds' min-max goes to res["spread_ms"]
-        t, spread = median_time(fn, a.steps, dev, a.rounds)
+        t, spread = warmup.median_time(fn, a.steps, dev, a.rounds)
         res["spread_ms"][name] = [round(1e3 * s, 2) for s in spread]
         return t
 
@@ -233,6 +233,7 @@ def decode(a, spec, S, dev, log):
     import torch
     import config
     import generate_data
+    import warmup
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
     with torch.device(dev):
@@ -243,28 +244,11 @@ def decode(a, spec, S, dev, log):
     for span in (S // 4, S // 2, S):
         slots.pos.copy_(torch.randint(0, span, (slots.n,)))
         with torch.no_grad():
-            t, spread = median_time(lambda: slots.replay(slots.n, span), a.steps, dev, a.rounds)
+            t, spread = warmup.median_time(lambda: slots.replay(slots.n, span), a.steps, dev, a.rounds)
         res["decode_ms"][span] = 1e3 * t
         log(f"[bench] decoding step, {slots.n} slots, span {span}: {1e3 * t:.2f} ms "
             f"[{1e3 * spread[0]:.2f}-{1e3 * spread[1]:.2f}] = {slots.n / t:,.0f} tok/s with every slot busy")
     return res
-
-
-def median_time(fn, n, dev, rounds=1):
-    """(median, [min, max]) seconds per call: after 2 untimed calls, `rounds` rounds of `n` calls back
-    to back, each timed as a whole (a device sync at its two ends only)."""
-    from train_dflash import sync_device
-    for _ in range(2):
-        fn()
-    per_call = []
-    for _ in range(rounds):
-        sync_device(dev)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync_device(dev)
-        per_call.append((time.perf_counter() - t0) / n)
-    return statistics.median(per_call), [min(per_call), max(per_call)]
 
 
 def pipeline(a, tcfg, cache, tmp, S, A, dev, log):

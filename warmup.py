@@ -11,6 +11,7 @@ seconds. train_dflash.py runs this warm-up before its threads start; this script
 """
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -79,14 +80,14 @@ def warm_shape(drafter, shape, gamma, attn):
 
 def time_shapes(target, drafter, shapes, gamma, attn, path, key):
     """{shape: (seconds of one target forward, of one drafter step)} for the layout advisor, each timed
-    once after an untimed call on the first target and drafter device; kept in `path` under `key` (GPU,
+    once after two untimed calls on the first target and drafter device; kept in `path` under `key` (GPU,
     builds, models, shapes), so a restart reads them instead of timing again."""
     try:
         with open(path) as f:
             saved = json.load(f)
         if saved["key"] == key:
             return {tuple(s): tuple(t) for s, t in saved["times"]}
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError):   # none yet, or unreadable: timed again and rewritten below
         pass
     tdev, times = next(target.parameters()).device, {}
     for shape in shapes:
@@ -95,22 +96,28 @@ def time_shapes(target, drafter, shapes, gamma, attn, path, key):
         def forward():
             with torch.no_grad():
                 target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
-        times[tuple(shape)] = (_timed(forward, tdev),
-                               _timed(lambda: warm_shape(drafter, shape, gamma, attn), drafter.fc.weight.device))
+        step = lambda: warm_shape(drafter, shape, gamma, attn)   # noqa: E731
+        times[tuple(shape)] = (median_time(forward, 1, tdev)[0], median_time(step, 1, drafter.fc.weight.device)[0])
     data_dflash.write_json(path, {"key": key, "times": [[list(s), list(t)] for s, t in times.items()]})
     return times
 
 
-def _timed(fn, dev):
-    """Seconds of the second of two calls (the first pays first-call costs)."""
+def median_time(fn, n, dev, rounds=1):
+    """(median, [min, max]) seconds per call: after 2 untimed calls, `rounds` rounds of `n` calls back
+    to back, each timed as a whole (a device sync at its two ends only)."""
     for _ in range(2):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.time()
         fn()
+    per_call = []
+    for _ in range(rounds):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-    return time.time() - t0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        per_call.append((time.perf_counter() - t0) / n)
+    return statistics.median(per_call), [min(per_call), max(per_call)]
 
 
 def _cache_counters():
@@ -149,9 +156,9 @@ def format_table(rows):
 
 
 def build_drafters(cfg):
-    """The drafter replicas and the shape plan train_dflash.py builds for `cfg`, without the target's weights: its model on
-    the meta device gives the embedding and LM head shapes and whether they are one tensor, and empty
-    tensors of the target's dtype stand in (a compile reads layouts, never values)."""
+    """The drafter replicas and the shape plan train_dflash.py builds for `cfg`, without the target's
+    weights: its model on the meta device gives the embedding and LM head shapes and whether they are one
+    tensor, and empty tensors of the target's dtype stand in (a compile reads layouts, never values)."""
     from transformers import AutoModelForCausalLM
     tcfg, tok = config.load_target_config(config.target_path(cfg))
     tdevs, ddevs = config.resolve_devices(cfg)
