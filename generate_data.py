@@ -18,6 +18,7 @@ import hashlib
 import heapq
 import itertools
 import json
+import math
 import os
 import queue
 import shutil
@@ -88,7 +89,7 @@ def prompt_ids(tok, regen, max_length):
 class Slots:
     """Greedy (or sampled) decoding of many answers at once on a static KV cache of `n` slots of `length`
     tokens: a finished answer's slot takes the next prompt at once (no batch waits for its longest answer),
-    prompts of similar length are prefilled together, and each decoding step is one replay of a CUDA graph
+    prompts are prefilled in batches, and each decoding step is one replay of a CUDA graph
     per (rows, span) shape: a 135M target's step is otherwise a few hundred kernel launches for ~1 ms of
     work. `span` covers the longest context in the slots (rounded up to SPAN), so attention reads what is
     written, not the whole cache. The target's own layers run the step (any Llama-like HF model: embed,
@@ -103,21 +104,25 @@ class Slots:
         AttentionMaskInterface.register("slot_decode", sdpa_mask)   # prefill keeps sdpa's causal mask
         model.set_attn_implementation("slot_decode")
         c, dev = model.config, model.device
-        shape = (n, c.num_key_value_heads, length, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-        self.k = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(c.num_hidden_layers)]
+        self.k = [torch.zeros(n, *self.slot_shape(c, length), dtype=model.dtype, device=dev)
+                  for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.model, self.n, self.length, self.graphs, self.pool = model, n, length, {}, None
         self.ids, self.pos = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(2))
         self.rows, self.span = torch.arange(n, device=dev), length
 
     @staticmethod
+    def slot_shape(c, length):
+        """(kv heads, length, head dim): one slot's keys, or values, in one layer."""
+        return c.num_key_value_heads, length, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @staticmethod
     def fit(model, length, most=512):
         """Slots that fit: on a GPU half the free memory goes to the cache, at most `most`."""
-        c = model.config
-        per_slot = 2 * c.num_hidden_layers * c.num_key_value_heads * length * model.dtype.itemsize \
-            * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
         if model.device.type != "cuda":
             return 8
+        c = model.config
+        per_slot = 2 * c.num_hidden_layers * math.prod(Slots.slot_shape(c, length)) * model.dtype.itemsize
         return max(1, min(most, torch.cuda.mem_get_info(model.device)[0] // 2 // per_slot))
 
     def update(self, k, v, layer, *args):
@@ -331,7 +336,8 @@ def worker(device, jobs, a, shards_dir, n_shards):
 
 
 def run_workers(a, pending, shards_dir, n_shards):
-    """One process per device (not threads: their compiles would race); one device works in this process."""
+    """One process per device (not threads: each decodes token by token with host work between CUDA-graph
+    replays, which threads would serialise on the GIL); one device works in this process."""
     ctx = torch.multiprocessing.get_context("spawn")
     q = queue.Queue() if len(a.devices) == 1 else ctx.Queue()
     for job in pending + [None] * len(a.devices):
