@@ -461,6 +461,7 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     assert checkpoints(out) == [f"step_{last:06d}"] and [r["step"] for r in metrics(out)][-1] == last
     state = load_state(out / f"step_{last:06d}")
     assert state["train_seconds"] < 6 + 2.0, state["train_seconds"]          # the budget, within one step's jitter
+    assert state["next_step_ends_s"] >= 6, state      # why it stopped; the resume below applies the same rule to it
     assert state["batches_per_epoch_by_rank"] == [m_ := state["batches_per_epoch_by_rank"][0]] and m_ > 0
 
     p = train(*common, "--max-minutes", 0.1, "--resume")

@@ -49,6 +49,7 @@ class Trainer:
     def __init__(self, cfg, log, env=None):
         self.cfg, self.log, self.env_at_start, self.env_change_said = cfg, log, env, False
         self.time_frac = 0.0          # the share of a --max-minutes budget used
+        self.next_end_s = 0.0         # when the next step is predicted to end, in train_seconds (all ranks' max)
         self.run = Run()
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
@@ -71,8 +72,9 @@ class Trainer:
         if self.step >= self.total_steps:
             log(f"[run] already at step {self.step} of {self.total_steps}: nothing to do")
             return 0
-        # the budget's rule: a step runs only if it ends within the budget (here by the mean step so far)
-        if cfg.max_minutes and self.step and self.seconds_before * (1 + 1 / self.step) > 60 * cfg.max_minutes:
+        # the budget's rule: a step runs only if it ends within the budget; a resume applies it to the end the
+        # checkpointed step predicted for its successor, so it agrees with where the run stopped
+        if cfg.max_minutes and self.step and self.next_end_s >= 60 * cfg.max_minutes:
             log(f"[run] the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
                 f"{self.step}: nothing to do (a larger --max-minutes continues)")
             return 0
@@ -168,6 +170,7 @@ class Trainer:
                              "drop the option(s) or start a new run")
         self.replicas.load(state, path)
         self.step, self.seconds_before, self.cursor = state["step"], state["train_seconds"], state["cursor"]
+        self.next_end_s = state.get("next_step_ends_s", self.seconds_before)
         nb_old, nb = state["batches_per_epoch_by_rank"][self.rank], self.stream.nb
         if nb_old != nb:
             self.log(f"[resume] NOTICE: the data set changed ({nb_old} -> {nb} batches/epoch); continuing at "
@@ -311,6 +314,7 @@ class Trainer:
             step_s = now - getattr(self, "t_prev_step", now)
             self.t_prev_step = now
             self.time_frac, self.next_frac = self.replicas.over_ranks([now / budget, (now + step_s) / budget], "MAX")
+            self.next_end_s = self.next_frac * budget
         self.t_sync_last = time.time() - t0
         self.lr_used = self.replicas.opts[0].param_groups[0]["lr"]
         try:
@@ -344,6 +348,7 @@ class Trainer:
         r = self.replicas
         state = {"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
                  "batches_per_epoch_by_rank": self.nb_by_rank, "train_seconds": self.train_seconds(),
+                 "next_step_ends_s": self.next_end_s if self.cfg.max_minutes else self.train_seconds(),
                  "config": dataclasses.asdict(self.cfg), "data_manifests": self.data.get("manifests", {}),
                  **r.checkpoint_state()}
         self.meter.ckpt_pause += self.ckpt.save(step, state, r.drafters[0], self.checkpoint_env,
