@@ -109,38 +109,47 @@ def main(argv=None):
         res["spread_ms"][name] = [round(1e3 * s, 2) for s in spread]
         return t
 
-    # --- the target forward alone
+    # --- the models, then the trainer's cold warm-up: the drafter's shapes, and the target's on a GPU
     target_cfg, _ = config.load_target_config(tcfg.target)
     dcfg = config.make_drafter_config(tcfg, target_cfg, None)
     target = config.load_target(tcfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log)
     plan = config.shape_plan(tcfg, dcfg, config.batch_memory(dcfg, target_cfg, [dev], [dev]))
     B = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
     res["B"] = B
-    ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
-
-    def target_fwd():
-        with torch.no_grad():
-            hs = target.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-            return dm.target_features(hs, dcfg.target_layer_ids)
-    t_target = timed("target_ms", target_fwd)
-    n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
-    res.update(target_ms=1e3 * t_target, target_tok_s=B * S / t_target,
-               target_mfu=2 * n_params * B * S / t_target / peak)
-    log(f"[bench] target forward ({len(target.model.layers)} layers, {B} x {S} tokens): {1e3 * t_target:.1f} ms = "
-        f"{B * S / t_target:,.0f} tok/s, MFU {res['target_mfu']:.1%}")
-    feats = target_fwd()
-
-    # --- the drafter, ours: cold warm-up, then timed steps
     drafter = config.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
                                  target.get_output_embeddings().weight.detach(), dev, 0)
     opt = MasterAdamW(drafter.parameters(), lr=1e-5, param_dtype=config.param_dtype(dev))
     shapes = plan if a.all_shapes else [(B, S, A)]
     attn = "flex" if dev.type == "cuda" else "sdpa"
+    if attn == "flex":
+        dm.compile_target_layers(target)
     t0 = time.time()
-    rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log)
+    rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log, targets=[target] if attn == "flex" else ())
     res["warmup_cold_s"] = time.time() - t0
     res["warmup_rows"] = [[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows]
     log(warmup.format_table(rows))
+
+    # --- the target forward alone: as the trainer runs it, and eager
+    ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
+    am = torch.ones(B, S, dtype=torch.bool, device=dev)
+
+    def target_fwd():
+        with torch.no_grad():
+            return dm.target_forward(target, ids, am, dcfg.target_layer_ids)
+
+    def target_eager():
+        with torch.compiler.set_stance("force_eager"):
+            return target_fwd()
+    t_target, t_eager = timed("target_ms", target_fwd), timed("target_eager_ms", target_eager)
+    n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
+    res.update(target_ms=1e3 * t_target, target_eager_ms=1e3 * t_eager, target_tok_s=B * S / t_target,
+               target_mfu=2 * n_params * B * S / t_target / peak)
+    log(f"[bench] target forward ({len(target.model.layers)} layers, {B} x {S} tokens, {attn}): "
+        f"{1e3 * t_target:.1f} ms = {B * S / t_target:,.0f} tok/s, MFU {res['target_mfu']:.1%} "
+        f"(eager {1e3 * t_eager:.1f} ms)")
+    feats = target_fwd()
+
+    # --- the drafter, ours: timed steps
     lm = torch.ones(B, S, device=dev)
     lm[:, : S // 10] = 0
     anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size, torch.Generator().manual_seed(0))

@@ -59,7 +59,8 @@ class TrainConfig:
     target_devices: str = opt("auto", "e.g. cuda:0,cuda:1; auto = 5/8 of the GPUs (one GPU: both roles; no GPU: "
                                       "cpu); cuda:local = this torchrun process's GPU")
     drafter_devices: str = opt("auto", "e.g. cuda:2,cuda:3; auto = the GPUs the target does not take")
-    attn: str = opt("auto", "flex (compiled, GPUs) | sdpa (dense mask: CPU) | auto (flex on GPUs, sdpa on CPU)")
+    attn: str = opt("auto", "flex (compiled drafter and target layers, GPUs) | sdpa (dense mask, eager: CPU) | "
+                            "auto (flex on GPUs, sdpa on CPU)")
     on_unwarmed: str = opt("error", "a shape the warm-up did not compile: error | compile (exclusively, logged)")
     compile_cache: str = opt("", "persistent inductor/triton cache; '' = <out_dir>/compile_cache")
     queue_depth: int = opt(4, "batches buffered per target and drafter thread")
@@ -314,8 +315,8 @@ def new_drafter(dcfg, emb, head, dev, seed):
 
 
 def load_target(path, device, dtype, layer_ids, log=print):
-    """The target, frozen, cut after the deepest captured layer: that layer's output is the last of
-    transformers' hidden_states, which would be normed, so the final norm becomes the identity."""
+    """The target, frozen, cut after the deepest captured layer (later layers and the final norm do not
+    touch the features), with hooks that keep the captured layers' outputs (dm.capture)."""
     from transformers import AutoModelForCausalLM
     if path.startswith("random:"):
         tcfg, _ = load_target_config(path)
@@ -323,22 +324,14 @@ def load_target(path, device, dtype, layer_ids, log=print):
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
-        cut_after(model.model, layer_ids)
-        log(f"[target] random weights from {path[7:]} on {device}: {len(model.model.layers)} layers")
-        return model.eval().requires_grad_(False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
-    base = model.model
-    probe = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
-    with torch.no_grad():
-        full = dm.target_features(base(probe, output_hidden_states=True).hidden_states, layer_ids)
-        n_keep = cut_after(base, layer_ids)
-        cut = dm.target_features(base(probe, output_hidden_states=True).hidden_states, layer_ids)
-    # a transformers change in how hidden_states are indexed or normed would train on wrong features
-    if not torch.allclose(full.float(), cut.float(), atol=1e-3, rtol=1e-3):
-        raise RuntimeError("target features of the truncated model differ from the full model's: "
-                           "transformers' hidden_states indexing changed; cannot train safely")
-    log(f"[target] {path} on {device}: kept {n_keep}/{model.config.num_hidden_layers} layers, no LM head")
-    return model
+        source = f"random weights from {path[7:]}"
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        source = path
+    n_keep = cut_after(model.model, layer_ids)
+    dm.capture(model, layer_ids)
+    log(f"[target] {source} on {device}: kept {n_keep}/{model.config.num_hidden_layers} layers, no LM head")
+    return model.eval().requires_grad_(False)
 
 
 def cut_after(base, layer_ids):

@@ -3,7 +3,8 @@
   2. config + model         - Qwen3-shaped layers with KV injection of the target's features
   3. training mask          - the flex_attention mask, its tile-level BlockMask, a dense reference
   4. anchors, blocks, loss  - random anchors, same-position labels, decayed weights, chunked LM head
-  5. speculative decoding   - dflash_generate, ngram_generate: greedy, token-identical to the target's own
+  5. target + speculation   - the target's features (hooked, compiled layers); dflash_generate, ngram_generate:
+                              greedy, token-identical to the target's own
   6. save / load            - the serving format (config.json with dflash_config + model.safetensors)
 """
 import functools
@@ -707,12 +708,48 @@ def batch_flops(c, S, anchors, valid):
 
 
 # -----------------------------------------------------------------------------
-# 5. Speculative decoding
+# 5. The target's features, speculative decoding
 
 
-def target_features(hidden_states, layer_ids):
-    """Concatenate the outputs of `layer_ids` (transformers indexing: output of layer i = hs[i+1])."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+def capture(target, layer_ids):
+    """From now on every forward of the target keeps the outputs of its decoder layers `layer_ids`
+    (idempotent). Forward hooks of our own, not transformers' output_hidden_states: those hook every
+    attention module through a ContextVar, which a compiled layer cannot trace."""
+    if not hasattr(target, "captured"):
+        target.captured, target.hooked = {}, set()
+    for i in sorted(set(layer_ids) - target.hooked):
+        keep = lambda _m, _args, out, i=i: target.captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        target.model.layers[i].register_forward_hook(keep)
+        target.hooked.add(i)
+
+
+def target_features(target, layer_ids):
+    """The drafter's input from the target's last forward: the outputs of `layer_ids`, concatenated
+    (then dropped: the hooks' references would hold a batch of layer outputs until the next forward)."""
+    feats = torch.cat([target.captured[i] for i in layer_ids], dim=-1)
+    target.captured.clear()
+    return feats
+
+
+def target_forward(target, input_ids, attention_mask, layer_ids):
+    """One training batch through the target's base model (no LM head): its features."""
+    capture(target, layer_ids)
+    target.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return target_features(target, layer_ids)
+
+
+def compile_target_layers(target):
+    """Compile each decoder layer of the target (regional: the layers share one graph per input shape, so a
+    34-layer target compiles like one layer), called through GATE. transformers passes no mask when no row
+    is padded and a mask otherwise: two graphs per shape, both warmed (warmup.warm_target)."""
+    for layer in target.model.layers:
+        compiled = torch.compile(layer.forward, dynamic=False, fullgraph=True)
+        layer.forward = functools.partial(_gated_layer, compiled)
+
+
+def _gated_layer(compiled, hidden_states, *args, **kwargs):
+    return GATE.run("target_layer", hidden_states.device, tuple(hidden_states.shape), compiled, hidden_states,
+                    *args, **kwargs)
 
 
 @torch.no_grad()
@@ -737,22 +774,22 @@ def draft_block(drafter, cache, new_feats, new_pos, anchor_token, anchor_pos):
 
 
 @torch.no_grad()
-def speculative_generate(target, input_ids, max_new_tokens, stop_token_ids, block_size, propose, features=True):
+def speculative_generate(target, input_ids, max_new_tokens, stop_token_ids, block_size, propose):
     """Greedy speculative decoding: (ids (1, P+n), acceptance length of each round), token-identical to
-    the target's own greedy decoding (target_greedy). Each round `propose(tokens, hidden_states, start)`
-    drafts up to block_size-1 tokens after tokens[-1]; hidden_states (when `features`) are the target's
-    for the positions start.. of its last pass, which cover tokens[start:-1]. The target verifies the
-    draft in one pass and keeps the agreeing prefix plus its own next token."""
+    the target's own greedy decoding (target_greedy). Each round `propose(tokens, start)` drafts up to
+    block_size-1 tokens after tokens[-1]; the target's last pass covered the positions start.., which
+    hold tokens[start:-1] (its captured features). The target verifies the draft in one pass and keeps
+    the agreeing prefix plus its own next token."""
     from transformers import DynamicCache
     stops, dev, P = set(stop_token_ids or []), input_ids.device, input_ids.shape[1]
     cache = DynamicCache(config=target.config)
-    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=features)
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True)
     tokens, start, accept_lengths = input_ids[0].tolist() + [int(out.logits[0, -1].argmax())], 0, []
     while len(tokens) - P < max_new_tokens and tokens[-1] not in stops:
-        draft = torch.as_tensor(propose(tokens, out.hidden_states, start), dtype=torch.long, device=dev)
+        draft = torch.as_tensor(propose(tokens, start), dtype=torch.long, device=dev)
         draft, k, start = draft[: block_size - 1], min(len(draft), block_size - 1), len(tokens) - 1
         verify = torch.cat([torch.tensor([tokens[-1]], device=dev), draft])[None]
-        out = target(input_ids=verify, past_key_values=cache, use_cache=True, output_hidden_states=features)
+        out = target(input_ids=verify, past_key_values=cache, use_cache=True)
         t_tok = out.logits[0].argmax(-1)                                      # (k+1,)
         n = int((draft == t_tok[:k]).int().cumprod(0).sum())                  # the agreeing prefix
         if n < k:                                     # keep target KV only for accepted tokens
@@ -774,9 +811,11 @@ def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=N
         raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) + a block ({c.block_size}) exceed the "
                          f"{c.max_position_embeddings} positions of the drafter's rotary table")
 
-    def propose(tokens, hidden_states, start):
+    capture(target, c.target_layer_ids)
+
+    def propose(tokens, start):
         n = len(tokens) - 1 - start
-        feats = target_features(hidden_states, c.target_layer_ids)[:, :n].to(drafter.fc.weight.dtype)
+        feats = target_features(target, c.target_layer_ids)[:, :n].to(drafter.fc.weight.dtype)
         pos = torch.arange(start, start + n, device=input_ids.device)[None]
         return draft_block(drafter, dcache, feats, pos, tokens[-1], len(tokens) - 1).argmax(-1)
     return speculative_generate(target, input_ids, max_new_tokens, stop_token_ids, c.block_size, propose)
@@ -795,7 +834,7 @@ def ngram_propose(tokens, k, max_n=3):
 
 def ngram_generate(target, input_ids, max_new_tokens, stop_token_ids=None, block_size=16):
     return speculative_generate(target, input_ids, max_new_tokens, stop_token_ids, block_size,
-                                lambda tokens, _hs, _start: ngram_propose(tokens, block_size - 1), features=False)
+                                lambda tokens, _start: ngram_propose(tokens, block_size - 1))
 
 
 @torch.no_grad()

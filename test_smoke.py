@@ -15,6 +15,7 @@ exercise dynamo's per-call checks, stances and recompile limits without inductor
 import json
 import math
 import os
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -220,8 +221,7 @@ def trained(targets):
     assert seq.shape == (1, S)
     drafter = drafter_for(target, bs)
     with torch.no_grad():
-        hs = target(seq, output_hidden_states=True).hidden_states
-    feats = dm.target_features(hs, drafter.config.target_layer_ids)
+        feats = dm.target_forward(target, seq, None, drafter.config.target_layer_ids)
     loss_mask = torch.ones(1, S, dtype=torch.bool)
     lengths = torch.tensor([S])
     all_anchors, all_valid = dm.sample_anchors(loss_mask, lengths, S, bs)       # every position
@@ -656,8 +656,8 @@ def test_save_load_roundtrip_and_format(targets, tmp_path):
     assert loaded.config == d.config
     for k, v in d.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
-    feats = dm.target_features(target(torch.arange(20)[None], output_hidden_states=True).hidden_states,
-                               d.config.target_layer_ids)
+    with torch.no_grad():
+        feats = dm.target_forward(target, torch.arange(20)[None], None, d.config.target_layer_ids)
     outs = []
     for m in (d, loaded):
         outs.append(dm.draft_block(m, [None] * 3, feats, torch.arange(20)[None], torch.tensor(5), 20))
@@ -968,8 +968,9 @@ def test_a_random_target_has_the_same_weights_on_every_device_and_in_every_run(t
 
 
 def test_the_target_runs_only_up_to_its_deepest_captured_layer_with_the_full_models_features(tmp_path):
-    """Layers past the deepest feature layer are dropped and the final norm with them (that layer's
-    output is the last hidden state, which transformers would norm): the features stay the full model's."""
+    """Layers past the deepest feature layer are dropped and the final norm with them; the features,
+    captured by our hooks, are the full model's hidden states of those layers (transformers' indexing:
+    layer i's output is hs[i + 1]), as evaluation reads them from an uncut target."""
     from transformers import LlamaConfig, LlamaForCausalLM
     import config
     torch.manual_seed(0)
@@ -981,12 +982,37 @@ def test_the_target_runs_only_up_to_its_deepest_captured_layer_with_the_full_mod
         hs = full.model(ids, output_hidden_states=True).hidden_states      # hs[i + 1]: layer i's output
         lines = []
         cut = config.load_target(str(tmp_path), "cpu", torch.float32, [1, 3], log=lines.append)
-        feats = dm.target_features(cut.model(ids, output_hidden_states=True).hidden_states, [1, 3])
+        feats = dm.target_forward(cut, ids, None, [1, 3])
     assert len(cut.model.layers) == 4 and isinstance(cut.model.norm, torch.nn.Identity)
     assert torch.equal(feats, torch.cat([hs[2], hs[4]], -1))
     assert "kept 4/6 layers" in lines[-1]
     last = config.load_target(str(tmp_path), "cpu", torch.float32, [1, 5], log=lines.append)
     assert len(last.model.layers) == 6 and not isinstance(last.model.norm, torch.nn.Identity)  # nothing to cut
+
+
+def test_the_compiled_target_gives_the_eager_features_through_the_warm_gate(tmp_path):
+    """With flex (GPUs) the target's decoder layers are compiled, warmed with the drafter's (B, S) and
+    checked against eager features at the warm-up. Through the warm gate the features then equal the eager
+    target's, with and without padded rows (two graphs per shape); an unwarmed shape is refused."""
+    import config
+    import warmup
+    path = f"random:{tiny_config_json(tmp_path / 'tiny.json')}"
+    eager, target = (config.load_target(path, "cpu", torch.float32, [0, 2], log=lambda m: None) for _ in range(2))
+    dm.compile_target_layers(target)
+    logs = []
+    rows = warmup.warm_up([], [(2, 64, 8), (1, 128, 8), (1, 128, 16)], 7.0, "flex", log=logs.append,
+                          targets=[target])
+    assert [(r[0], r[1]) for r in rows] == [("cpu target", (1, 128)), ("cpu target", (2, 64))]
+    assert all(re.search(r"(compile|hit|reused), features \de-\d+ from eager", r[3]) for r in rows), rows
+    assert dm.GATE.warm
+    for B, S, lengths in [(2, 64, [64, 64]), (2, 64, [64, 9]), (1, 128, [100])]:
+        ids = torch.randint(0, 512, (B, S))
+        am = torch.arange(S)[None] < torch.tensor(lengths)[:, None]
+        with torch.no_grad():
+            got, want = (dm.target_forward(m, ids, am, [0, 2]) for m in (target, eager))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(dm.UnwarmedShapeError, match=r"'target_layer'.*\(1, 64, 64\)"), torch.no_grad():
+        dm.target_forward(target, torch.randint(0, 512, (1, 64)), None, [0, 2])
 
 
 def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):

@@ -82,7 +82,8 @@ class Trainer:
         dm.GATE.log = log
         if self.attn == "flex":
             warmup.use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"), log)
-        warmup.warm_up(self.replicas.drafters, self.shapes, self.gamma, self.attn, cfg.on_unwarmed, log)
+        warmup.warm_up(self.replicas.drafters, self.shapes, self.gamma, self.attn, cfg.on_unwarmed, log,
+                       targets=self.targets if self.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
         if self.ddevs[0].type == "cuda" and self.world == 1:   # one process holds the node's GPUs
             self.advise_layout()
@@ -140,6 +141,9 @@ class Trainer:
         tdtype = config.param_dtype(self.tdevs[0])
         self.targets = [config.load_target(self.tpath, d, tdtype, self.dcfg.target_layer_ids, self.log)
                         for d in self.tdevs]
+        if self.attn == "flex":    # compiled as the drafter is: through the gate, warmed with its shapes
+            for t in self.targets:
+                dm.compile_target_layers(t)
         t0 = self.targets[0]
         self.replicas = Replicas(self.dcfg, t0.get_input_embeddings().weight.detach(),
                                  t0.get_output_embeddings().weight.detach(), self.ddevs, self.cfg, self.world,
@@ -257,10 +261,7 @@ class Trainer:
             t0 = time.time()
             with torch.no_grad():
                 am = (torch.arange(S)[None] < lengths[:, None]).to(dev)
-                hs = model.model(input_ids=ids.to(dev, non_blocking=True), attention_mask=am,
-                                 output_hidden_states=True, use_cache=False).hidden_states
-                feats = dm.target_features(hs, self.dcfg.target_layer_ids)
-            del hs
+                feats = dm.target_forward(model, ids.to(dev, non_blocking=True), am, self.dcfg.target_layer_ids)
             sync_device(dev)            # busy = device time, not launch time
             self.meter.t_busy[ti] += time.time() - t0
             self.buf.put(j, (S, sids, ids, lm, lengths, feats))

@@ -5,9 +5,11 @@
 While one thread compiles, torch.fx's process-global tracing flag is up, and a compiled call in any other
 thread fails or, worse, silently runs the dense fallback. So the warm-up runs the drafter's forward AND
 backward (compiled lazily) for each shape on each device, one at a time, through the compile gate, then
-marks the gate warm: from then on calls share it and nothing may compile. The inductor/triton cache
-persists (--compile-cache, default <out_dir>/compile_cache), so a later start loads every shape in
-seconds. train_dflash.py runs this warm-up before its threads start; this script fills the cache ahead.
+marks the gate warm: from then on calls share it and nothing may compile. The trainer's warm-up also
+compiles the target's decoder layers on each target GPU (one graph per shape, shared by the layers) and
+checks their features against the eager target's. The inductor/triton cache persists (--compile-cache,
+default <out_dir>/compile_cache), so a later start loads every shape in seconds. train_dflash.py runs
+this warm-up before its threads start; this script fills the drafter's part of the cache ahead.
 """
 import json
 import os
@@ -78,6 +80,29 @@ def warm_shape(drafter, shape, gamma, attn):
         torch.cuda.synchronize(dev)
 
 
+def warm_target(target, B, S, layer_ids):
+    """Compile the target's layers at (B, S), once with no row padded and once with one (transformers
+    passes a mask only then: two graphs), and check the compiled features against eager ones of the same
+    batch. Returns the larger relative error; one past bf16's rounding is an error."""
+    dev, dtype = next(target.parameters()).device, next(target.parameters()).dtype
+    ids = torch.randint(0, target.config.vocab_size, (B, S), device=dev)
+    tol, errs = (1e-4 if dtype == torch.float32 else 5e-2), []
+    for last_len in (S, S // 2):
+        lengths = torch.full((B, 1), S, device=dev)
+        lengths[-1] = last_len
+        am = torch.arange(S, device=dev)[None] < lengths
+        with torch.no_grad():
+            got = dm.target_forward(target, ids, am, layer_ids).float()
+            with torch.compiler.set_stance("force_eager"):
+                want = dm.target_forward(target, ids, am, layer_ids).float()
+        errs.append(float((got - want).norm() / want.norm()))
+        if not errs[-1] <= tol:
+            raise RuntimeError(f"the compiled target's features at (B, S) = {(B, S)} differ from the eager "
+                               f"target's by {errs[-1]:.2e} (relative; {dtype} allows {tol:g}): refusing to train "
+                               "on them. Report it with `python diagnose.py` output")
+    return max(errs)
+
+
 def time_shapes(target, drafter, shapes, gamma, attn, path, key):
     """{shape: (seconds of one target forward, of one drafter step)} for the layout advisor, each timed
     once after two untimed calls on the first target and drafter device; kept in `path` under `key` (GPU,
@@ -92,10 +117,11 @@ def time_shapes(target, drafter, shapes, gamma, attn, path, key):
     tdev, times = next(target.parameters()).device, {}
     for shape in shapes:
         ids = torch.randint(0, target.config.vocab_size, shape[:2], device=tdev)
+        am = torch.ones(shape[:2], dtype=torch.bool, device=tdev)
 
         def forward():
             with torch.no_grad():
-                target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+                dm.target_forward(target, ids, am, drafter.config.target_layer_ids)
         step = lambda: warm_shape(drafter, shape, gamma, attn)   # noqa: E731
         times[tuple(shape)] = (median_time(forward, 1, tdev)[0], median_time(step, 1, drafter.fc.weight.device)[0])
     data_dflash.write_json(path, {"key": key, "times": [[list(s), list(t)] for s, t in times.items()]})
@@ -126,31 +152,44 @@ def _cache_counters():
             counters["inductor"].get("fxgraph_cache_miss", 0))
 
 
-def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print):
-    """Warm every (replica, shape) in turn, size the recompile limit, then mark the gate warm.
+def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targets=()):
+    """Warm every (replica, shape) in turn, and every (target, (B, S)) of compiled targets
+    (dm.compile_target_layers), size the recompile limit, then mark the gate warm.
     Returns the table rows [(device, shape, seconds, 'cache hit' | 'cold compile' | ...)]."""
-    dm.GATE.set_recompile_limit(len(drafters) * len(shapes) + 2)   # each (replica, shape) is one dynamo entry
+    target_shapes = sorted({(B, S) for B, S, _ in shapes})
+    # one dynamo entry per (replica, shape); per (target, (B, S), padded or not, kind of layer)
+    layer_kinds = len(set(getattr(targets[0].config, "layer_types", None) or [0])) if targets else 0
+    dm.GATE.set_recompile_limit(max(len(drafters) * len(shapes), 2 * layer_kinds * len(targets) * len(target_shapes)) + 2)
     dm.GATE.on_unwarmed = on_unwarmed
     rows = []
+
+    def kind_of(before, compiled):    # neither a hit nor a miss: dynamo reused a graph of this process
+        aot_hit, fx_hit, fx_miss = (a - b for a, b in zip(_cache_counters(), before))
+        return "eager (sdpa)" if not compiled else (
+            "cold compile" if fx_miss else "cache hit" if aot_hit or fx_hit else "reused (in process)")
+    for target in targets:
+        dev = next(target.parameters()).device
+        for B, S in target_shapes:
+            before, t0 = _cache_counters(), time.time()
+            err = warm_target(target, B, S, sorted(target.hooked))
+            rows.append((f"{dev} target", (B, S), time.time() - t0,
+                         f"{kind_of(before, True)}, features {err:.0e} from eager"))
+            log(f"[warmup] {str(dev):8s} target B={B:<3d} S={S:<5d} {rows[-1][2]:7.1f}s  {rows[-1][3]}")
     for drafter in drafters:
         dev = drafter.fc.weight.device
         for shape in shapes:
             before, t0 = _cache_counters(), time.time()
             warm_shape(drafter, shape, gamma, attn)
-            aot_hit, fx_hit, fx_miss = (a - b for a, b in zip(_cache_counters(), before))
-            # neither a hit nor a miss: dynamo reused a graph of this process (another replica, same GPU)
-            kind = "eager (sdpa)" if attn != "flex" else (
-                "cold compile" if fx_miss else "cache hit" if aot_hit or fx_hit else "reused (in process)")
-            rows.append((str(dev), tuple(shape), time.time() - t0, kind))
+            rows.append((str(dev), tuple(shape), time.time() - t0, kind_of(before, attn == "flex")))
             log(f"[warmup] {str(dev):8s} B={shape[0]:<3d} S={shape[1]:<5d} anchors={shape[2]:<4d} "
-                f"{rows[-1][2]:7.1f}s  {kind}")
+                f"{rows[-1][2]:7.1f}s  {rows[-1][3]}")
     dm.GATE.mark_warm()
     return rows
 
 
 def format_table(rows):
-    lines = [f"{'device':10s} {'shape (B,S,A)':18s} {'seconds':>8s}  compile", "-" * 52]
-    lines += [f"{dev:10s} {str(shape):18s} {dt:8.1f}  {kind}" for dev, shape, dt, kind in rows]
+    lines = [f"{'device':14s} {'shape (B,S,A)':18s} {'seconds':>8s}  compile", "-" * 56]
+    lines += [f"{dev:14s} {str(shape):18s} {dt:8.1f}  {kind}" for dev, shape, dt, kind in rows]
     lines.append(f"total {sum(r[2] for r in rows):.1f}s over {len(rows)} (device, shape) pairs")
     return "\n".join(lines)
 
