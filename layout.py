@@ -1,5 +1,5 @@
 """Which split of a node's GPUs trains fastest: the tokens/s of every layout the trainer runs, predicted from
-the seconds of one target forward and one drafter step per shape bucket, and the choice between them.
+the seconds of one target forward and one drafter step per shape bucket, and a warning for a slow one.
 
 - Every GPU both roles (its target and drafter threads run concurrently): a GPU reaches the sum of its
   parts, tokens / (t_target + t_drafter) (bench.py measures 100% of it on one H200); N GPUs, N times that.
@@ -70,16 +70,13 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-def choose(rows, buckets, tdevs=None, ddevs=None, sync=SYNC, margin=0.10):
-    """(target devices, drafter devices, warning or ''). Auto (no device lists): the best row. Explicit
-    devices are kept; the warning names the best layout when it is predicted more than `margin` faster."""
-    best = rows[0]
-    if tdevs is None:
-        return best.target_devices, best.drafter_devices, ""
-    t, d = ",".join(map(str, tdevs)), ",".join(map(str, ddevs))
-    mine = predict_devices(tdevs, ddevs, buckets, sync)
+def warning(rows, buckets, tdevs, ddevs, sync=SYNC, margin=0.10):
+    """A warning naming the best layout when it is predicted more than `margin` faster than the run's
+    device lists, else ''."""
+    best, mine = rows[0], predict_devices(tdevs, ddevs, buckets, sync)
     if mine is None or best.tok_s <= (1 + margin) * mine[0]:
-        return t, d, ""
-    return t, d, (f"WARNING: --target-devices {t} --drafter-devices {d} is predicted at {mine[0]:,.0f} tok/s "
-                  f"({mine[1]} binds); --target-devices {best.target_devices} --drafter-devices "
-                  f"{best.drafter_devices} at {best.tok_s:,.0f} tok/s ({best.tok_s / mine[0] - 1:.0%} faster)")
+        return ""
+    t, d = ",".join(map(str, tdevs)), ",".join(map(str, ddevs))
+    return (f"WARNING: --target-devices {t} --drafter-devices {d} is predicted at {mine[0]:,.0f} tok/s "
+            f"({mine[1]} binds); --target-devices {best.target_devices} --drafter-devices "
+            f"{best.drafter_devices} at {best.tok_s:,.0f} tok/s ({best.tok_s / mine[0] - 1:.0%} faster)")

@@ -16,12 +16,11 @@ def test_one_and_two_gpus_predictions_by_hand_and_both_roles_within_ten_percent_
     print("\n" + layout.format_table(rows))
     assert rows == [("cuda:0,cuda:1", "cuda:0,cuda:1", pytest.approx(26_150.5, abs=0.1), "both"),  # 2 x 13,763 x 0.95
                     ("cuda:0", "cuda:1", pytest.approx(24_303.8, abs=0.1), "drafter")]           # 3072 / 0.1264
-    assert layout.choose(rows, QWEN3_8B) == ("cuda:0,cuda:1", "cuda:0,cuda:1", "")
-    assert layout.choose(rows, QWEN3_8B, CUDA(0), CUDA(1)) == ("cuda:0", "cuda:1", "")            # best 7.6% faster
+    assert layout.warning(rows, QWEN3_8B, CUDA(0), CUDA(1)) == ""                                  # best 7.6% faster
     assert layout.layouts(1, QWEN3_8B) == [("cuda:0", "cuda:0", pytest.approx(13_763.4, abs=0.1), "both")]
 
 
-def test_eight_gpus_table_choice_and_the_warning_on_an_explicit_layout_over_ten_percent_slower():
+def test_eight_gpus_table_and_the_warning_on_a_layout_over_ten_percent_slower():
     rows = layout.layouts(8, QWEN3_8B)
     table = layout.format_table(rows)
     print("\n" + table)
@@ -33,17 +32,16 @@ def test_eight_gpus_table_choice_and_the_warning_on_an_explicit_layout_over_ten_
     assert [r.tok_s for r in rows] == sorted((r.tok_s for r in rows), reverse=True) and len(rows) == 8
     assert "8 GPUs both roles        104,602  both     cuda:0-7 / cuda:0-7" in table
     assert "5 target + 3 drafter      69,266  drafter  cuda:0-4 / cuda:5-7" in table
-    assert layout.choose(rows, QWEN3_8B) == (layout.devices(range(8)), layout.devices(range(8)), "")
-    t, d, warning = layout.choose(rows, QWEN3_8B, CUDA(0, 1, 2, 3, 4), CUDA(5, 6, 7))
-    assert (t, d) == ("cuda:0,cuda:1,cuda:2,cuda:3,cuda:4", "cuda:5,cuda:6,cuda:7")
+    assert layout.warning(rows, QWEN3_8B, CUDA(0, 1, 2, 3, 4, 5, 6, 7), CUDA(0, 1, 2, 3, 4, 5, 6, 7)) == ""
+    warning = layout.warning(rows, QWEN3_8B, CUDA(0, 1, 2, 3, 4), CUDA(5, 6, 7))
     assert warning.startswith("WARNING: --target-devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4 --drafter-devices "
                               "cuda:5,cuda:6,cuda:7 is predicted at 69,266 tok/s (drafter binds)"), warning
     assert (f"--target-devices {layout.devices(range(8))} --drafter-devices {layout.devices(range(8))} at "
             "104,602 tok/s (51% faster)") in warning
-    assert layout.choose(rows, QWEN3_8B, CUDA(0, 1, 2), CUDA(3, 4, 5, 6, 7))[2] == ""     # best 9.9% faster
+    assert layout.warning(rows, QWEN3_8B, CUDA(0, 1, 2), CUDA(3, 4, 5, 6, 7)) == ""       # best 9.9% faster
     # GPUs shared by only some of the threads: not a layout the model covers, so no prediction and no warning
     assert layout.predict_devices(CUDA(0, 1), CUDA(1, 2), QWEN3_8B) is None
-    assert layout.choose(rows, QWEN3_8B, CUDA(0, 1), CUDA(1, 2)) == ("cuda:0,cuda:1", "cuda:1,cuda:2", "")
+    assert layout.warning(rows, QWEN3_8B, CUDA(0, 1), CUDA(1, 2)) == ""
 
 
 def test_buckets_mix_by_their_share_of_the_batches_time_weighted():

@@ -199,7 +199,7 @@ class Trainer:
             if mine:                  # share of the batches, mean real tokens of a batch, its seconds
                 buckets.append(layout.Bucket(len(mine), sum(mine) / len(mine), *times[(B, S, A)]))
         rows = layout.layouts(torch.cuda.device_count(), buckets)
-        _, _, warning = layout.choose(rows, buckets, self.tdevs, self.ddevs)
+        warning = layout.warning(rows, buckets, self.tdevs, self.ddevs)
         self.log("[layout] predicted tokens/s of this node's layouts (times per shape (B,S,A): "
                  + ", ".join(f"{s} target {1e3 * t:.0f} ms drafter {1e3 * d:.0f} ms" for s, (t, d) in times.items())
                  + f"):\n{layout.format_table(rows)}" + (f"\n[layout] {warning}" if warning else ""))
