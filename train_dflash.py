@@ -6,7 +6,7 @@
     python train_dflash.py --help               # every option
 
     loader --batches--> [bounded queue] --> one target thread per target device
-        (no grad, bf16, stops after the deepest captured layer, no LM head)
+        (no grad, bf16, compiled layers on GPUs, stops after the deepest captured layer, no LM head)
     --features--> [reorder buffer] --> one drafter thread per drafter device, each its own replica:
         anchors -> block mask -> compiled forward -> loss -> backward; the replicas meet at every
         optimiser step: gradients summed (NCCL between GPUs, a plain sum on one device; across nodes
