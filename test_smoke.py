@@ -990,29 +990,47 @@ def test_the_target_runs_only_up_to_its_deepest_captured_layer_with_the_full_mod
     assert len(last.model.layers) == 6 and not isinstance(last.model.norm, torch.nn.Identity)  # nothing to cut
 
 
-def test_the_compiled_target_gives_the_eager_features_through_the_warm_gate(tmp_path):
+def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_warm_gate(tmp_path):
     """With flex (GPUs) the target's decoder layers are compiled, warmed with the drafter's (B, S) and
-    checked against eager features at the warm-up. Through the warm gate the features then equal the eager
-    target's, with and without padded rows (two graphs per shape); an unwarmed shape is refused."""
+    checked against eager features at the warm-up. Then, as in training, each target runs in its own
+    thread through the shared gate: the features equal the eager target's, with and without padded rows
+    (two graphs per shape), and an unwarmed shape is refused."""
     import config
     import warmup
     path = f"random:{tiny_config_json(tmp_path / 'tiny.json')}"
-    eager, target = (config.load_target(path, "cpu", torch.float32, [0, 2], log=lambda m: None) for _ in range(2))
-    dm.compile_target_layers(target)
-    logs = []
-    rows = warmup.warm_up([], [(2, 64, 8), (1, 128, 8), (1, 128, 16)], 7.0, "flex", log=logs.append,
-                          targets=[target])
-    assert [(r[0], r[1]) for r in rows] == [("cpu target", (1, 128)), ("cpu target", (2, 64))]
-    assert all(re.search(r"(compile|hit|reused), features \de-\d+ from eager", r[3]) for r in rows), rows
+    eager, *targets = (config.load_target(path, "cpu", torch.float32, [0, 2], log=lambda m: None) for _ in range(3))
+    for t in targets:
+        dm.compile_target_layers(t)
+    rows = warmup.warm_up([], [(2, 64, 8), (1, 128, 8), (1, 128, 16)], 7.0, "flex", log=lambda m: None,
+                          targets=targets)
+    assert [(r[0], r[1]) for r in rows] == [("cpu target", (1, 128)), ("cpu target", (2, 64))] * 2
+    assert all(re.search(r"(compile|hit|\(in process\)), features \de[+-]\d+ from eager", r[3]) for r in rows), [r[3] for r in rows]
     assert dm.GATE.warm
-    for B, S, lengths in [(2, 64, [64, 64]), (2, 64, [64, 9]), (1, 128, [100])]:
+    batches = []
+    for B, S, lengths in [(2, 64, [64, 64]), (2, 64, [64, 9]), (1, 128, [100])] * 2:
         ids = torch.randint(0, 512, (B, S))
         am = torch.arange(S)[None] < torch.tensor(lengths)[:, None]
         with torch.no_grad():
-            got, want = (dm.target_forward(m, ids, am, [0, 2]) for m in (target, eager))
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            batches.append((ids, am, dm.target_forward(eager, ids, am, [0, 2])))
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            with torch.no_grad():
+                results[i] = [dm.target_forward(targets[i], ids, am, [0, 2]) for ids, am, _ in batches]
+        except Exception as e:       # noqa: BLE001 - asserted below, with the thread's error
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(2):
+        for got, (_, _, want) in zip(results[i], batches):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(dm.UnwarmedShapeError, match=r"'target_layer'.*\(1, 64, 64\)"), torch.no_grad():
-        dm.target_forward(target, torch.randint(0, 512, (1, 64)), None, [0, 2])
+        dm.target_forward(targets[0], torch.randint(0, 512, (1, 64)), None, [0, 2])
 
 
 def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
