@@ -314,17 +314,19 @@ def new_drafter(dcfg, emb, head, dev, seed):
     return dr
 
 
-def load_target(path, device, dtype, layer_ids, log=print):
+def load_target(path, device, dtype, layer_ids, log=print, random_weights=False):
     """The target, frozen, cut after the deepest captured layer (later layers and the final norm do not
-    touch the features), with hooks that keep the captured layers' outputs (dm.capture)."""
-    from transformers import AutoModelForCausalLM
-    if path.startswith("random:"):
-        tcfg, _ = load_target_config(path)
+    touch the features), with hooks that keep the captured layers' outputs (dm.capture). random_weights,
+    or a random:<config.json> path: its shape with seeded random weights (benchmarks, and warmup.py,
+    whose compiles read shapes, never values)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if random_weights or path.startswith("random:"):
+        tcfg = load_target_config(path)[0] if path.startswith("random:") else AutoConfig.from_pretrained(path)
         # the same weights on every target device and run: a batch's features must not depend on its thread
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
-        source = f"random weights from {path[7:]}"
+        source = f"random weights of {path.removeprefix('random:')}'s shape"
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         source = path

@@ -1033,6 +1033,32 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
         dm.target_forward(targets[0], torch.randint(0, 512, (1, 64)), None, [0, 2])
 
 
+def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_path):
+    """warmup.py compiles the target's layers on random weights of the target's shape: the compile cache
+    it fills serves the real weights (a cache hit in a later process), because a compile reads shapes,
+    never values. (Subprocesses: in this one, dynamo would reuse its in-process graphs.)"""
+    import subprocess
+    import sys
+    from transformers import LlamaConfig, LlamaForCausalLM
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "m")
+    code = ("import sys, torch, warmup\n"
+            f"warmup.use_compile_cache({str(tmp_path / 'cache')!r}, log=lambda m: None)\n"
+            "import config, dflash_model as dm\n"
+            f"t = config.load_target({str(tmp_path / 'm')!r}, 'cpu', torch.float32, [0, 2], log=print, "
+            "random_weights=sys.argv[1] == 'random')\n"
+            "dm.compile_target_layers(t)\n"
+            "print('rows', warmup.warm_up([], [(2, 64, 8)], 7.0, 'flex', targets=[t], log=lambda m: None))\n")
+    out = []
+    for weights in ("random", "real"):
+        p = subprocess.run([sys.executable, "-c", code, weights], cwd=os.path.dirname(os.path.abspath(__file__)),
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out.append(p.stdout)
+    assert "random weights of" in out[0] and "cold compile" in out[0], out[0]
+    assert "random weights" not in out[1] and "'cache hit, features" in out[1], out[1]
+
+
 def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
     """TORCHDYNAMO_DISABLE=1 turns every torch.compile into the plain function: flex_attention would
     then run its dense math path (B x H x Q x KV scores), silently. The guard makes it an error, for

@@ -9,7 +9,8 @@ marks the gate warm: from then on calls share it and nothing may compile. The tr
 compiles the target's decoder layers on each target GPU (one graph per shape, shared by the layers) and
 checks their features against the eager target's. The inductor/triton cache persists (--compile-cache,
 default <out_dir>/compile_cache), so a later start loads every shape in seconds. train_dflash.py runs
-this warm-up before its threads start; this script fills the drafter's part of the cache ahead.
+this warm-up before its threads start; this script fills the cache ahead (the target's layers on random
+weights of its shape: a compile reads shapes, never values).
 """
 import json
 import os
@@ -220,10 +221,17 @@ def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     dcfg, drafters, shapes = build_drafters(cfg)
     attn = config.resolve_attn(cfg, drafters[0].fc.weight.device)
-    if attn == "flex":
+    targets = []
+    if attn == "flex":        # the target's compiled layers too, on random weights of its shape
         use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
-    print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, attention {attn}")
-    rows = warm_up(drafters, shapes, cfg.gamma or config.default_gamma(dcfg.block_size), attn, cfg.on_unwarmed)
+        for d in config.resolve_devices(cfg)[0]:
+            targets.append(config.load_target(config.target_path(cfg), d, config.param_dtype(d),
+                                              dcfg.target_layer_ids, random_weights=True))
+            dm.compile_target_layers(targets[-1])
+    print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
+          f"attention {attn}")
+    rows = warm_up(drafters, shapes, cfg.gamma or config.default_gamma(dcfg.block_size), attn, cfg.on_unwarmed,
+                   targets=targets)
     print(format_table(rows))
 
 
