@@ -990,6 +990,11 @@ def test_the_target_runs_only_up_to_its_deepest_captured_layer_with_the_full_mod
     assert len(last.model.layers) == 6 and not isinstance(last.model.norm, torch.nn.Identity)  # nothing to cut
 
 
+# The compiled-target tests share one (B, S) set: dynamo's entries for a decoder layer's code object
+# outlive a test and count toward the recompile limit that each warm-up sets.
+TARGET_SHAPES = [(2, 64, 8), (1, 128, 8)]
+
+
 def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_warm_gate(tmp_path):
     """With flex (GPUs) the target's decoder layers are compiled, warmed with the drafter's (B, S) and
     checked against eager features at the warm-up. Then, as in training, each target runs in its own
@@ -1001,8 +1006,7 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
     eager, *targets = (config.load_target(path, "cpu", torch.float32, [0, 2], log=lambda m: None) for _ in range(3))
     for t in targets:
         dm.compile_target_layers(t)
-    rows = warmup.warm_up([], [(2, 64, 8), (1, 128, 8), (1, 128, 16)], 7.0, "flex", log=lambda m: None,
-                          targets=targets)
+    rows = warmup.warm_up([], TARGET_SHAPES + [(1, 128, 16)], 7.0, "flex", log=lambda m: None, targets=targets)
     assert [(r[0], r[1]) for r in rows] == [("cpu target", (1, 128)), ("cpu target", (2, 64))] * 2
     assert all(re.search(r"(compile|hit|\(in process\)), features \de[+-]\d+ from eager", r[3]) for r in rows), [r[3] for r in rows]
     assert dm.GATE.warm
@@ -1031,6 +1035,23 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(dm.UnwarmedShapeError, match=r"'target_layer'.*\(1, 64, 64\)"), torch.no_grad():
         dm.target_forward(targets[0], torch.randint(0, 512, (1, 64)), None, [0, 2])
+
+
+def test_a_compiled_target_whose_features_differ_from_eager_is_refused_at_the_warm_up(tmp_path):
+    import config
+    import warmup
+    target = config.load_target(f"random:{tiny_config_json(tmp_path / 'tiny.json')}", "cpu", torch.float32,
+                                [0, 2], log=lambda m: None)
+    eager_forward = target.model.layers[1].forward
+
+    def miscompiled(h, *args, **kwargs):      # what a wrong compile would do: other values than eager
+        out = eager_forward(h, *args, **kwargs)
+        return out * 1.5 if torch.compiler.is_compiling() else out
+    target.model.layers[1].forward = miscompiled
+    dm.compile_target_layers(target)
+    with pytest.raises(RuntimeError, match=r"compiled target's features at \(B, S\) = \(1, 128\) differ from the "
+                                           r"eager target's by .* \(relative; torch.float32 allows 0.0001\)"):
+        warmup.warm_up([], TARGET_SHAPES, 7.0, "flex", log=lambda m: None, targets=[target])
 
 
 def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_path):

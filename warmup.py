@@ -84,10 +84,11 @@ def warm_shape(drafter, shape, gamma, attn):
 def warm_target(target, B, S, layer_ids):
     """Compile the target's layers at (B, S), once with no row padded and once with one (transformers
     passes a mask only then: two graphs), and check the compiled features against eager ones of the same
-    batch. Returns the larger relative error; one past bf16's rounding is an error."""
+    batch. Returns the larger relative error. In bf16 the two round differently (1.3e-2 over 34 random
+    layers on CPU); a wrong mask or layer differs by order 1, so 0.1 is the bound (fp32: 1e-4)."""
     dev, dtype = next(target.parameters()).device, next(target.parameters()).dtype
     ids = torch.randint(0, target.config.vocab_size, (B, S), device=dev)
-    tol, errs = (1e-4 if dtype == torch.float32 else 5e-2), []
+    tol, errs = (1e-4 if dtype == torch.float32 else 0.1), []
     for last_len in (S, S // 2):
         lengths = torch.full((B, 1), S, device=dev)
         lengths[-1] = last_len
