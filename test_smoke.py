@@ -1008,7 +1008,8 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
         dm.compile_target_layers(t)
     rows = warmup.warm_up([], TARGET_SHAPES + [(1, 128, 16)], 7.0, "flex", log=lambda m: None, targets=targets)
     assert [(r[0], r[1]) for r in rows] == [("cpu target", (1, 128)), ("cpu target", (2, 64))] * 2
-    assert all(re.search(r"(compile|hit|\(in process\)), features \de[+-]\d+ from eager", r[3]) for r in rows), [r[3] for r in rows]
+    kinds = [r[3] for r in rows]
+    assert all(re.search(r"(compile|hit|\(in process\)), features \de[+-]\d+ from eager", k) for k in kinds), kinds
     assert dm.GATE.warm
     batches = []
     for B, S, lengths in [(2, 64, [64, 64]), (2, 64, [64, 9]), (1, 128, [100])] * 2:

@@ -161,7 +161,8 @@ def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targe
     target_shapes = sorted({(B, S) for B, S, _ in shapes})
     # one dynamo entry per (replica, shape); per (target, (B, S), padded or not, kind of layer)
     layer_kinds = len(set(getattr(targets[0].config, "layer_types", None) or [0])) if targets else 0
-    dm.GATE.set_recompile_limit(max(len(drafters) * len(shapes), 2 * layer_kinds * len(targets) * len(target_shapes)) + 2)
+    n_target = 2 * layer_kinds * len(targets) * len(target_shapes)
+    dm.GATE.set_recompile_limit(max(len(drafters) * len(shapes), n_target) + 2)
     dm.GATE.on_unwarmed = on_unwarmed
     rows = []
 
