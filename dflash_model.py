@@ -8,11 +8,13 @@
   6. save / load            - the serving format (config.json with dflash_config + model.safetensors)
 """
 import functools
+import itertools
 import json
 import math
 import os
 import threading
 import time
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -738,18 +740,28 @@ def target_forward(target, input_ids, attention_mask, layer_ids):
     return target_features(target, layer_ids)
 
 
+def _layer_forward(layer, hidden_states, *args, **kwargs):
+    return type(layer).forward(layer, hidden_states, *args, **kwargs)
+
+
+_TARGET_NUMBERS = itertools.count()
+
+
 def compile_target_layers(target):
-    """Compile each decoder layer of the target (regional: the layers share one graph per input shape, so a
-    34-layer target compiles like one layer), called through GATE. transformers passes no mask when no row
-    is padded and a mask otherwise: two graphs per shape, both warmed (warmup.warm_target)."""
+    """Compile the target's decoder layers (regional: its layers share one graph per input shape, so a
+    34-layer target compiles like one layer), called through GATE. Each target gets a code object of its
+    own: two threads running the same entry of one code object's dynamo cache at once can see a spurious
+    recompile (two targets on one device would). transformers passes no mask when no row is padded and a
+    mask otherwise: two graphs per shape, both warmed (warmup.warm_target)."""
+    code = _layer_forward.__code__.replace(co_name=f"target_layers_{next(_TARGET_NUMBERS)}")
+    compiled = torch.compile(types.FunctionType(code, globals()), dynamic=False, fullgraph=True)
     for layer in target.model.layers:
-        compiled = torch.compile(layer.forward, dynamic=False, fullgraph=True)
-        layer.forward = functools.partial(_gated_layer, compiled)
+        layer.forward = functools.partial(_gated_layer, compiled, layer)
 
 
-def _gated_layer(compiled, hidden_states, *args, **kwargs):
-    return GATE.run("target_layer", hidden_states.device, tuple(hidden_states.shape), compiled, hidden_states,
-                    *args, **kwargs)
+def _gated_layer(compiled, layer, hidden_states, *args, **kwargs):
+    return GATE.run("target_layer", hidden_states.device, tuple(hidden_states.shape), compiled, layer,
+                    hidden_states, *args, **kwargs)
 
 
 @torch.no_grad()

@@ -159,9 +159,10 @@ def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targe
     (dm.compile_target_layers), size the recompile limit, then mark the gate warm.
     Returns the table rows [(device, shape, seconds, 'cache hit' | 'cold compile' | ...)]."""
     target_shapes = sorted({(B, S) for B, S, _ in shapes})
-    # one dynamo entry per (replica, shape); per (target, (B, S), padded or not, kind of layer)
+    # dynamo entries: one per (replica, shape) on the drafter's code object; on each target's own code
+    # object, one per ((B, S), padded or not, kind of layer)
     layer_kinds = len(set(getattr(targets[0].config, "layer_types", None) or [0])) if targets else 0
-    n_target = 2 * layer_kinds * len(targets) * len(target_shapes)
+    n_target = 2 * layer_kinds * len(target_shapes)
     dm.GATE.set_recompile_limit(max(len(drafters) * len(shapes), n_target) + 2)
     dm.GATE.on_unwarmed = on_unwarmed
     rows = []
