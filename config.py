@@ -174,12 +174,16 @@ def resolve_devices(cfg):
     return tdev, ddev
 
 
-def resolve_attn(cfg, drafter_dev):
-    if cfg.attn == "flex" and drafter_dev.type == "cpu":
+def resolve_attn(cfg, drafter_devs):
+    if cfg.attn == "flex" and drafter_devs[0].type == "cpu":
         raise SystemExit("error: --attn flex cannot train on CPU (FlexAttention has no CPU backward); use --attn sdpa")
-    if cfg.attn != "auto":
-        return cfg.attn
-    return "flex" if drafter_dev.type == "cuda" else "sdpa"
+    attn = cfg.attn if cfg.attn != "auto" else "flex" if drafter_devs[0].type == "cuda" else "sdpa"
+    if attn == "flex" and len(set(map(str, drafter_devs))) < len(drafter_devs):
+        # two replicas' threads would run the same entries of one compiled function's dynamo cache at once,
+        # which can report a spurious recompile (the gate then stops the run)
+        raise SystemExit(f"error: --drafter-devices {','.join(map(str, drafter_devs))} lists a GPU twice: give "
+                         "each drafter replica a GPU of its own")
+    return attn
 
 
 def param_dtype(dev):

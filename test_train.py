@@ -300,6 +300,18 @@ def test_auto_batch_on_a_gpu_sized_by_the_drafters_work_and_the_memory():
     assert config.shape_plan(config.parse_args(["--tokens-per-batch", "6144"]), small, h200)[-1] == (2, 3072, 512)
 
 
+def test_compiled_drafters_need_a_gpu_each():
+    """Two replicas on one GPU would run the same entries of the compiled trunk's dynamo cache from two
+    threads at once (a spurious recompile): an error before anything loads. Dense SDPA and CPU allow it."""
+    import config
+    twice = [torch.device("cuda:0"), torch.device("cuda:0")]
+    with pytest.raises(SystemExit, match="--drafter-devices cuda:0,cuda:0 lists a GPU twice"):
+        config.resolve_attn(config.parse_args([]), twice)
+    assert config.resolve_attn(config.parse_args(["--attn", "sdpa"]), twice) == "sdpa"
+    assert config.resolve_attn(config.parse_args([]), [torch.device("cuda:0"), torch.device("cuda:1")]) == "flex"
+    assert config.resolve_attn(config.parse_args([]), [torch.device("cpu")] * 2) == "sdpa"
+
+
 def test_device_lists_auto_split_and_local_rank(monkeypatch):
     """auto = the original 5 target + 3 drafter split on 8 GPUs; cuda:local = this torchrun process's GPU."""
     import config

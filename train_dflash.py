@@ -102,7 +102,7 @@ class Trainer:
         if self.world > 1:
             init_distributed(self.rank, self.world, log)
         self.tdevs, self.ddevs = config.resolve_devices(cfg)
-        self.attn = config.resolve_attn(cfg, self.ddevs[0])
+        self.attn = config.resolve_attn(cfg, self.ddevs)
         if cfg.target and not cfg.data:
             raise SystemExit("error: --data is required with --target")
         self.tpath, files = cfg.target, cfg.data

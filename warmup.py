@@ -223,7 +223,7 @@ def build_drafters(cfg):
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     dcfg, drafters, shapes = build_drafters(cfg)
-    attn = config.resolve_attn(cfg, drafters[0].fc.weight.device)
+    attn = config.resolve_attn(cfg, [d.fc.weight.device for d in drafters])
     targets = []
     if attn == "flex":        # the target's compiled layers too, on random weights of its shape
         use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
