@@ -1022,7 +1022,8 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
     def worker(i):
         try:
             with torch.no_grad():
-                results[i] = [dm.target_forward(targets[i], ids, am, [0, 2]) for ids, am, _ in batches]
+                # 20 passes: enough calls that threads sharing one code object's dynamo cache would race
+                results[i] = [dm.target_forward(targets[i], ids, am, [0, 2]) for ids, am, _ in batches * 20]
         except Exception as e:       # noqa: BLE001 - asserted below, with the thread's error
             errors.append(e)
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
@@ -1032,7 +1033,7 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
         t.join()
     assert not errors, errors
     for i in range(2):
-        for got, (_, _, want) in zip(results[i], batches):
+        for got, (_, _, want) in zip(results[i], batches * 20):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(dm.UnwarmedShapeError, match=r"'target_layer'.*\(1, 64, 64\)"), torch.no_grad():
         dm.target_forward(targets[0], torch.randint(0, 512, (1, 64)), None, [0, 2])
