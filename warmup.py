@@ -12,6 +12,7 @@ default <out_dir>/compile_cache), so a later start loads every shape in seconds.
 this warm-up before its threads start; this script fills the cache ahead (the target's layers on random
 weights of its shape: a compile reads shapes, never values).
 """
+import dataclasses
 import json
 import os
 import statistics
@@ -133,17 +134,16 @@ def time_shapes(target, drafter, shapes, gamma, attn, path, key):
 def median_time(fn, n, dev, rounds=1):
     """(median, [min, max]) seconds per call: after 2 untimed calls, `rounds` rounds of `n` calls back
     to back, each timed as a whole (a device sync at its two ends only)."""
+    from train_dflash import sync_device      # the trainer's: busy times and these timings sync alike
     for _ in range(2):
         fn()
     per_call = []
     for _ in range(rounds):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync_device(dev)
         per_call.append((time.perf_counter() - t0) / n)
     return statistics.median(per_call), [min(per_call), max(per_call)]
 
@@ -222,14 +222,15 @@ def build_drafters(cfg):
 
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = dataclasses.replace(cfg, target=config.target_path(cfg))   # the embedded default prepared once
     dcfg, drafters, shapes = build_drafters(cfg)
     attn = config.resolve_attn(cfg, [d.fc.weight.device for d in drafters])
     targets = []
     if attn == "flex":        # the target's compiled layers too, on random weights of its shape
         use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
         for d in config.resolve_devices(cfg)[0]:
-            targets.append(config.load_target(config.target_path(cfg), d, config.param_dtype(d),
-                                              dcfg.target_layer_ids, random_weights=True))
+            targets.append(config.load_target(cfg.target, d, config.param_dtype(d), dcfg.target_layer_ids,
+                                              random_weights=True))
             dm.compile_target_layers(targets[-1])
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
           f"attention {attn}")
