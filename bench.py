@@ -67,14 +67,13 @@ def parse_args(argv):
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     tmp = tempfile.mkdtemp(prefix="dflash_bench_")
-    import warmup
-    cache = warmup.use_compile_cache(a.cache or os.path.join(tmp, "compile_cache"))   # before any compile
+    import compiled
+    cache = compiled.use_compile_cache(a.cache or os.path.join(tmp, "compile_cache"))   # before any compile
     import torch
     import config
     import dflash_model as dm
     import layout
     import replicas
-    import train_dflash as tr
     from master_adamw import MasterAdamW
 
     dev = torch.device(a.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
@@ -100,12 +99,12 @@ def main(argv=None):
     if a.decode:
         res.update(decode(a, spec, S, dev, log))
         return report(a, res)
-    peak = tr.measure_peak_flops(dev)
+    peak = compiled.measure_peak_flops(dev)
     res["peak_tflops"] = peak / 1e12
     log(f"[bench] {res['device']} torch {torch.__version__}: matmul peak {peak / 1e12:.0f} TFLOP/s")
 
     def timed(name, fn):      # median seconds per call; the rounds' min-max goes to res["spread_ms"]
-        t, spread = warmup.median_time(fn, a.steps, dev, a.rounds)
+        t, spread = compiled.median_time(fn, a.steps, dev, a.rounds)
         res["spread_ms"][name] = [round(1e3 * s, 2) for s in spread]
         return t
 
@@ -122,12 +121,12 @@ def main(argv=None):
     shapes = plan if a.all_shapes else [(B, S, A)]
     attn = "flex" if dev.type == "cuda" else "sdpa"
     if attn == "flex":
-        dm.compile_target_layers(target)
+        compiled.compile_target_layers(target)
     t0 = time.time()
-    rows = warmup.warm_up([drafter], shapes, 7.0, attn, log=log, targets=[target] if attn == "flex" else ())
+    rows = compiled.warm_up([drafter], shapes, 7.0, attn, log=log, targets=[target] if attn == "flex" else ())
     res["warmup_cold_s"] = time.time() - t0
     res["warmup_rows"] = [[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows]
-    log(warmup.format_table(rows))
+    log(compiled.format_table(rows))
 
     # --- the target forward alone: as the trainer runs it, and eager
     ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
@@ -155,15 +154,15 @@ def main(argv=None):
     anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size, torch.Generator().manual_seed(0))
 
     def step(naive=False):
-        with warmup.autocast(dev):
+        with compiled.autocast(dev):
             if naive:
-                loss = naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev)
+                loss = naive_loss(drafter, feats, ids, lm, anchors, valid, dev)
             else:
-                loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, attn=attn)[0]
+                loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn))[0]
         if naive:   # its compiled flex backward compiles lazily: through the gate too
-            dm.GATE.run("naive_bwd", dev, (B, S, A), loss.backward)
+            compiled.GATE.run("naive_bwd", dev, (B, S, A), loss.backward)
         else:
-            dm.backward(loss, dev, (B, S, A), attn)
+            compiled.backward(loss, dev, (B, S, A), attn)
         # the trainer's lone-replica step: the norm read by the host, the clip inside the update
         replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)
         opt.zero_grad(set_to_none=True)
@@ -181,7 +180,7 @@ def main(argv=None):
     # --- the drafter, naive: its flex compile is an unwarmed key of the (warm) gate, which compiles
     # it exclusively and says so
     if attn == "flex":
-        dm.GATE.on_unwarmed = "compile"
+        compiled.GATE.on_unwarmed = "compile"
         step(naive=True)
         t_naive = timed("naive_ms", lambda: step(naive=True))
         res.update(naive_ms=1e3 * t_naive, naive_mfu=flops / t_naive / peak, speedup_vs_naive=t_naive / t_ours)
@@ -214,10 +213,12 @@ def report(a, res):
     return res
 
 
-def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
+def naive_loss(drafter, feats, ids, lm, anchors, valid, dev):
     """The public trainers' setup: eager trunk, compiled flex only (flex's own GQA, torch's tiles),
     eager create_block_mask every step, LM head + eager CE in chunks of 2048."""
     import torch
+    import compiled
+    import dflash_model as dm
     import kernels
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     global _naive_flex
@@ -229,7 +230,7 @@ def naive_loss(dm, drafter, feats, ids, lm, anchors, valid, dev):
     block_ids, block_pos, labels, weights = dm.make_blocks(ids, lm, anchors, valid, c.block_size, c.mask_token_id, 7.0)
     bm = create_block_mask(dm.make_mask_mod(anchors.to(dev), S, c.block_size), B, None, A * c.block_size,
                            S + A * c.block_size, device=dev)
-    attend = lambda q, k, v: dm.GATE.run("naive_flex", dev, tuple(q.shape) + tuple(k.shape), _naive_flex,
+    attend = lambda q, k, v: compiled.GATE.run("naive_flex", dev, tuple(q.shape) + tuple(k.shape), _naive_flex,
                                          q, k, v, block_mask=bm, enable_gqa=True)
     hidden = drafter.body(feats, block_ids, torch.arange(S, device=dev).expand(B, S), block_pos, attend)
     return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048,
@@ -241,8 +242,8 @@ def decode(a, spec, S, dev, log):
     (at most 512), each at a random position below the span; ms per step for spans S/4, S/2 and S."""
     import torch
     import config
+    import compiled
     import generate_data
-    import warmup
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
     with torch.device(dev):
@@ -253,7 +254,7 @@ def decode(a, spec, S, dev, log):
     for span in (S // 4, S // 2, S):
         slots.pos.copy_(torch.randint(0, span, (slots.n,)))
         with torch.no_grad():
-            t, spread = warmup.median_time(lambda: slots.replay(slots.n, span), a.steps, dev, a.rounds)
+            t, spread = compiled.median_time(lambda: slots.replay(slots.n, span), a.steps, dev, a.rounds)
         res["decode_ms"][span] = 1e3 * t
         log(f"[bench] decoding step, {slots.n} slots, span {span}: {1e3 * t:.2f} ms "
             f"[{1e3 * spread[0]:.2f}-{1e3 * spread[1]:.2f}] = {slots.n / t:,.0f} tok/s with every slot busy")

@@ -106,6 +106,9 @@ def parse_args(argv):
         raise SystemExit(f"error: unknown option {arg}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
     cfg = TrainConfig(**vars(args))
     validate(cfg)
+    # the defaults that follow from other options, resolved once (logged and checkpointed as resolved)
+    cfg.gamma = cfg.gamma or default_gamma(cfg.block_size)
+    cfg.compile_cache = cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache")
     return cfg
 
 
@@ -260,18 +263,25 @@ def shape_plan(cfg, dcfg, memory=0):
 # --- Target and drafter ---------------------------------------------------------------------------
 
 
-def target_path(cfg):
-    return cfg.target or data_dflash.prepare_embedded_default(cfg.cache_dir)[0]
+def target_and_data(cfg):
+    """(target path, data files): --target and --data, or the embedded default's, prepared once in the cache."""
+    if cfg.target:
+        return cfg.target, cfg.data
+    target, data = data_dflash.prepare_embedded_default(cfg.cache_dir)
+    return target, cfg.data or [data]
 
 
 def load_target_config(path):
     """(config, tokenizer). random:<config.json>: a config for random weights, and no tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
-    if path.startswith("random:"):
-        with open(path[len("random:"):]) as f:
-            d = json.load(f)
-        return AutoConfig.for_model(d.pop("model_type"), **d), None
-    return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    try:
+        if path.startswith("random:"):
+            with open(path[len("random:"):]) as f:
+                d = json.load(f)
+            return AutoConfig.for_model(d.pop("model_type"), **d), None
+        return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:    # no such folder or hub name, a file that is no config
+        raise SystemExit(f"error: cannot load the target {path!r}: {str(e).splitlines()[0]}") from None
 
 
 def choose_mask_token_id(tokenizer, vocab_size):
@@ -318,9 +328,19 @@ def new_drafter(dcfg, emb, head, dev, seed):
     return dr
 
 
+def load_model(path, device, dtype):
+    """The target as transformers loads it (LM head included), frozen: every script's one way to load it."""
+    from transformers import AutoModelForCausalLM
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as e:    # no such folder or hub name, missing or cut weights
+        raise SystemExit(f"error: cannot load the target {path!r}: {str(e).splitlines()[0]}") from None
+    return model.to(device).eval().requires_grad_(False)
+
+
 def load_target(path, device, dtype, layer_ids, log=print, random_weights=False):
-    """The target, frozen, cut after the deepest captured layer (later layers and the final norm do not
-    touch the features), with hooks that keep the captured layers' outputs (dm.capture). random_weights,
+    """The target for training, cut after the deepest captured layer (later layers and the final norm do
+    not touch the features), with hooks that keep the captured layers' outputs (dm.capture). random_weights,
     or a random:<config.json> path: its shape with seeded random weights (benchmarks, and warmup.py,
     whose compiles read shapes, never values)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -329,15 +349,14 @@ def load_target(path, device, dtype, layer_ids, log=print, random_weights=False)
         # the same weights on every target device and run: a batch's features must not depend on its thread
         torch.manual_seed(0)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype).eval().requires_grad_(False)
         source = f"random weights of {path.removeprefix('random:')}'s shape"
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        source = path
+        model, source = load_model(path, device, dtype), path
     n_keep = cut_after(model.model, layer_ids)
     dm.capture(model, layer_ids)
     log(f"[target] {source} on {device}: kept {n_keep}/{model.config.num_hidden_layers} layers, no LM head")
-    return model.eval().requires_grad_(False)
+    return model
 
 
 def cut_after(base, layer_ids):

@@ -1,209 +1,26 @@
-"""DFlash drafter, in six parts read top to bottom:
-  1. the compile gate       - the one entry point of every compiled call in the process
-  2. config + model         - Qwen3-shaped layers with KV injection of the target's features
-  3. training mask          - the flex_attention mask, its tile-level BlockMask, a dense reference
-  4. anchors, blocks, loss  - random anchors, same-position labels, decayed weights, chunked LM head
-  5. target + speculation   - the target's features (hooked, compiled layers); dflash_generate, ngram_generate:
-                              greedy, token-identical to the target's own
-  6. save / load            - the serving format (config.json with dflash_config + model.safetensors)
+"""The DFlash drafter, read top to bottom:
+  1. config + model         - Qwen3-shaped layers with KV injection of the target's features
+  2. training mask          - the mask's rule, its tile-level BlockMask for flex_attention, a dense reference
+  3. anchors, blocks, loss  - random anchors, same-position labels, decayed weights, chunked LM head; FLOPs
+  4. the target's features  - hooks that keep the outputs of the target layers the drafter reads
+  5. save / load            - the serving format (config.json with dflash_config + model.safetensors)
+The compiled flex path and its gate are compiled.py's; decoding with a drafter is decoding.py's.
 """
 import functools
-import itertools
 import json
 import math
 import os
-import threading
-import time
-import types
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 import kernels
 
 # -----------------------------------------------------------------------------
-# 1. The compile gate
-#
-# torch.fx keeps a process-global "FX tracing" flag (per thread only from torch 2.14). While one thread
-# compiles (make_fx raises the flag), a compiled call in another thread fails with "Detected that you are
-# using FX to symbolically trace a dynamo-optimized function", or, with error_on_nested_fx_trace=False,
-# silently runs the uncompiled (dense) function. So:
-#   * until warm-up has compiled every (name, device, shape) the run uses and marked the gate warm, the
-#     gate is EXCLUSIVE: one compiled call at a time, process-wide;
-#   * once warm, calls of warmed keys share it under the "fail_on_recompile" stance, so no compile can
-#     start behind its back; an unwarmed key fails with a clear error, or (on_unwarmed="compile") compiles
-#     holding the gate exclusively, with a logged notice;
-#   * dynamo's config is per thread from torch 2.12: every thread passing the gate sets it and reads it
-#     back, so the recompile limits and error_on_nested_fx_trace are really in force.
-
-
-class UnwarmedShapeError(RuntimeError):
-    pass
-
-
-class CompileGate:
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._local = threading.local()
-        self.reset_state()
-
-    def reset_state(self):
-        self._readers = 0            # threads inside a shared (post warm-up) call
-        self._writer = None          # the thread holding the gate exclusively
-        self._writers_waiting = 0
-        self.warm = False
-        self.warmed = set()          # keys (see key()) compiled and safe to share
-        self.on_unwarmed = "error"   # or "compile"
-        self.recompile_limit = 8     # sized by warm-up to devices x shapes (+ margin)
-        self.enabled = True          # False only for diagnose.py's "no gate" race mode
-        self.config_generation = getattr(self, "config_generation", 0) + 1
-        self.log = print
-        self.stats = {"calls": 0, "exclusive": 0, "late_compiles": 0, "max_waiting": 0}
-
-    def configure_thread(self):
-        """Set and verify the dynamo settings in the calling thread (idempotent)."""
-        if getattr(self._local, "generation", -1) == self.config_generation:
-            return
-        import torch._dynamo.config as dcfg
-        wanted = {"error_on_nested_fx_trace": True,      # never silently run uncompiled
-                  "fail_on_recompile_limit_hit": True,   # never silently fall back to eager
-                  "recompile_limit": self.recompile_limit,
-                  "accumulated_recompile_limit": max(256, 4 * self.recompile_limit)}
-        for k, v in wanted.items():
-            setattr(dcfg, k, v)
-        got = {k: getattr(dcfg, k) for k in wanted}
-        if got != wanted:
-            raise RuntimeError(f"dynamo config did not take in thread {threading.current_thread().name}: "
-                               f"wanted {wanted}, got {got}")
-        self._local.generation = self.config_generation
-
-    def set_recompile_limit(self, n):
-        self.recompile_limit = int(n)
-        self.config_generation += 1   # every thread re-applies on its next call
-        self.configure_thread()
-
-    @contextmanager
-    def _exclusive(self):
-        with self._cond:
-            self._writers_waiting += 1
-            self.stats["max_waiting"] = max(self.stats["max_waiting"], self._writers_waiting)
-            self._cond.wait_for(lambda: self._writer is None and self._readers == 0)
-            self._writers_waiting -= 1
-            self._writer = threading.current_thread()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = None
-                self._cond.notify_all()
-
-    @contextmanager
-    def _shared(self):
-        # the hot path of every compiled call after warm-up: the exit wakes others only for a writer
-        with self._cond:
-            self._cond.wait_for(lambda: self._writer is None and self._writers_waiting == 0)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if self._readers == 0 and self._writers_waiting:
-                    self._cond.notify_all()
-
-    @property
-    def waiting(self):
-        with self._cond:
-            return self._writers_waiting
-
-    def run(self, name, device, shape, fn, *args, **kwargs):
-        """Call the compiled `fn` for key (name, device, shape) under the gate's rules."""
-        self.configure_thread()
-        self.stats["calls"] += 1                       # approximate under threads: a statistic
-        if not self.enabled or getattr(self._local, "depth", 0) > 0:   # bypass, or nested: already held
-            return fn(*args, **kwargs)
-        key = self.key(name, device, shape)
-        self._local.depth = 1
-        try:
-            if self.warm and key in self.warmed:
-                with self._shared():
-                    try:
-                        return fn(*args, **kwargs)
-                    except RuntimeError as e:
-                        if "fail_on_recompile" not in str(e):
-                            raise
-                        raise UnwarmedShapeError(
-                            f"compiled call '{name}' {tuple(shape)} on {device} was warmed, but dynamo wants to "
-                            "recompile it now (a guard changed: dtype, grad mode, module or a Python constant). "
-                            f"Refusing: under the warm gate nothing may compile. ({e})") from e
-            if not self.warm:
-                with self._exclusive():
-                    self.stats["exclusive"] += 1
-                    out = fn(*args, **kwargs)
-                self.warmed.add(key)
-                return out
-            if self.on_unwarmed != "compile":
-                raise UnwarmedShapeError(
-                    f"compiled call '{name}' with shape {tuple(shape)} on {device} was not warmed up. "
-                    f"Warmed keys: {sorted(k for k in self.warmed if k[1] == str(device))}. "
-                    "Add the shape to the warm-up buckets, or pass --on-unwarmed compile to compile it "
-                    "under an exclusive hold of the gate.")
-            with self._exclusive():
-                self.log(f"[gate] NOTICE: compiling unwarmed '{name}' shape {tuple(shape)} on {device} "
-                         "while holding the gate exclusively (other threads wait)")
-                self.stats["late_compiles"] += 1
-                t0 = time.time()
-                with torch.compiler.set_stance("default"):      # back to "fail_on_recompile" on exit
-                    out = fn(*args, **kwargs)
-                self.warmed.add(key)
-                self.log(f"[gate] compiled '{name}' {tuple(shape)} on {device} in {time.time() - t0:.1f}s")
-                return out
-        finally:
-            self._local.depth = 0
-
-    @staticmethod
-    def key(name, device, shape):
-        # grad mode and autocast are dynamo guards, so they are part of the key too
-        return (name, str(device), tuple(shape), torch.is_grad_enabled(),
-                torch.is_autocast_enabled("cuda") if str(device).startswith("cuda") else False)
-
-    def is_warmed(self, name, device, shape):
-        """Was (name, device, shape) compiled, in the current grad/autocast mode?"""
-        return self.key(name, device, shape) in self.warmed
-
-    def mark_warm(self):
-        """Warm-up done: from now on compiled calls share the gate and may not recompile."""
-        with self._exclusive():
-            torch.compiler.set_stance("fail_on_recompile")
-            self.warm = True
-        self.log(f"[gate] warm: {len(self.warmed)} compiled keys, recompile_limit={self.recompile_limit}, "
-                 f"unwarmed shapes -> {self.on_unwarmed}")
-
-    def reset(self):
-        """Back to the cold, exclusive state with default limits (the tests)."""
-        with self._exclusive():
-            torch.compiler.set_stance("default")
-            self.reset_state()
-        self.configure_thread()
-
-
-GATE = CompileGate()
-
-
-def _require_compiled(what):
-    # Inside a compiled region dynamo folds this check away. If the code ever runs eagerly (dynamo
-    # disabled, a bypass), it raises instead of quietly running the dense math path.
-    if not torch.compiler.is_dynamo_compiling():
-        raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x H x Q x KV "
-                           "scores). Every flex call must go through the compiled functions and GATE.")
-
-
-# -----------------------------------------------------------------------------
-# 2. Config and model
+# 1. Config and model
 
 
 def build_target_layer_ids(num_target_layers, num_draft_layers):
@@ -282,8 +99,8 @@ class RMSNorm(nn.Module):
 
 def rope_tables(n_positions, head_dim, theta):
     """fp32 cos/sin of each position's rotary angles, (n_positions, head_dim // 2): one buffer per drafter, gathered
-    by position (a load). Computed in the compiled step, the angles cost a pow, a sin and a cos per ELEMENT of each
-    q/k tensor in each rope kernel, forward and backward (~3 ms of a 142 ms Qwen3-8B-size step on an H200)."""
+    by position (a load), where computing them in the step costs a pow, a sin and a cos per element of each q/k
+    tensor in each rope kernel, forward and backward."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     ang = torch.arange(n_positions, dtype=torch.float32)[:, None] * inv
     return ang.cos(), ang.sin()
@@ -403,7 +220,7 @@ class DFlashDrafter(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# 3. The training attention mask
+# 2. The training attention mask
 #
 # Queries: A blocks of `bs` tokens (q = i*bs + k). Keys: [S context features | A*bs block tokens].
 #   context visible: kv < S and kv < anchor_i   (STRICTLY before the anchor: the anchor's own
@@ -414,7 +231,7 @@ class DFlashDrafter(nn.Module):
 
 def _visible(anchor_of_q, q_idx, kv_idx, S, bs):
     # Anchors are < S, so `kv < anchor` implies `kv < S`, and for kv < S, (kv - S) // bs is negative, never a block
-    # index: two comparisons, not four (nor a chain of boolean masks, which CPU inductor miscompiles on torch 2.13).
+    # index: two comparisons, not four (nor a chain of boolean masks: compiled.py's torch notes).
     return (kv_idx < anchor_of_q) | ((kv_idx - S) // bs == q_idx // bs)
 
 
@@ -468,7 +285,7 @@ def create_dflash_block_mask(anchors, S, bs):
     B, A = anchors.shape
     Q = A * bs
     if S % TILE or Q % TILE:
-        # ragged tiles cost masked loads on a GPU and hit an inductor codegen bug on CPU (torch 2.13);
+        # ragged tiles cost masked loads on a GPU and miscompile on CPU (compiled.py's torch notes);
         # the trainer's buckets and anchor counts are multiples of the tile
         raise ValueError(f"flex path needs S ({S}) and anchors*block ({A}*{bs}) to be multiples of {TILE}")
     dev = anchors.device
@@ -489,41 +306,8 @@ def create_dflash_block_mask(anchors, S, bs):
                      full_q_indices=fq_i, BLOCK_SIZE=(TILE, TILE), mask_mod=make_mask_mod(anchors, S, bs))
 
 
-def _flex(q, k, v, block_mask):
-    # Each key/value head is repeated for its query heads before the kernel. flex's backward gives every
-    # (key tile, kv head) one program looping over the group's query heads and every query tile seeing the
-    # tile; nearly every query sees the first context tiles, so those few programs set the kernel's tail.
-    # Split per query head, one layer's backward at S 3072 with 512 anchors takes 2.06 ms instead of 2.53
-    # on an H200 (forward 0.81 instead of 0.76). The repeat's gradient sums the group's: the same math.
-    if k.shape[1] != q.shape[1]:
-        group = q.shape[1] // k.shape[1]                      # query head h uses kv head h // group
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return flex_attention(q, k, v, block_mask=block_mask)
-
-
-def _flex_impl(q, k, v, block_mask):
-    _require_compiled("flex_attention")
-    return _flex(q, k, v, block_mask)
-
-
-def _body_flex_impl(drafter, target_feats, block_ids, ctx_pos, block_pos, block_mask):
-    _require_compiled("drafter body (flex)")
-    return drafter.body(target_feats, block_ids, ctx_pos, block_pos, lambda q, k, v: _flex(q, k, v, block_mask))
-
-
-# The compiled callables, called only through GATE.run. dynamic=False: each shape is its own fully specialised entry
-# (the length buckets keep them few). The trunk is one graph: inductor fuses norms, rope and activations around the
-# matmuls across layers (1.44x the step of an eager trunk around a compiled flex at Qwen3-8B size on an H200).
-compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
-compiled_body = torch.compile(_body_flex_impl, dynamic=False, fullgraph=True)
-
-
-def gated_flex_attention(q, k, v, block_mask):
-    return GATE.run("flex", q.device, tuple(q.shape) + tuple(k.shape), compiled_flex, q, k, v, block_mask)
-
-
 # -----------------------------------------------------------------------------
-# 4. Anchors, blocks, loss
+# 3. Anchors, blocks, loss, FLOPs
 
 
 def sample_anchors(loss_mask, lengths, num_anchors, block_size, generator=None):
@@ -605,8 +389,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None
 
 
-# LM head + CE rows per chunk. At Qwen3-8B size (7,680 scored rows a sequence) on an H200, 3 chunks of 2,560
-# take a 130.7-131.1 ms step against 132.3 ms for 4 of 1,920, for +0.5 GiB peak memory (one chunk's fp32 logits).
+# LM head + CE rows per chunk: fewer, larger chunks are faster, each costs its fp32 logits in memory.
 CHUNK_ROWS = 3072
 
 
@@ -638,28 +421,23 @@ def simulated_tau(acc):
     return 1.0 + float(torch.cumprod(torch.as_tensor(acc, dtype=torch.float64), 0).sum())
 
 
-def sdpa_attend(mask):
-    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+def dense_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
+    """The drafter trunk with the dense boolean mask and SDPA (CPU, and the reference of the flex trunk)."""
+    mask = dense_dflash_mask(anchors, ctx_pos.shape[1], drafter.config.block_size)
+    return drafter.body(target_feats, block_ids, ctx_pos, block_pos,
+                        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
 
 
-def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma,
-                         attn="flex", chunk_rows=CHUNK_ROWS, weight_sum=None):
-    """One training forward: blocks -> mask -> drafter (compiled flex trunk, or explicit SDPA) -> loss."""
+def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma, trunk=dense_trunk,
+                         chunk_rows=CHUNK_ROWS, weight_sum=None):
+    """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk on GPUs) -> loss."""
     c = drafter.config
     B, S = input_ids.shape
     anchors, valid = to_device(anchors, input_ids.device), to_device(valid, input_ids.device)
     block_ids, block_pos, labels, weights = make_blocks(
         input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
     ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
-    if attn == "flex":
-        bm = create_dflash_block_mask(anchors, S, c.block_size)
-        hidden = GATE.run("drafter_fwd", input_ids.device, (B, S, anchors.shape[1], c.block_size), compiled_body,
-                          drafter, target_feats, block_ids, ctx_pos, block_pos, bm)
-    elif attn == "sdpa":
-        hidden = drafter.body(target_feats, block_ids, ctx_pos, block_pos,
-                              sdpa_attend(dense_dflash_mask(anchors, S, c.block_size)))
-    else:
-        raise ValueError(f"attn must be 'flex' or 'sdpa', got {attn!r}")
+    hidden = trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors)
     return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows, weight_sum)
 
 
@@ -670,14 +448,6 @@ def to_device(t, dev):
     if t.device == dev or dev.type != "cuda" or t.device.type != "cpu":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)
-
-
-def backward(loss, device, shape, attn="flex"):
-    """loss.backward() through the gate: the compiled backward compiles lazily on its first call."""
-    if attn == "flex":
-        GATE.run("drafter_bwd", device, shape, loss.backward)
-    else:
-        loss.backward()
 
 
 def matmul_flops(c, S, A):
@@ -710,7 +480,7 @@ def batch_flops(c, S, anchors, valid):
 
 
 # -----------------------------------------------------------------------------
-# 5. The target's features, speculative decoding
+# 4. The target's features
 
 
 def capture(target, layer_ids):
@@ -738,30 +508,6 @@ def target_forward(target, input_ids, attention_mask, layer_ids):
     capture(target, layer_ids)
     target.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return target_features(target, layer_ids)
-
-
-def _layer_forward(layer, hidden_states, *args, **kwargs):
-    return type(layer).forward(layer, hidden_states, *args, **kwargs)
-
-
-_TARGET_NUMBERS = itertools.count()
-
-
-def compile_target_layers(target):
-    """Compile the target's decoder layers (regional: its layers share one graph per input shape, so a
-    34-layer target compiles like one layer), called through GATE. Each target gets a code object of its
-    own: two threads running the same entry of one code object's dynamo cache at once can see a spurious
-    recompile (two targets on one device would). transformers passes no mask when no row is padded and a
-    mask otherwise: two graphs per shape, both warmed (warmup.warm_target)."""
-    code = _layer_forward.__code__.replace(co_name=f"target_layers_{next(_TARGET_NUMBERS)}")
-    compiled = torch.compile(types.FunctionType(code, globals()), dynamic=False, fullgraph=True)
-    for layer in target.model.layers:
-        layer.forward = functools.partial(_gated_layer, compiled, layer)
-
-
-def _gated_layer(compiled, layer, hidden_states, *args, **kwargs):
-    return GATE.run("target_layer", hidden_states.device, tuple(hidden_states.shape), compiled, layer,
-                    hidden_states, *args, **kwargs)
 
 
 @torch.no_grad()
@@ -866,7 +612,7 @@ def target_greedy(target, input_ids, max_new_tokens, stop_token_ids=None):
 
 
 # -----------------------------------------------------------------------------
-# 6. Save / load in the serving format
+# 5. Save / load in the serving format
 
 
 # config.json keys that are DFlashConfig fields of the same name

@@ -417,11 +417,10 @@ def _exercise_inputs(kind, dev, n):
 
 def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cpu"):
     """The threaded exercise in this process: meaningful only in a fresh one with a cold cache (_run_child)."""
-    import dflash_model as dm   # the child runs this file as a script: its folder is on sys.path
+    import compiled   # the child runs this file as a script: its folder is on sys.path
     thread_local = _fx_flag_thread_local()   # no other thread yet: safe
-    gate, dev = dm.GATE, torch.device(device)
+    gate, dev = compiled.GATE, torch.device(device)
     gate.set_recompile_limit(max(8, threads + 2))
-    gate.enabled = mode != "nogate"
     inputs = {f"worker-{i}-{label}": args for i, (label, args) in enumerate(_exercise_inputs(kind, dev, threads))}
     stats = {n: dict(name=n, shape=list(args[0].shape), calls=0, fx_errors=0, other_errors=0, exposed_calls=0)
              for n, args in inputs.items()}
@@ -433,13 +432,13 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
                 s["exposed_calls"] += 1
             return fn(*args)
         return call
-    # through the gate in every mode: disabled (nogate), it calls the compiled function directly
     if kind == "flex":
-        dm.compiled_flex = exposed(dm.compiled_flex)   # gated_flex_attention looks it up per call
-        one_call = dm.gated_flex_attention
+        fn, name = exposed(compiled.compiled_flex), "flex"
     else:
-        tiny = exposed(torch.compile(lambda x: torch.sin(x) * 2 + torch.cos(x), dynamic=False, fullgraph=True))
-        one_call = lambda x: gate.run("tiny", x.device, tuple(x.shape), tiny, x)
+        fn, name = exposed(torch.compile(lambda x: torch.sin(x) * 2 + torch.cos(x), dynamic=False, fullgraph=True)), "tiny"
+    # nogate: the compiled function called directly
+    one_call = fn if mode == "nogate" else lambda x, *a: gate.run(name, x.device, tuple(x.shape) + tuple(
+        a[0].shape if a else ()), fn, x, *a)
     barrier = threading.Barrier(threads)
 
     @torch.no_grad()

@@ -10,7 +10,7 @@ import queue
 import threading
 import traceback
 
-import dflash_model as dm
+import compiled
 
 
 class Stop(Exception):
@@ -53,7 +53,7 @@ class Run:
     def start_thread(self, name, fn, *args):
         def body():
             try:
-                dm.GATE.configure_thread()     # dynamo's config is per thread on torch >= 2.12
+                compiled.GATE.configure_thread()     # dynamo's config is per thread on torch >= 2.12
                 fn(*args)
             except Stop:
                 pass

@@ -27,9 +27,10 @@ from safetensors.torch import load_file
 from torch.nn.attention.flex_attention import create_mask
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config, Qwen3ForCausalLM
 
+import compiled
 import dflash_model as dm
 import kernels
-from dflash_model import GATE
+from compiled import GATE
 
 FX_ERROR = "Detected that you are using FX to symbolically trace"
 DEFAULT_RECOMPILE_LIMIT = GATE.recompile_limit
@@ -152,16 +153,24 @@ def one_thread():
     torch.set_num_threads(prev)
 
 
+def reset_gate():
+    """The gate as a fresh process has it: cold, default limits, applied in this thread."""
+    torch.compiler.set_stance("default")
+    GATE.__init__()
+    GATE.configure_thread()
+
+
+def is_warmed(name, device, shape):
+    return GATE.key(name, device, shape) in GATE.warmed
+
+
 @pytest.fixture(autouse=True)
 def clean_gate():
     """Every test starts and ends with a cold gate, default limits and the FX flag down."""
-    GATE.reset()
+    reset_gate()
     yield
     torch.fx._symbolic_trace._is_fx_tracing_flag = False
-    GATE.reset()
-    GATE.log = print
-    if GATE.recompile_limit != DEFAULT_RECOMPILE_LIMIT:    # reset() leaves the limit alone
-        GATE.set_recompile_limit(DEFAULT_RECOMPILE_LIMIT)
+    reset_gate()
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +239,7 @@ def trained(targets):
     gamma, tau, t0 = 4.0, 1.0, time.time()
     for step in range(400):
         anchors, valid = dm.sample_anchors(loss_mask, lengths, 32, bs, gen)
-        loss, _, _ = dm.drafter_forward_loss(drafter, feats, seq, loss_mask, anchors, valid, gamma, attn="sdpa")
+        loss, _, _ = dm.drafter_forward_loss(drafter, feats, seq, loss_mask, anchors, valid, gamma)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -238,7 +247,7 @@ def trained(targets):
         if step % 10 == 9:
             with torch.no_grad():
                 _, acc, _ = dm.drafter_forward_loss(drafter, feats, seq, loss_mask, all_anchors, all_valid,
-                                                    gamma, attn="sdpa")
+                                                    gamma)
             tau = dm.simulated_tau(acc)
             if tau >= 7.9:
                 break
@@ -387,11 +396,11 @@ def test_compiled_flex_output_equals_sdpa_with_naive_mask(flex_case):
     v = torch.randn(c.B, 2, KV, 16, generator=g)
     mask = naive_mask(c.anchors, c.S, c.bs)[:, None]
     with torch.no_grad():
-        out = dm.gated_flex_attention(q, k, v, c.bm)
+        out = GATE.run("flex", "cpu", tuple(q.shape) + tuple(k.shape), compiled.compiled_flex, q, k, v, c.bm)
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert rel_err(out, ref) < 1e-4
     with torch.no_grad():   # the key includes grad mode (part of dynamo's guards)
-        assert GATE.is_warmed("flex", "cpu", tuple(q.shape) + tuple(k.shape))
+        assert is_warmed("flex", "cpu", tuple(q.shape) + tuple(k.shape))
 
 
 def test_flex_drafter_forward_equals_sdpa(flex_case):
@@ -399,17 +408,18 @@ def test_flex_drafter_forward_equals_sdpa(flex_case):
     d = c.drafter
     with torch.no_grad():
         loss_f, acc_f, cnt_f = dm.drafter_forward_loss(d, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid,
-                                                       c.gamma, attn="flex")
+                                                       c.gamma, compiled.flex_trunk)
         loss_s, acc_s, cnt_s = dm.drafter_forward_loss(d, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid,
-                                                       c.gamma, attn="sdpa")
+                                                       c.gamma)
         # the hidden states themselves, through the same compiled entry drafter_forward_loss used
         block_ids, block_pos, _, _ = dm.make_blocks(c.input_ids, c.loss_mask, c.anchors, c.valid, c.bs,
                                                     d.config.mask_token_id, c.gamma)
         ctx_pos = torch.arange(c.S).expand(c.B, c.S)
-        h_flex = GATE.run("drafter_fwd", "cpu", (c.B, c.S, c.A), dm.compiled_body,
+        h_flex = GATE.run("drafter_fwd", "cpu", (c.B, c.S, c.A), compiled.compiled_body,
                           d, c.feats, block_ids, ctx_pos, block_pos, c.bm)
         h_sdpa = d.body(c.feats, block_ids, ctx_pos, block_pos,
-                        dm.sdpa_attend(naive_mask(c.anchors, c.S, c.bs)[:, None]))
+                        lambda q, k, v: F.scaled_dot_product_attention(
+                            q, k, v, attn_mask=naive_mask(c.anchors, c.S, c.bs)[:, None], enable_gqa=True))
     assert math.isfinite(float(loss_s)) and float(loss_s) > 0
     assert abs(float(loss_f) - float(loss_s)) / abs(float(loss_s)) < 1e-4
     assert rel_err(h_flex, h_sdpa) < 1e-4
@@ -421,23 +431,22 @@ def test_warm_up_compiles_each_replica_and_shape_sizes_the_recompile_limit_and_m
     """warm_up runs every (replica, shape) in turn, one dynamo entry each (+2 spare), then marks the gate
     warm; the flex rows say how each compile went (here: the trunk this file already compiled for the
     flex_case shape, in no-grad mode, so reused in process)."""
-    import warmup
     c, logs = flex_case, []
-    rows = warmup.warm_up([c.drafter, c.drafter], [(1, 128, 8), (1, 256, 8)], 7.0, "sdpa", log=logs.append)
+    rows = compiled.warm_up([c.drafter, c.drafter], [(1, 128, 8), (1, 256, 8)], 7.0, "sdpa", log=logs.append)
     assert [(r[1], r[3]) for r in rows] == [((1, 128, 8), "eager (sdpa)"), ((1, 256, 8), "eager (sdpa)")] * 2
     assert GATE.recompile_limit == 2 * 2 + 2 and GATE.warm
-    assert "total" in warmup.format_table(rows) and len([m for m in logs if m.startswith("[warmup] cpu")]) == 4
-    GATE.reset()
+    assert "total" in compiled.format_table(rows) and len([m for m in logs if m.startswith("[warmup] cpu")]) == 4
+    reset_gate()
     with torch.no_grad():
-        dm.drafter_forward_loss(c.drafter, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid, c.gamma, attn="flex")
-        GATE.reset()
-        rows = warmup.warm_up([c.drafter], [(c.B, c.S, c.A)], 7.0, "flex", log=logs.append)
-        assert rows[0][3] in ("reused (in process)", "cache hit") and GATE.is_warmed(
+        dm.drafter_forward_loss(c.drafter, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid, c.gamma, compiled.flex_trunk)
+        reset_gate()
+        rows = compiled.warm_up([c.drafter], [(c.B, c.S, c.A)], 7.0, "flex", log=logs.append)
+        assert rows[0][3] in ("reused (in process)", "cache hit") and is_warmed(
             "drafter_fwd", "cpu", (c.B, c.S, c.A, c.bs))
         # an unwarmed shape is refused under the warm gate, naming it
-        with pytest.raises(dm.UnwarmedShapeError, match=r"\(3, 128, 8, 16\)"):
+        with pytest.raises(compiled.UnwarmedShapeError, match=r"\(3, 128, 8, 16\)"):
             dm.drafter_forward_loss(c.drafter, c.feats[:, :128], c.input_ids[:, :128], c.loss_mask[:, :128],
-                                    c.anchors[:, :8].clamp(max=100), c.valid[:, :8], c.gamma, attn="flex")
+                                    c.anchors[:, :8].clamp(max=100), c.valid[:, :8], c.gamma, compiled.flex_trunk)
 
 
 # -----------------------------------------------------------------------------
@@ -730,7 +739,7 @@ def test_gate_unwarmed_shape_errors_or_compiles_with_notice():
     GATE.mark_warm()
     assert torch.equal(GATE.run("toy", "cpu", (2,), fn, x2), x2 * 2 + 1)    # warmed key: fine
     x5 = torch.arange(5.0)
-    with pytest.raises(dm.UnwarmedShapeError) as ei:
+    with pytest.raises(compiled.UnwarmedShapeError) as ei:
         GATE.run("toy", "cpu", (5,), fn, x5)
     msg = str(ei.value)
     assert "toy" in msg and "(5,)" in msg and "cpu" in msg
@@ -740,7 +749,7 @@ def test_gate_unwarmed_shape_errors_or_compiles_with_notice():
     assert torch.equal(GATE.run("toy", "cpu", (5,), fn, x5), x5 * 2 + 1)
     assert cnt.compiles == 2                                                 # really compiled, not eager
     assert any("NOTICE" in m and "(5,)" in m and "cpu" in m for m in logs), logs
-    assert GATE.stats["late_compiles"] == 1 and GATE.is_warmed("toy", "cpu", (5,))
+    assert GATE.stats["late_compiles"] == 1 and is_warmed("toy", "cpu", (5,))
     assert torch.equal(GATE.run("toy", "cpu", (5,), fn, x5), x5 * 2 + 1)    # now a warmed key
     assert cnt.compiles == 2
 
@@ -838,7 +847,7 @@ def test_ce_correct_means_the_label_has_the_row_max():
 
 
 def test_gqa_expand_hands_flex_one_kv_head_per_query_head_with_the_same_output_and_gradients(monkeypatch):
-    """_flex repeats each kv head for its query heads before flex: the kernel sees as many kv heads as
+    """compiled.flex repeats each kv head for its query heads before flex: the kernel sees as many kv heads as
     query heads, and the output equals flex's own GQA. (flex has no backward on CPU: the gradients are
     checked with SDPA over the same mask standing in for the kernel, against SDPA's own GQA.)"""
     S, A, bs = 128, 8, 16
@@ -847,18 +856,18 @@ def test_gqa_expand_hands_flex_one_kv_head_per_query_head_with_the_same_output_a
     mask = dm.dense_dflash_mask(anchors, S, bs)
     g = torch.Generator().manual_seed(5)
     x = [torch.randn(1, h, L, 16, generator=g, dtype=torch.float64) for h, L in ((4, A * bs), (2, S + A * bs), (2, S + A * bs))]
-    heads, real_flex = [], dm.flex_attention
-    monkeypatch.setattr(dm, "flex_attention", lambda q, k, v, **kw: heads.append(k.shape[1]) or real_flex(q, k, v, **kw))
+    heads, real_flex = [], compiled.flex_attention
+    monkeypatch.setattr(compiled, "flex_attention", lambda q, k, v, **kw: heads.append(k.shape[1]) or real_flex(q, k, v, **kw))
     with torch.no_grad():
-        ours = dm._flex(*x, bm)
+        ours = compiled.flex(*x, bm)
         theirs = real_flex(*x, block_mask=bm, enable_gqa=True)
     assert heads == [4]
     sdpa = lambda q, k, v, **kw: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ours, sdpa(*x), rtol=1e-10, atol=1e-10)
-    monkeypatch.setattr(dm, "flex_attention", sdpa)
+    monkeypatch.setattr(compiled, "flex_attention", sdpa)
     grads = []
-    for attend in (dm._flex, lambda q, k, v, bm: sdpa(q, k, v)):
+    for attend in (compiled.flex, lambda q, k, v, bm: sdpa(q, k, v)):
         q, k, v = (t.clone().requires_grad_() for t in x)
         attend(q, k, v, bm).pow(2).sum().backward()
         grads.append((q.grad, k.grad, v.grad))
@@ -924,7 +933,6 @@ def test_layout_advice_times_each_shape_once_and_reads_them_back_on_a_restart(tm
     start-up log then holds the table of this node's layouts and the warning for a slower one."""
     import config
     import train_dflash as tr
-    import warmup
     path = tiny_config_json(tmp_path / "tiny.json")
     cfg = config.parse_args(["--target", f"random:{path}", "--data", "synthetic:4", "--max-length", "256",
                              "--num-anchors", "32", "--block-size", "8", "--num-draft-layers", "2",
@@ -936,18 +944,18 @@ def test_layout_advice_times_each_shape_once_and_reads_them_back_on_a_restart(tm
     trainer.attn = "sdpa"
     args = (trainer.targets[0], trainer.replicas.drafters[0], trainer.shapes, trainer.gamma, "sdpa",
             str(tmp_path / "times.json"))
-    times = warmup.time_shapes(*args, {"k": 1})
+    times = compiled.time_shapes(*args, {"k": 1})
     assert set(times) == set(trainer.shapes) and all(t > 0 and d > 0 for t, d in times.values())
 
     def no_timing(*a):
         raise AssertionError("timed again")
-    monkeypatch.setattr(warmup, "warm_shape", no_timing)
-    assert warmup.time_shapes(*args, {"k": 1}) == times                   # read back, not timed
+    monkeypatch.setattr(compiled, "warm_shape", no_timing)
+    assert compiled.time_shapes(*args, {"k": 1}) == times                   # read back, not timed
     with pytest.raises(AssertionError, match="timed again"):
-        warmup.time_shapes(*args, {"k": 2})                                # another key: timed
+        compiled.time_shapes(*args, {"k": 2})                                # another key: timed
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)            # as if on a node of 2 GPUs
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "fake GPU")
-    monkeypatch.setattr(warmup, "time_shapes", lambda *a: {s: (0.1, 0.3) for s in trainer.shapes})
+    monkeypatch.setattr(compiled, "time_shapes", lambda *a: {s: (0.1, 0.3) for s in trainer.shapes})
     trainer.advise_layout()
     log = "\n".join(lines)
     assert "[layout] predicted tokens/s" in log and "2 GPUs both roles" in log and "1 target + 1 drafter" in log
@@ -1001,16 +1009,15 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
     thread through the shared gate: the features equal the eager target's, with and without padded rows
     (two graphs per shape), and an unwarmed shape is refused."""
     import config
-    import warmup
     path = f"random:{tiny_config_json(tmp_path / 'tiny.json')}"
     eager, *targets = (config.load_target(path, "cpu", torch.float32, [0, 2], log=lambda m: None) for _ in range(3))
     for t in targets:
-        dm.compile_target_layers(t)
-    rows = warmup.warm_up([], TARGET_SHAPES + [(1, 128, 16)], 7.0, "flex", log=lambda m: None, targets=targets)
+        compiled.compile_target_layers(t)
+    rows = compiled.warm_up([], TARGET_SHAPES + [(1, 128, 16)], 7.0, "flex", log=lambda m: None, targets=targets)
     assert [(r[0], r[1]) for r in rows] == [("cpu target", (1, 128)), ("cpu target", (2, 64))] * 2
     kinds = [r[3] for r in rows]
     assert all(re.search(r"(compile|hit|\(in process\)), features \de[+-]\d+ from eager", k) for k in kinds), kinds
-    assert dm.GATE.warm
+    assert GATE.warm
     batches = []
     for B, S, lengths in [(2, 64, [64, 64]), (2, 64, [64, 9]), (1, 128, [100])] * 2:
         ids = torch.randint(0, 512, (B, S))
@@ -1035,13 +1042,12 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
     for i in range(2):
         for got, (_, _, want) in zip(results[i], batches * 20):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(dm.UnwarmedShapeError, match=r"'target_layer'.*\(1, 64, 64\)"), torch.no_grad():
+    with pytest.raises(compiled.UnwarmedShapeError, match=r"'target_layer'.*\(1, 64, 64\)"), torch.no_grad():
         dm.target_forward(targets[0], torch.randint(0, 512, (1, 64)), None, [0, 2])
 
 
 def test_a_compiled_target_whose_features_differ_from_eager_is_refused_at_the_warm_up(tmp_path, monkeypatch):
     import config
-    import warmup
     target = config.load_target(f"random:{tiny_config_json(tmp_path / 'tiny.json')}", "cpu", torch.float32,
                                 [0, 2], log=lambda m: None)
     layer_class = type(target.model.layers[0])
@@ -1051,10 +1057,10 @@ def test_a_compiled_target_whose_features_differ_from_eager_is_refused_at_the_wa
         out = eager_forward(self, h, *args, **kwargs)
         return out * 1.5 if torch.compiler.is_compiling() else out
     monkeypatch.setattr(layer_class, "forward", miscompiled)
-    dm.compile_target_layers(target)
+    compiled.compile_target_layers(target)
     with pytest.raises(RuntimeError, match=r"compiled target's features at \(B, S\) = \(1, 128\) differ from the "
                                            r"eager target's by .* \(relative; torch.float32 allows 0.0001\)"):
-        warmup.warm_up([], TARGET_SHAPES, 7.0, "flex", log=lambda m: None, targets=[target])
+        compiled.warm_up([], TARGET_SHAPES, 7.0, "flex", log=lambda m: None, targets=[target])
 
 
 def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_path):
@@ -1066,13 +1072,13 @@ def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_
     from transformers import LlamaConfig, LlamaForCausalLM
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "m")
-    code = ("import sys, torch, warmup\n"
-            f"warmup.use_compile_cache({str(tmp_path / 'cache')!r}, log=lambda m: None)\n"
+    code = ("import sys, torch, compiled\n"
+            f"compiled.use_compile_cache({str(tmp_path / 'cache')!r}, log=lambda m: None)\n"
             "import config, dflash_model as dm\n"
             f"t = config.load_target({str(tmp_path / 'm')!r}, 'cpu', torch.float32, [0, 2], log=print, "
             "random_weights=sys.argv[1] == 'random')\n"
-            "dm.compile_target_layers(t)\n"
-            "print('rows', warmup.warm_up([], [(2, 64, 8)], 7.0, 'flex', targets=[t], log=lambda m: None))\n")
+            "compiled.compile_target_layers(t)\n"
+            "print('rows', compiled.warm_up([], [(2, 64, 8)], 7.0, 'flex', targets=[t], log=lambda m: None))\n")
     out = []
     for weights in ("random", "real"):
         p = subprocess.run([sys.executable, "-c", code, weights], cwd=os.path.dirname(os.path.abspath(__file__)),
@@ -1090,11 +1096,11 @@ def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
     code object would stick for every later test.)"""
     import subprocess
     import sys
-    code = ("import torch, dflash_model as dm\n"
+    code = ("import torch, compiled, dflash_model as dm\n"
             "anchors = torch.tensor([[0, 40, 100, 200, 0, 0, 0, 0]])\n"
             "bm = dm.create_dflash_block_mask(anchors, 256, 16)\n"
             "q, kv = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 384, 16)\n"
-            "calls = [lambda: dm.compiled_flex(q, kv, kv, bm), lambda: dm.compiled_body(None, None, None, None, None, bm)]\n"
+            "calls = [lambda: compiled.compiled_flex(q, kv, kv, bm), lambda: compiled.compiled_body(None, None, None, None, None, bm)]\n"
             "for call in calls:\n"
             "    try:\n"
             "        call()\n"

@@ -676,13 +676,13 @@ def test_gradients_summed_in_the_flat_buffer_by_the_hooks():
 def test_warm_shape_leaves_the_grads_as_it_found_them():
     """Absent grads stay absent (a lone replica's next backward hands its grads over); a flat buffer's
     views stay those views, zeroed."""
+    import compiled
     import dflash_model as dm
-    import warmup
     c = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                         head_dim=16, vocab_size=64, num_target_layers=4, max_position_embeddings=128,
                         num_draft_layers=1)
     d = dm.DFlashDrafter(c, embed_weight=torch.randn(64, 32), lm_head_weight=torch.randn(64, 32))
-    warmup.warm_shape(d, (1, 64, 4), 7.0, "sdpa")
+    compiled.warm_shape(d, (1, 64, 4), 7.0, "sdpa")
     assert all(p.grad is None for p in d.parameters())
     params = list(d.parameters())
     flat = torch.zeros(sum(p.numel() for p in params))
@@ -690,7 +690,7 @@ def test_warm_shape_leaves_the_grads_as_it_found_them():
     for p in params:
         p.grad = flat[off: off + p.numel()].view_as(p)
         off += p.numel()
-    warmup.warm_shape(d, (1, 64, 4), 7.0, "sdpa")
+    compiled.warm_shape(d, (1, 64, 4), 7.0, "sdpa")
     assert all(p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in params)
     assert not flat.any()
 
@@ -743,7 +743,7 @@ def test_checkpoints_record_the_start_environment_and_what_changed_during_the_ru
 def test_the_compile_cache_records_its_build_once_and_a_damaged_record_is_a_notice(tmp_path, monkeypatch):
     """use_compile_cache points inductor and triton at the folder and records which build fills it; a
     damaged record is a notice (not a crash) and is replaced whole; the same build is silent."""
-    import warmup
+    import compiled
     for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
         monkeypatch.delenv(k, raising=False)      # use_compile_cache sets them; restored after the test
     cache = tmp_path / "compile_cache"
@@ -751,10 +751,10 @@ def test_the_compile_cache_records_its_build_once_and_a_damaged_record_is_a_noti
     info = cache / "dflash_cache_info.json"
     info.write_text("")
     lines = []
-    warmup.use_compile_cache(str(cache), log=lines.append)
+    compiled.use_compile_cache(str(cache), log=lines.append)
     assert len(lines) == 1 and "NOTICE" in lines[0] and "unreadable" in lines[0], lines
     assert json.loads(info.read_text())["torch"] == torch.__version__ and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
-    warmup.use_compile_cache(str(cache), log=lines.append)
+    compiled.use_compile_cache(str(cache), log=lines.append)
     assert len(lines) == 1
 
 
@@ -774,7 +774,7 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
     ids, lm = torch.randint(0, 255, (1, S)), torch.ones(1, S)
     anchors, valid = dm.sample_anchors(lm, torch.tensor([S]), A, bs, torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
-        loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, attn="sdpa")
+        loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0)
         loss.backward()
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     matmuls = sum(n for op, n in counts.items() if op in ("aten.mm", "aten.addmm", "aten.bmm"))
@@ -1255,7 +1255,7 @@ def test_a_batch_of_many_sequences_gives_the_losses_and_gradients_of_its_rows_ru
     def run(rows):
         drafter.zero_grad(set_to_none=True)
         loss, acc, cnt = dm.drafter_forward_loss(drafter, feats[rows], ids[rows], lm[rows], anchors[rows],
-                                                 valid[rows], 4.0, attn="sdpa", weight_sum=wsum)
+                                                 valid[rows], 4.0, weight_sum=wsum)
         loss.backward()
         return loss.detach(), acc * cnt, cnt, [p.grad.clone() for p in drafter.parameters()]
 

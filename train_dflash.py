@@ -37,10 +37,10 @@ import torch.distributed as dist
 import checkpoint as ck
 import config
 import data_dflash
+import compiled
 import diagnose
 import dflash_model as dm
 import layout
-import warmup
 from replicas import Replicas
 from pipeline import ReorderBuffer, Run, StepSync, fault, inject
 
@@ -79,16 +79,16 @@ class Trainer:
                 f"{self.step}: nothing to do (a larger --max-minutes continues)")
             return 0
         t_warm = time.time()
-        dm.GATE.log = log
+        compiled.GATE.log = log
         if self.attn == "flex":
-            warmup.use_compile_cache(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"), log)
-        warmup.warm_up(self.replicas.drafters, self.shapes, self.gamma, self.attn, cfg.on_unwarmed, log,
+            compiled.use_compile_cache(cfg.compile_cache, log)
+        compiled.warm_up(self.replicas.drafters, self.shapes, self.gamma, self.attn, cfg.on_unwarmed, log,
                        targets=self.targets if self.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
         if self.ddevs[0].type == "cuda" and self.world == 1:   # one process holds the node's GPUs
             self.advise_layout()
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers
-        self.peak_flops = measure_peak_flops(self.ddevs[0])
+        self.peak_flops = compiled.measure_peak_flops(self.ddevs[0])
         now = time.time()
         log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s")
         log(f"[run] start-up {now - T_PROCESS:.1f}s: imports + environment report {t_setup - T_PROCESS:.1f}s, "
@@ -105,13 +105,10 @@ class Trainer:
         self.attn = config.resolve_attn(cfg, self.ddevs)
         if cfg.target and not cfg.data:
             raise SystemExit("error: --data is required with --target")
-        self.tpath, files = cfg.target, cfg.data
-        if not cfg.target:          # the embedded default, prepared once in the cache
-            self.tpath, default_data = data_dflash.prepare_embedded_default(cfg.cache_dir)
-            files = files or [default_data]
+        self.tpath, files = config.target_and_data(cfg)
         self.tcfg, self.tok = config.load_target_config(self.tpath)
         self.dcfg = config.make_drafter_config(cfg, self.tcfg, self.tok)
-        self.gamma = cfg.gamma or config.default_gamma(cfg.block_size)
+        self.gamma = cfg.gamma
         self.pad_id = 0 if self.tok is None else (
             self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id)
         mask = "-" if self.tok is None else repr(self.tok.convert_ids_to_tokens(self.dcfg.mask_token_id))
@@ -143,7 +140,7 @@ class Trainer:
                         for d in self.tdevs]
         if self.attn == "flex":    # compiled as the drafter is: through the gate, warmed with its shapes
             for t in self.targets:
-                dm.compile_target_layers(t)
+                compiled.compile_target_layers(t)
         t0 = self.targets[0]
         self.replicas = Replicas(self.dcfg, t0.get_input_embeddings().weight.detach(),
                                  t0.get_output_embeddings().weight.detach(), self.ddevs, self.cfg, self.world,
@@ -186,12 +183,11 @@ class Trainer:
     def advise_layout(self):
         """Log the predicted tokens/s of every layout of this node's GPUs, from one timed target forward and
         drafter step per shape (kept beside the compile cache), and warn when one beats this run's by >10%."""
-        cc = self.cfg.compile_cache or os.path.join(self.cfg.out_dir, "compile_cache")
         key = {"gpu": torch.cuda.get_device_name(self.ddevs[0]), "torch": torch.__version__, "target": self.tpath,
                "target_layers": len(self.targets[0].model.layers), "drafter": repr(self.dcfg),
                "shapes": [list(s) for s in self.shapes], "attn": self.attn}
-        times = warmup.time_shapes(self.targets[0], self.replicas.drafters[0], self.shapes, self.gamma, self.attn,
-                                   os.path.join(cc, "layout_times.json"), key)
+        times = compiled.time_shapes(self.targets[0], self.replicas.drafters[0], self.shapes, self.gamma, self.attn,
+                                   os.path.join(self.cfg.compile_cache, "layout_times.json"), key)
         batches, lengths = self.stream._epoch(0), self.stream.lengths
         buckets = []
         for B, S, A in self.shapes:
@@ -262,7 +258,7 @@ class Trainer:
             with torch.no_grad():
                 am = (torch.arange(S)[None] < lengths[:, None]).to(dev)
                 feats = dm.target_forward(model, ids.to(dev, non_blocking=True), am, self.dcfg.target_layer_ids)
-            sync_device(dev)            # busy = device time, not launch time
+            compiled.sync_device(dev)            # busy = device time, not launch time
             self.meter.t_busy[ti] += time.time() - t0
             self.buf.put(j, (S, sids, ids, lm, lengths, feats))
 
@@ -283,13 +279,13 @@ class Trainer:
                 shape = (ids.shape[0], S, anchors.shape[1])
                 if shape not in self.shapes:     # on every path, not only the gate's: CPU tests see it too
                     raise RuntimeError(f"batch shape {shape} is not in the warmed shape plan {self.shapes}")
-                with warmup.autocast(dev):
+                with compiled.autocast(dev):
                     loss, acc, cnt = dm.drafter_forward_loss(dr, feats.to(dev, non_blocking=True),
                                                              dm.to_device(ids, dev), dm.to_device(lm, dev), anchors,
-                                                             valid, self.gamma, attn=self.attn, weight_sum=wsum)
-                dm.backward(loss, dev, shape, self.attn)
+                                                             valid, self.gamma, compiled.trunk(self.attn), weight_sum=wsum)
+                compiled.backward(loss, dev, shape, self.attn)
                 loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
-            sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
+            compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
             self.meter.d_busy[r] += time.time() - t0
             t1 = time.time()
             n_tok = float(sum(int(it[4].sum()) for it in items))          # real (unpadded) target tokens
@@ -358,7 +354,7 @@ class Trainer:
     def checkpoint_env(self):
         """env.json: the environment the run STARTED in (its code and packages were loaded then), the
         compile cache as it is now, and under changed_during_run what differs now."""
-        now = diagnose.collect_env(self.cfg.compile_cache or os.path.join(self.cfg.out_dir, "compile_cache"))
+        now = diagnose.collect_env(self.cfg.compile_cache)
         if self.env_at_start is None:
             return now
         changed = [r for r in diagnose.diff_env(self.env_at_start, now) if not r[0].startswith("compile_cache.")]
@@ -622,28 +618,6 @@ def synthetic_data(spec, length, vocab, seed):
     return {"input_ids": ids, "loss_mask": masks}
 
 
-# --- MFU ----------------------------------------------------------------------------------------
-
-
-def measure_peak_flops(dev):
-    """Matmul rate measured now, on this device (the MFU's denominator)."""
-    n, dtype = (8192, torch.bfloat16) if dev.type == "cuda" else (1024, torch.float32)
-    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync_device(dev)
-    t0 = time.time()
-    for _ in range(10):
-        a @ b
-    sync_device(dev)
-    return 2 * n ** 3 * 10 / (time.time() - t0)
-
-
-def sync_device(dev):
-    if dev.type == "cuda":
-        torch.cuda.current_stream(dev).synchronize()
-
-
 # --- Logs and the command line --------------------------------------------------------------------
 
 
@@ -682,7 +656,7 @@ def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     log = Logger(cfg.out_dir, int(os.environ.get("RANK", 0)))
     log("=" * 72)
-    env = diagnose.collect_env(cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache"))
+    env = diagnose.collect_env(cfg.compile_cache)
     log(diagnose.format_report(env))
     log("[config] " + json.dumps(dataclasses.asdict(cfg)))
     try:

@@ -1,0 +1,430 @@
+"""The compile machinery, read top to bottom:
+  1. the gate         - the one entry point of every compiled call in the process
+  2. compiled calls   - the drafter's flex trunk and its backward, the target's decoder layers
+  3. the cache        - a persistent inductor/triton folder, and which build filled it
+  4. the warm-up      - every (device, shape) compiled one at a time, checked, then the gate marked warm
+  5. timers           - device sync, autocast, timed rounds, the matmul peak, the layout advisor's timings
+
+What torch does, by version (the one place this is written down):
+  * torch.fx keeps a process-global "FX tracing" flag up while make_fx traces, which every compile that misses
+    the AOTAutograd cache does (per thread only from torch 2.14). A compiled call that another thread starts
+    meanwhile fails ("Detected that you are using FX to symbolically trace a dynamo-optimized function") or,
+    with error_on_nested_fx_trace=False, runs uncompiled: flex attention then takes its dense path, silently.
+    torch 2.12 and 2.13 hide the flag from other threads while anything compiles; 2.11 does not.
+  * dynamo's config is per thread from torch 2.12: every thread passing the gate sets it and reads it back.
+  * Two threads running the same entry of one code object's dynamo cache at once can see a spurious recompile
+    ("runtime guards failed even though they passed"): each target gets a code object of its own, and each
+    compiled drafter replica a GPU of its own (config.resolve_attn).
+  * CPU inductor (torch 2.13) miscompiles a chain of boolean masks and flex tiles cut short: the DFlash mask is
+    two comparisons, and flex shapes are multiples of 128.
+"""
+import functools
+import itertools
+import json
+import os
+import statistics
+import threading
+import time
+import types
+from contextlib import contextmanager
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+import config
+import data_dflash
+import dflash_model as dm
+from diagnose import CACHE_INFO_FILE
+
+
+# -----------------------------------------------------------------------------
+# 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every
+# (name, device, shape) the run uses; then warmed keys share it under dynamo's "fail_on_recompile" stance, so no
+# compile can start behind its back. An unwarmed key is an error, or (on_unwarmed="compile") compiles holding
+# the gate exclusively, with a notice.
+
+
+class UnwarmedShapeError(RuntimeError):
+    pass
+
+
+class CompileGate:
+    def __init__(self):
+        self.cond, self.local = threading.Condition(), threading.local()
+        self.readers, self.writer, self.waiting = 0, None, 0     # threads in shared calls; the exclusive holder
+        self.warm, self.warmed, self.on_unwarmed = False, set(), "error"
+        self.recompile_limit, self.generation, self.log = 8, 0, print   # the limit: sized by the warm-up
+        self.stats = {"exclusive": 0, "late_compiles": 0, "max_waiting": 0}
+
+    def configure_thread(self):
+        """Set and verify the dynamo settings in the calling thread (idempotent)."""
+        if getattr(self.local, "generation", -1) == self.generation:
+            return
+        import torch._dynamo.config as dcfg
+        wanted = {"error_on_nested_fx_trace": True,      # never silently run uncompiled
+                  "fail_on_recompile_limit_hit": True,   # never silently fall back to eager
+                  "recompile_limit": self.recompile_limit,
+                  "accumulated_recompile_limit": max(256, 4 * self.recompile_limit)}
+        for k, v in wanted.items():
+            setattr(dcfg, k, v)
+        if (got := {k: getattr(dcfg, k) for k in wanted}) != wanted:
+            raise RuntimeError(f"dynamo config did not take in thread {threading.current_thread().name}: "
+                               f"wanted {wanted}, got {got}")
+        self.local.generation = self.generation
+
+    def set_recompile_limit(self, n):
+        self.recompile_limit, self.generation = int(n), self.generation + 1   # every thread re-applies it
+        self.configure_thread()
+
+    @contextmanager
+    def exclusive(self):
+        with self.cond:
+            self.waiting += 1
+            self.stats["max_waiting"] = max(self.stats["max_waiting"], self.waiting)
+            self.cond.wait_for(lambda: self.writer is None and self.readers == 0)
+            self.waiting -= 1
+            self.writer = threading.current_thread()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.writer = None
+                self.cond.notify_all()
+
+    @contextmanager
+    def shared(self):
+        # the hot path of every compiled call after the warm-up: its exit wakes others only for a writer
+        with self.cond:
+            self.cond.wait_for(lambda: self.writer is None and self.waiting == 0)
+            self.readers += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.readers -= 1
+                if self.readers == 0 and self.waiting:
+                    self.cond.notify_all()
+
+    def run(self, name, device, shape, fn, *args, **kwargs):
+        """Call the compiled `fn` for key (name, device, shape) under the gate's rules."""
+        self.configure_thread()
+        if getattr(self.local, "inside", False):      # nested in a call that holds the gate already
+            return fn(*args, **kwargs)
+        key, self.local.inside = self.key(name, device, shape), True
+        try:
+            if self.warm and key in self.warmed:
+                with self.shared():
+                    try:
+                        return fn(*args, **kwargs)
+                    except RuntimeError as e:
+                        if "fail_on_recompile" not in str(e):
+                            raise
+                        raise UnwarmedShapeError(
+                            f"compiled call '{name}' {tuple(shape)} on {device} was warmed, but dynamo wants to "
+                            "recompile it now (a guard changed: dtype, grad mode, module or a Python constant). "
+                            f"Refusing: under the warm gate nothing may compile. ({e})") from e
+            if self.warm and self.on_unwarmed != "compile":
+                raise UnwarmedShapeError(
+                    f"compiled call '{name}' with shape {tuple(shape)} on {device} was not warmed up. "
+                    f"Warmed keys: {sorted(k for k in self.warmed if k[1] == str(device))}. "
+                    "Add the shape to the warm-up buckets, or pass --on-unwarmed compile to compile it "
+                    "under an exclusive hold of the gate.")
+            with self.exclusive():
+                self.stats["exclusive"] += 1
+                if not self.warm:
+                    out = fn(*args, **kwargs)
+                else:
+                    self.log(f"[gate] NOTICE: compiling unwarmed '{name}' shape {tuple(shape)} on {device} "
+                             "while holding the gate exclusively (other threads wait)")
+                    self.stats["late_compiles"] += 1
+                    t0 = time.time()
+                    with torch.compiler.set_stance("default"):      # back to "fail_on_recompile" on exit
+                        out = fn(*args, **kwargs)
+                    self.log(f"[gate] compiled '{name}' {tuple(shape)} on {device} in {time.time() - t0:.1f}s")
+            self.warmed.add(key)
+            return out
+        finally:
+            self.local.inside = False
+
+    @staticmethod
+    def key(name, device, shape):
+        # grad mode and autocast are dynamo guards, so they are part of the key too
+        return (name, str(device), tuple(shape), torch.is_grad_enabled(),
+                torch.is_autocast_enabled("cuda") if str(device).startswith("cuda") else False)
+
+    def mark_warm(self):
+        """Warm-up done: from now on compiled calls share the gate and may not recompile."""
+        with self.exclusive():
+            torch.compiler.set_stance("fail_on_recompile")
+            self.warm = True
+        self.log(f"[gate] warm: {len(self.warmed)} compiled keys, recompile_limit={self.recompile_limit}, "
+                 f"unwarmed shapes -> {self.on_unwarmed}")
+
+
+GATE = CompileGate()
+
+
+# -----------------------------------------------------------------------------
+# 2. The compiled calls, called only through GATE.run. dynamic=False: each shape is its own fully specialised
+# entry (the length buckets keep them few).
+
+
+def require_compiled(what):
+    # Inside a compiled region dynamo folds this check away; if the code ever runs eagerly (dynamo disabled),
+    # it raises instead of quietly running flex's dense math path (B x H x Q x KV scores).
+    if not torch.compiler.is_dynamo_compiling():
+        raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x H x Q x KV "
+                           "scores). Every flex call must go through the compiled functions and GATE.")
+
+
+def flex(q, k, v, block_mask):
+    # Each key/value head is repeated for its query heads before the kernel: flex's backward gives every
+    # (key tile, kv head) one program looping over the group's query heads, and nearly every query sees the
+    # first context tiles, so those few programs set the kernel's tail; one program per query head shortens
+    # it. The repeat's gradient sums the group's: the same math.
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]                      # query head h uses kv head h // group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return flex_attention(q, k, v, block_mask=block_mask)
+
+
+def _flex_impl(q, k, v, block_mask):
+    require_compiled("flex_attention")
+    return flex(q, k, v, block_mask)
+
+
+def _body_impl(drafter, target_feats, block_ids, ctx_pos, block_pos, block_mask):
+    require_compiled("drafter body (flex)")
+    return drafter.body(target_feats, block_ids, ctx_pos, block_pos, lambda q, k, v: flex(q, k, v, block_mask))
+
+
+# The trunk is one graph: inductor fuses norms, rope and activations around the matmuls across layers.
+compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
+compiled_body = torch.compile(_body_impl, dynamic=False, fullgraph=True)
+
+
+def flex_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
+    """dm.drafter_forward_loss's trunk on GPUs: the tile-level block mask and the compiled body, gated."""
+    (B, S), A, bs = ctx_pos.shape, anchors.shape[1], drafter.config.block_size
+    bm = dm.create_dflash_block_mask(anchors, S, bs)
+    return GATE.run("drafter_fwd", ctx_pos.device, (B, S, A, bs), compiled_body, drafter, target_feats,
+                    block_ids, ctx_pos, block_pos, bm)
+
+
+def trunk(attn):
+    """The drafter trunk of --attn: flex (compiled, gated) or sdpa (the dense mask, eager)."""
+    return flex_trunk if attn == "flex" else dm.dense_trunk
+
+
+def backward(loss, device, shape, attn):
+    """loss.backward(); with flex through the gate: the compiled backward compiles lazily on its first call."""
+    if attn == "flex":
+        GATE.run("drafter_bwd", device, shape, loss.backward)
+    else:
+        loss.backward()
+
+
+def _layer_forward(layer, hidden_states, *args, **kwargs):
+    return type(layer).forward(layer, hidden_states, *args, **kwargs)
+
+
+_TARGET_NUMBERS = itertools.count()
+
+
+def compile_target_layers(target):
+    """Compile the target's decoder layers (regional: its layers share one graph per input shape, so a
+    34-layer target compiles like one layer), called through GATE, with a code object per target (see the
+    top). transformers passes no mask when no row is padded and a mask otherwise: two graphs per shape,
+    both warmed (warm_target)."""
+    code = _layer_forward.__code__.replace(co_name=f"target_layers_{next(_TARGET_NUMBERS)}")
+    fn = torch.compile(types.FunctionType(code, globals()), dynamic=False, fullgraph=True)
+    for layer in target.model.layers:
+        layer.forward = functools.partial(_gated_layer, fn, layer)
+
+
+def _gated_layer(fn, layer, hidden_states, *args, **kwargs):
+    return GATE.run("target_layer", hidden_states.device, tuple(hidden_states.shape), fn, layer,
+                    hidden_states, *args, **kwargs)
+
+
+# -----------------------------------------------------------------------------
+# 3. The compile cache
+
+
+def use_compile_cache(cache_dir, log=print):
+    """Point inductor and triton at a persistent cache, and record which build fills it: a cache filled
+    by another torch/triton/CUDA build or GPU misses every entry (a cold start), which is said here."""
+    cache_dir = os.path.abspath(cache_dir)
+    os.makedirs(cache_dir, exist_ok=True)
+    os.environ.update(TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    import triton
+    info_path = os.path.join(cache_dir, CACHE_INFO_FILE)
+    build = {"torch": torch.__version__, "torch_git": torch.version.git_version, "cuda": torch.version.cuda,
+             "triton": triton.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    old = None
+    if os.path.exists(info_path):
+        try:
+            with open(info_path) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as e:     # only the notice depends on it: say so, go on
+            old = {"unreadable": f"{type(e).__name__}: {e}"}
+    same_build = old is not None and {k: old.get(k) for k in build} == build
+    if old is not None and not same_build:
+        log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
+            "its entries will not match (expect cold compiles)")
+    if not same_build:
+        # torchrun ranks share the cache: each writes its own temporary file and renames it (no half files)
+        data_dflash.write_json(info_path, {**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return cache_dir
+
+
+def _cache_counters():
+    from torch._dynamo.utils import counters
+    return (counters["aot_autograd"].get("autograd_cache_hit", 0), counters["inductor"].get("fxgraph_cache_hit", 0),
+            counters["inductor"].get("fxgraph_cache_miss", 0))
+
+
+# -----------------------------------------------------------------------------
+# 4. The warm-up
+
+
+def warm_shape(drafter, shape, gamma, attn):
+    """One forward + backward of the exact training computation at `shape` = (B, S, A); the drafter's
+    gradients are left as they were (absent ones absent, a flat buffer's views zeroed)."""
+    B, S, A = shape
+    c, dev = drafter.config, drafter.fc.weight.device
+    feats = torch.randn(B, S, len(c.target_layer_ids) * c.hidden_size, device=dev, dtype=config.param_dtype(dev))
+    ids = torch.randint(0, c.vocab_size, (B, S), device=dev)
+    anchors = torch.arange(A).mul(max(1, (S - c.block_size) // A)).expand(B, A).contiguous()
+    with autocast(dev):
+        loss = dm.drafter_forward_loss(drafter, feats, ids, torch.ones(B, S, device=dev), anchors,
+                                       torch.ones(B, A, dtype=torch.bool), gamma, trunk(attn))[0]
+    had_grad = [p.grad is not None for p in drafter.parameters()]
+    if loss.requires_grad:          # no-grad mode has no backward to compile
+        backward(loss, dev, shape, attn)
+    for p, had in zip(drafter.parameters(), had_grad):
+        p.grad = p.grad.zero_() if had else None
+    sync_device(dev)
+
+
+def warm_target(target, B, S, layer_ids):
+    """Compile the target's layers at (B, S), once with no row padded and once with one (transformers
+    passes a mask only then: two graphs), and check the compiled features against eager ones of the same
+    batch. Returns the larger relative error. bf16 rounds the two paths apart by about 1e-2 over 34 random
+    layers; a wrong mask or layer is off by order 1, so 0.1 is the bound (fp32: 1e-4)."""
+    dev, dtype = next(target.parameters()).device, next(target.parameters()).dtype
+    ids = torch.randint(0, target.config.vocab_size, (B, S), device=dev)
+    tol, errs = (1e-4 if dtype == torch.float32 else 0.1), []
+    for last_len in (S, S // 2):
+        lengths = torch.full((B, 1), S, device=dev)
+        lengths[-1] = last_len
+        am = torch.arange(S, device=dev)[None] < lengths
+        with torch.no_grad():
+            got = dm.target_forward(target, ids, am, layer_ids).float()
+            with torch.compiler.set_stance("force_eager"):
+                want = dm.target_forward(target, ids, am, layer_ids).float()
+        errs.append(float((got - want).norm() / want.norm()))
+        if not errs[-1] <= tol:
+            raise RuntimeError(f"the compiled target's features at (B, S) = {(B, S)} differ from the eager "
+                               f"target's by {errs[-1]:.2e} (relative; {dtype} allows {tol:g}): refusing to train "
+                               "on them. Report it with `python diagnose.py` output")
+    return max(errs)
+
+
+def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targets=()):
+    """Warm every (target, (B, S)) of compiled targets and every (replica, shape) in turn, size the
+    recompile limit, then mark the gate warm. Returns the table rows [(device, shape, seconds, how)]."""
+    target_shapes = sorted({(B, S) for B, S, _ in shapes})
+    # dynamo entries: one per (replica, shape) on the drafter's code object; on each target's own code
+    # object, one per ((B, S), padded or not, kind of layer)
+    kinds = len(set(getattr(targets[0].config, "layer_types", None) or [0])) if targets else 0
+    GATE.set_recompile_limit(max(len(drafters) * len(shapes), 2 * kinds * len(target_shapes)) + 2)
+    GATE.on_unwarmed, rows = on_unwarmed, []
+
+    def timed(dev, shape, fn, compiled):
+        before, t0 = _cache_counters(), time.time()
+        note = fn()
+        aot_hit, fx_hit, fx_miss = (a - b for a, b in zip(_cache_counters(), before))
+        how = ("eager (sdpa)" if not compiled else "cold compile" if fx_miss else
+               "cache hit" if aot_hit or fx_hit else "reused (in process)")   # reused: a graph of this process
+        rows.append((dev, tuple(shape), time.time() - t0, how + (f", features {note:.0e} from eager" if note is not None else "")))
+        log(f"[warmup] {dev:14s} {str(rows[-1][1]):18s} {rows[-1][2]:7.1f}s  {rows[-1][3]}")
+    for target in targets:
+        dev = next(target.parameters()).device
+        for B, S in target_shapes:
+            timed(f"{dev} target", (B, S), lambda: warm_target(target, B, S, sorted(target.hooked)), True)
+    for drafter in drafters:
+        for shape in shapes:
+            timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, gamma, attn), attn == "flex")
+    GATE.mark_warm()
+    return rows
+
+
+def format_table(rows):
+    lines = [f"{'device':14s} {'shape (B,S,A)':18s} {'seconds':>8s}  compile", "-" * 56]
+    lines += [f"{dev:14s} {str(shape):18s} {dt:8.1f}  {kind}" for dev, shape, dt, kind in rows]
+    lines.append(f"total {sum(r[2] for r in rows):.1f}s over {len(rows)} (device, shape) pairs")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# 5. Timers
+
+
+def sync_device(dev):
+    if torch.device(dev).type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+
+
+def autocast(dev):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.device(dev).type == "cuda")
+
+
+def median_time(fn, n, dev, rounds=1):
+    """(median, [min, max]) seconds per call: after 2 untimed calls, `rounds` rounds of `n` calls back
+    to back, each timed as a whole (a device sync at its two ends only, as in training)."""
+    for _ in range(2):
+        fn()
+    per_call = []
+    for _ in range(rounds):
+        sync_device(dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync_device(dev)
+        per_call.append((time.perf_counter() - t0) / n)
+    return statistics.median(per_call), [min(per_call), max(per_call)]
+
+
+def measure_peak_flops(dev):
+    """Matmul rate measured now, on this device (the MFU's denominator)."""
+    n, dtype = (8192, torch.bfloat16) if dev.type == "cuda" else (1024, torch.float32)
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    return 2 * n ** 3 / median_time(lambda: a @ b, 10, dev)[0]
+
+
+def time_shapes(target, drafter, shapes, gamma, attn, path, key):
+    """{shape: (seconds of one target forward, of one drafter step)} for the layout advisor, each timed
+    once after two untimed calls on the first target and drafter device; kept in `path` under `key` (GPU,
+    builds, models, shapes), so a restart reads them instead of timing again."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved["key"] == key:
+            return {tuple(s): tuple(t) for s, t in saved["times"]}
+    except (OSError, ValueError, KeyError):   # none yet, or unreadable: timed again and rewritten below
+        pass
+    tdev, times = next(target.parameters()).device, {}
+    for shape in shapes:
+        ids = torch.randint(0, target.config.vocab_size, shape[:2], device=tdev)
+        am = torch.ones(shape[:2], dtype=torch.bool, device=tdev)
+
+        def forward():
+            with torch.no_grad():
+                dm.target_forward(target, ids, am, drafter.config.target_layer_ids)
+        step = lambda: warm_shape(drafter, shape, gamma, attn)   # noqa: E731
+        times[tuple(shape)] = (median_time(forward, 1, tdev)[0], median_time(step, 1, drafter.fc.weight.device)[0])
+    data_dflash.write_json(path, {"key": key, "times": [[list(s), list(t)] for s, t in times.items()]})
+    return times
