@@ -35,7 +35,8 @@ TINY = dict(model_type="qwen3", vocab_size=1024, hidden_size=128, intermediate_s
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    import config
+    p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy sizes (the default on CPU)")
     p.add_argument("--target-config", default="", metavar="JSON",
                    help="a target's config.json (random weights of its shape) instead of Qwen3-8B's")
@@ -243,12 +244,12 @@ def decode(a, spec, S, dev, log):
     import torch
     import config
     import compiled
-    import generate_data
+    import decoding
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=config.param_dtype(dev)).eval()
-    slots = generate_data.Slots(model, generate_data.Slots.fit(model, S), S)
+    slots = decoding.Slots(model, decoding.Slots.fit(model, S), S)
     slots.ids.copy_(torch.randint(0, spec["vocab_size"], (slots.n,)))
     res = {"decode_slots": slots.n, "decode_ms": {}}
     for span in (S // 4, S // 2, S):

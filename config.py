@@ -74,13 +74,15 @@ class TrainConfig:
     resume: bool = opt(False, "continue from the newest intact checkpoint in out_dir")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):         # one line naming the problem, not the usage text
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that answers a bad command line with one line naming the problem, not the usage text."""
+
+    def error(self, message):
         raise SystemExit(f"error: {message} (see --help)")
 
 
 def parser():
-    p = _Parser(description="Train a DFlash drafter (python train_dflash.py --help).", allow_abbrev=False,
+    p = ArgumentParser(description="Train a DFlash drafter (python train_dflash.py --help).", allow_abbrev=False,
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
         name, default = "--" + f.name.replace("_", "-"), f.default_factory() if f.type is list else f.default

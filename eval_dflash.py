@@ -24,12 +24,14 @@ import time
 
 import torch
 
+import config
 import data_dflash
+import decoding
 import dflash_model as dm
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target")
     p.add_argument("--drafter", nargs="+", default=[], metavar="PATH",
                    help="one or more drafter folders, all of one block size, measured on the same prompts")
@@ -60,7 +62,11 @@ def parse_args(argv):
     a.drafters = dict(zip(drafter_labels(a.drafter), a.drafter))
     if len(a.drafters) < len(a.drafter):
         p.error(f"a drafter is given twice: {' '.join(a.drafter)}")
+    if missing := [f for f in a.prompts or [] if data_dflash.names_a_file(f) and not os.path.isfile(f)]:
+        p.error(f"prompt file not found: {', '.join(missing)}")
     gpu = torch.device(a.device).type == "cuda"
+    if gpu and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: no CUDA device is visible (--device cpu)")
     a.num_prompts = a.num_prompts or (100 if gpu else 5)
     a.max_new_tokens = a.max_new_tokens or (256 if gpu else 32)
     return a
@@ -114,25 +120,24 @@ def main(argv=None):
         return merge(a.merge, a.json)
     if a.processes > 1:
         return split(a)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     dtype = getattr(torch, a.dtype)
     torch.backends.cuda.matmul.allow_tf32 = False
-    tok = AutoTokenizer.from_pretrained(a.target)
-    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=dtype).to(a.device).eval()
+    tok = config.load_target_config(a.target)[1]
+    target = config.load_model(a.target, a.device, dtype)
     drafters = {lb: dm.load_drafter(p, target, device=a.device, dtype=dtype).eval() for lb, p in a.drafters.items()}
     sizes = {lb: d.config.block_size for lb, d in drafters.items()}
     if len(set(sizes.values())) > 1:      # n-gram lookup and the histograms' rows follow one block size
         raise SystemExit(f"error: the drafters' block sizes differ ({sizes}): compare drafters of one block size")
-    stops, bs = stop_token_ids(tok, target), next(iter(sizes.values()))
+    stops, bs = decoding.stop_token_ids(tok, target), next(iter(sizes.values()))
     prompts, _ = prompts_from(a.prompts, tok, a.num_prompts, a.skip, a.max_prompt_tokens)
     if not prompts:
         raise SystemExit("error: no usable prompts")
     print(f"[eval] {len(prompts)} prompts, target {a.target}, {len(drafters)} drafter(s), {a.dtype} on {a.device}, "
           f"block {bs}, stop ids {stops}; baseline: n-gram prompt lookup (last 3/2/1 tokens, up to {bs - 1})")
-    greedy = lambda x, n: (dm.target_greedy(target, x, n, stops), [])
+    greedy = lambda x, n: (decoding.target_greedy(target, x, n, stops), [])
     decoders = nested(list(drafters), [
-        *(functools.partial(dm.dflash_generate, d, target, stop_token_ids=stops) for d in drafters.values()),
-        functools.partial(dm.ngram_generate, target, stop_token_ids=stops, block_size=bs)])
+        *(functools.partial(decoding.dflash_generate, d, target, stop_token_ids=stops) for d in drafters.values()),
+        functools.partial(decoding.ngram_generate, target, stop_token_ids=stops, block_size=bs)])
     for fn in [greedy, *(fn for _, fn in speculators(decoders))]:  # one untimed round each: no side pays
         fn(torch.tensor([prompts[0]], device=a.device), 8)          # first-call costs in the timings
     runs = new_runs(list(drafters))
@@ -231,9 +236,12 @@ def merge(paths, json_path):
     """Add up the results of runs over disjoint prompt ranges (their --skip and prompt counts)."""
     parts = []
     for path in paths:
-        with open(path) as f:
-            r = json.load(f)
-        if "drafters" not in r:
+        try:
+            with open(path) as f:
+                r = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: cannot read {path}: {e}") from None
+        if not isinstance(r, dict) or "drafters" not in r:
             raise SystemExit(f"error: {path} has no 'drafters': not a result of this eval_dflash.py")
         parts.append((r["skip"], r["skip"] + r["prompts"], path, r))
     parts.sort(key=lambda p: p[0])
@@ -266,16 +274,6 @@ def merge(paths, json_path):
     print(f"[eval] merged {len(parts)} results: prompts {parts[0][0] + 1}-{parts[-1][1]}"
           + (f" (not measured: {', '.join(gaps)})" if gaps else ""))
     return report(res, json_path)
-
-
-def stop_token_ids(tok, target):
-    """Sorted ids that end generation: the target's generation_config eos (an int or a list: Llama-3.1
-    lists <|eot_id|> there, which ends each assistant turn), the tokenizer's eos and <|im_end|> where
-    the vocabulary has it (looked up in it: convert_tokens_to_ids would give the unk id for a miss)."""
-    gen = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    ids = set(gen if isinstance(gen, (list, tuple)) else [gen])
-    ids |= {tok.eos_token_id, tok.get_vocab().get("<|im_end|>")}
-    return sorted(t for t in ids if isinstance(t, int) and t >= 0)
 
 
 def format_histogram(*hists, bs, width=8):

@@ -15,10 +15,7 @@ is written, and on a GPU each step is one CUDA-graph replay.
 """
 import argparse
 import hashlib
-import heapq
-import itertools
 import json
-import math
 import os
 import queue
 import shutil
@@ -29,14 +26,16 @@ from collections import Counter
 
 import torch
 
+import config
 import data_dflash
+import decoding
 import pipeline
 
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples")
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("--target", default="", help="HF folder or hub name; '' = the embedded default")
     p.add_argument("--data", nargs="+", default=[], help="chat / ShareGPT JSON(L) files; none = the embedded default")
@@ -86,186 +85,11 @@ def prompt_ids(tok, regen, max_length):
     return (ids, None) if len(ids) <= max_length - 1 else (None, "prompt longer than max length")
 
 
-class Slots:
-    """Greedy (or sampled) decoding of many answers at once on a static KV cache of `n` slots of `length`
-    tokens: a finished answer's slot takes the next prompt at once (no batch waits for its longest answer),
-    prompts are prefilled in batches, and each decoding step is one replay of a CUDA graph
-    per (rows, span) shape: a 135M target's step is otherwise a few hundred kernel launches for ~1 ms of
-    work. `span` covers the longest context in the slots (rounded up to SPAN), so attention reads what is
-    written, not the whole cache. The target's own layers run the step (any Llama-like HF model: embed,
-    rotary, decoder layers, norm); only its attention is replaced, by `slot_attention` below."""
-    SPAN, PREFILL_TOKENS = 256, 16384
-
-    def __init__(self, model, n, length):
-        check_decodable(model, length)
-        from transformers import AttentionInterface, AttentionMaskInterface
-        from transformers.masking_utils import sdpa_mask
-        AttentionInterface.register("slot_decode", slot_attention)
-        AttentionMaskInterface.register("slot_decode", sdpa_mask)   # prefill keeps sdpa's causal mask
-        model.set_attn_implementation("slot_decode")
-        c, dev = model.config, model.device
-        self.k = [torch.zeros(n, *self.slot_shape(c, length), dtype=model.dtype, device=dev)
-                  for _ in range(c.num_hidden_layers)]
-        self.v = [torch.zeros_like(k) for k in self.k]
-        self.model, self.n, self.length, self.graphs, self.pool = model, n, length, {}, None
-        self.ids, self.pos = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(2))
-        self.rows, self.span = torch.arange(n, device=dev), length
-
-    @staticmethod
-    def slot_shape(c, length):
-        """(kv heads, length, head dim): one slot's keys, or values, in one layer."""
-        return c.num_key_value_heads, length, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-
-    @staticmethod
-    def fit(model, length, most=512):
-        """Slots that fit: on a GPU half the free memory goes to the cache, at most `most`."""
-        if model.device.type != "cuda":
-            return 8
-        c = model.config
-        per_slot = 2 * c.num_hidden_layers * math.prod(Slots.slot_shape(c, length)) * model.dtype.itemsize
-        return max(1, min(most, torch.cuda.mem_get_info(model.device)[0] // 2 // per_slot))
-
-    def update(self, k, v, layer, *args):
-        """HF attention hands over the new token's keys and values: written at each slot's position."""
-        r = self.rows[:self.step_rows]
-        self.k[layer][r, :, self.pos[:self.step_rows]] = k[:, :, 0]
-        self.v[layer][r, :, self.pos[:self.step_rows]] = v[:, :, 0]
-        return self.k[layer][:self.step_rows, :, :self.span], self.v[layer][:self.step_rows, :, :self.span]
-
-    def step(self, rows, span):
-        """Logits of the next token of slots [0, rows), whose last token is `ids` at position `pos`."""
-        m, self.step_rows, self.span = self.model.model, rows, span
-        pos = self.pos[:rows, None]
-        self.mask = torch.arange(span, device=pos.device) <= pos
-        h = m.embed_tokens(self.ids[:rows, None])
-        pe = m.rotary_emb(h, pos)
-        for layer in m.layers:
-            h = layer(h, position_embeddings=pe, position_ids=pos, past_key_values=self, slots=self)
-        return self.model.lm_head(m.norm(h[:, 0])).float()
-
-    def replay(self, rows, span):
-        if self.model.device.type != "cuda":
-            return self.step(rows, span)
-        if (rows, span) not in self.graphs:   # warm on a side stream, then capture (writes are idempotent)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                self.step(rows, span)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):   # one pool: the graphs never run at the same time
-                out = self.step(rows, span)
-            self.pool, self.graphs[rows, span] = g.pool(), (g, out)
-        g, out = self.graphs[rows, span]
-        g.replay()
-        return out
-
-    def prefill(self, slots, prompts):
-        """Write the prompts' keys and values into `slots`; the logits of each prompt's next token."""
-        lens = torch.tensor([len(p) for p in prompts])
-        ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
-        for i, p in enumerate(prompts):   # right-padded: positions count from 0 in every row
-            ids[i, :len(p)] = torch.tensor(p)
-        att = (torch.arange(ids.shape[1]) < lens[:, None]).long()
-        dev = self.model.device
-        out = self.model.model(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=True)
-        rows = torch.tensor(slots, device=dev)
-        for layer, c in enumerate(out.past_key_values.layers):
-            self.k[layer][rows, :, :ids.shape[1]] = c.keys
-            self.v[layer][rows, :, :ids.shape[1]] = c.values
-        last = out.last_hidden_state[torch.arange(len(prompts), device=dev), lens.to(dev) - 1]
-        return self.model.lm_head(last).float()
-
-    @torch.no_grad()
-    def generate(self, requests, stops, pick, follow=lambda key, tokens: None):
-        """Decode requests (key, prompt ids, budget, chain) until none is left; pick(logits) -> token ids.
-        An answer ends at a stop id (kept) or after `budget` tokens; follow(key, tokens) then returns the
-        next request of that key (a conversation's next turn), or None. The longest chains start first
-        and keep going, so the last turns of a long conversation do not decode alone at the end."""
-        heap, seq = [], itertools.count()
-        push = lambda r: heapq.heappush(heap, (-r[3], len(r[1]), next(seq), r))
-        for r in requests:
-            push(r)
-        req, pos, gen, stops = [None] * self.n, [0] * self.n, [[] for _ in range(self.n)], set(stops)
-
-        def emit(slots, tokens):   # a token for each slot: kept, and the slot freed when its answer ends
-            for s, t in zip(slots, tokens.tolist()):
-                gen[s].append(t)
-                if t in stops or len(gen[s]) >= req[s][2]:
-                    nxt = follow(req[s][0], gen[s])
-                    if nxt is not None:
-                        push(nxt)
-                    req[s], pos[s], gen[s] = None, 0, []
-                else:
-                    pos[s] += 1
-
-        while True:
-            free = [s for s in range(self.n) if req[s] is None]   # refill once an eighth is free: batched prefill
-            while heap and free and (len(free) >= self.n // 8 or len(free) == self.n):
-                take = [heapq.heappop(heap)[3]]
-                longest = len(take[0][1])   # prompts are right-padded to the longest of their prefill
-                while heap and len(take) < len(free) and \
-                        (len(take) + 1) * max(longest, len(heap[0][3][1])) <= self.PREFILL_TOKENS:
-                    take.append(heapq.heappop(heap)[3])
-                    longest = max(longest, len(take[-1][1]))
-                slots, free = free[:len(take)], free[len(take):]
-                for s, r in zip(slots, take):
-                    req[s], pos[s] = r, len(r[1]) - 1   # emit() moves pos to the first new token
-                emit(slots, pick(self.prefill(slots, [r[1] for r in take])).cpu())
-            live = [s for s in range(self.n) if req[s] is not None]
-            if not live:
-                if heap:
-                    continue
-                return
-            rows = min(self.n, 1 << live[-1].bit_length())   # power-of-two row counts: few graphs
-            span = min(self.length, -(-(max(pos[s] for s in live) + 1) // self.SPAN) * self.SPAN)
-            self.ids[:rows].copy_(torch.tensor([gen[s][-1] if gen[s] else 0 for s in range(rows)]))
-            self.pos[:rows].copy_(torch.tensor(pos[:rows]))
-            emit(live, pick(self.replay(rows, span))[live].cpu())
-
-
-def check_decodable(model, length):
-    """Slots run the target's own layers with full causal attention over each context: a model of
-    another shape, or with sliding-window layers that a context of `length` would reach, is refused."""
-    c, base = model.config, getattr(model, "model", None)
-    missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
-    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
-    sliding = set(getattr(c, "layer_types", None) or []) - {"full_attention"} or (window and window < length)
-    if missing or sliding:
-        raise SystemExit(f"error: generate_data.py decodes Llama-like targets with full attention; "
-                         f"{type(model).__name__} " + (f"has no model.{', model.'.join(missing)}" if missing else
-                         f"has sliding-window attention within --max-length {length}"))
-
-
-def slot_attention(module, q, k, v, mask, scaling=None, slots=None, **kw):
-    """One query per slot against its cache (`slots.mask`: the positions written), grouped-query heads
-    read in place (9.4 ms a step at 512 slots x 2048 positions on one H200, against 14.2 ms for the same
-    attention as two batched matmuls); without `slots` (a prefill) it is HF's sdpa."""
-    if slots is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, **kw)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=slots.mask[:, None, None, :],
-                                                           scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2), None
-
-
-def picker(a):
-    """Greedy, or sampling at --temperature within the --top-p nucleus."""
-    if a.temperature <= 0:
-        return lambda logits: logits.argmax(-1)
-
-    def sample(logits):
-        p, idx = (logits / a.temperature).softmax(-1).sort(-1, descending=True)
-        p[p.cumsum(-1) - p > a.top_p] = 0   # keep the smallest head whose mass reaches top_p
-        return idx.gather(-1, torch.multinomial(p, 1)).squeeze(-1)
-    return sample
-
-
 def run_shard(slots, tok, convs, a, stops):
     """(regenerated conversations, stats) of one shard; depends on its conversations only. Each answer
     is greedy (or sampled) on the regenerated context before it; a conversation's next turn is asked for
     as soon as its answer is written."""
-    st, regen, done, pick = Counter(), {k: [] for k in range(len(convs))}, {}, picker(a)
+    st, regen, done, pick = Counter(), {k: [] for k in range(len(convs))}, {}, decoding.picker(a.temperature, a.top_p)
 
     def finish(k, why=None):   # kept up to its last regenerated answer (cut there, for `why`), or dropped
         r = regen.pop(k)
@@ -309,16 +133,12 @@ def run_shard(slots, tok, convs, a, stops):
 
 def worker(device, jobs, a, shards_dir, n_shards):
     """Regenerate the shards taken from the queue `jobs` ((index, conversations); None ends) on `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    import eval_dflash
-    gpu = device.startswith("cuda")
-    if gpu:
+    if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    tok = AutoTokenizer.from_pretrained(a.target)
-    model = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.bfloat16 if gpu else torch.float32)
-    model = model.to(device).eval()
-    stops = eval_dflash.stop_token_ids(tok, model)
-    slots = Slots(model, Slots.fit(model, a.max_length), a.max_length)
+    tok = config.load_target_config(a.target)[1]
+    model = config.load_model(a.target, device, config.param_dtype(device))
+    stops = decoding.stop_token_ids(tok, model)
+    slots = decoding.Slots(model, decoding.Slots.fit(model, a.max_length), a.max_length)
     for n, (i, convs) in enumerate(iter(jobs.get, None), 1):
         if a.temperature > 0:
             torch.manual_seed(a.seed + i)  # a restarted shard samples as it would have uninterrupted

@@ -1,6 +1,5 @@
 """CPU tests of generate_data.py: a tiny random Llama target (test_train's helper, SmolLM2 tokenizer)
 regenerates the assistant turns of small chat files. Faults come through DFLASH_FAULT, never an option."""
-import argparse
 import json
 import os
 import sys
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 import data_dflash as D
-import eval_dflash
+import decoding
 import generate_data as G
 from test_train import REPO, _save_tiny, child_env, embedded, run_cmd, tok  # noqa: F401 - fixtures
 
@@ -56,7 +55,7 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
     assert not skipped and len(convs) == 3
     assert [[m["role"] for m in c] for c in convs] == [[m["role"] for m in c] for c in before]
     model = AutoModelForCausalLM.from_pretrained(target).eval()
-    stops = eval_dflash.stop_token_ids(tok, model)
+    stops = decoding.stop_token_ids(tok, model)
     for conv in convs:
         for t in (2, 4):  # each answer is greedy on the *regenerated* context before it
             x = tok.apply_chat_template(conv[:t], add_generation_prompt=True, return_tensors="pt")["input_ids"]
@@ -142,12 +141,12 @@ def test_slots_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     ref = AutoModelForCausalLM.from_pretrained(target).eval()
-    stops = eval_dflash.stop_token_ids(tok, model)
+    stops = decoding.stop_token_ids(tok, model)
     prompts = [tok(" ".join(["word"] * n) + f" {n}")["input_ids"] for n in (3, 40, 9, 1, 25, 60, 14)]
     budgets = [5, 17, 9, 30, 2, 11, 20]
     def decode(n_slots, pick):
         got = {}
-        G.Slots(model, n_slots, 128).generate([(i, p, b, 0) for i, (p, b) in enumerate(zip(prompts, budgets))],
+        decoding.Slots(model, n_slots, 128).generate([(i, p, b, 0) for i, (p, b) in enumerate(zip(prompts, budgets))],
                                              stops, pick, lambda i, tokens: got.update({i: tokens}))
         return [got[i] for i in range(len(prompts))]
     got = decode(2, lambda logits: logits.argmax(-1))
@@ -157,7 +156,7 @@ def test_slots_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target
         assert row == y[0, len(p):].tolist()
     assert {len(r) for r in got} != {1}, "every answer one token long: the test would prove little"
     # sampling inside a nucleus of one token is greedy decoding
-    one = G.picker(argparse.Namespace(temperature=0.7, top_p=1e-6))
+    one = decoding.picker(0.7, 1e-6)
     assert decode(3, one) == got
 
 
@@ -167,6 +166,6 @@ def test_a_target_the_slots_cannot_decode_exactly_is_refused(target):
     mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=1, sliding_window=256))
     with pytest.raises(SystemExit, match="sliding-window attention within --max-length 512"):
-        G.Slots(mistral, 2, 512)
-    G.Slots(mistral, 2, 256)                                  # a window no context reaches is full attention
-    G.Slots(AutoModelForCausalLM.from_pretrained(target), 2, 512)
+        decoding.Slots(mistral, 2, 512)
+    decoding.Slots(mistral, 2, 256)                                  # a window no context reaches is full attention
+    decoding.Slots(AutoModelForCausalLM.from_pretrained(target), 2, 512)

@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import create_mask
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config, Qwen3ForCausalLM
 
 import compiled
+import decoding
 import dflash_model as dm
 import kernels
 from compiled import GATE
@@ -226,7 +227,7 @@ def trained(targets):
     target = targets["qwen3"]
     P, S, bs = 8, 96, 8
     prompt = torch.randint(0, 500, (1, P), generator=torch.Generator().manual_seed(5))
-    seq = dm.target_greedy(target, prompt, S - P)
+    seq = decoding.target_greedy(target, prompt, S - P)
     assert seq.shape == (1, S)
     drafter = drafter_for(target, bs)
     with torch.no_grad():
@@ -564,11 +565,11 @@ def test_greedy_dflash_generate_is_lossless(targets, arch, bs):
     drafter = drafter_for(target, bs).eval()
     prompt = torch.randint(0, 500, (1, 7), generator=torch.Generator().manual_seed(9))
     n = 30
-    ref = dm.target_greedy(target, prompt, n)
+    ref = decoding.target_greedy(target, prompt, n)
     assert ref.shape == (1, 7 + n)
     assert len(set(ref[0, 7:].tolist())) > 10                              # a non-degenerate continuation
     assert torch.equal(_hf_greedy(target, prompt, n), ref)
-    out, al = dm.dflash_generate(drafter, target, prompt, n)
+    out, al = decoding.dflash_generate(drafter, target, prompt, n)
     assert torch.equal(out, ref)
     assert al and all(1 <= a <= bs for a in al)
     assert 1 + sum(al) >= n and 1 + sum(al[:-1]) < n                       # rounds account for the tokens
@@ -577,10 +578,10 @@ def test_greedy_dflash_generate_is_lossless(targets, arch, bs):
     gen = ref[0, 7:].tolist()
     j = next(i for i in range(12, n) if gen[i] not in gen[:i])
     stop = gen[j]
-    ref_s = dm.target_greedy(target, prompt, n, stop_token_ids=[stop])
+    ref_s = decoding.target_greedy(target, prompt, n, stop_token_ids=[stop])
     assert ref_s.shape == (1, 7 + j + 1) and int(ref_s[0, -1]) == stop
     assert torch.equal(_hf_greedy(target, prompt, n, eos=stop), ref_s)
-    out_s, al_s = dm.dflash_generate(drafter, target, prompt, n, stop_token_ids=[stop])
+    out_s, al_s = decoding.dflash_generate(drafter, target, prompt, n, stop_token_ids=[stop])
     assert torch.equal(out_s, ref_s)
     assert all(1 <= a <= bs for a in al_s)
 
@@ -589,7 +590,7 @@ def test_overfit_drafter_reaches_high_acceptance(trained):
     t = trained
     S = t.seq.shape[1]
     prefix = t.seq[:, : t.P]
-    out, al = dm.dflash_generate(t.drafter, t.target, prefix, S - t.P)
+    out, al = decoding.dflash_generate(t.drafter, t.target, prefix, S - t.P)
     assert torch.equal(out, t.seq)                                         # lossless on the training span
     mean_tau = sum(al) / len(al)
     assert all(1 <= a <= t.bs for a in al)
@@ -606,8 +607,8 @@ def test_trained_drafter_lossless_with_partial_acceptance_and_stop(trained):
     P = t.P + 3                    # rounds anchor at P + 8r: the one at S - 5 straddles the end
     prefix = t.seq[:, :P]
     n = S - P + 40
-    ref = dm.target_greedy(t.target, prefix, n)
-    out, al = dm.dflash_generate(t.drafter, t.target, prefix, n)
+    ref = decoding.target_greedy(t.target, prefix, n)
+    out, al = decoding.dflash_generate(t.drafter, t.target, prefix, n)
     assert torch.equal(out, ref)
     assert any(1 < a < t.bs for a in al), f"no partial acceptance exercised: {al}"
     assert max(al) == t.bs
@@ -617,8 +618,8 @@ def test_trained_drafter_lossless_with_partial_acceptance_and_stop(trained):
     gen = out[0, P:].tolist()
     j = next(i for i in range(12, S - P) if i % t.bs not in (0, 1) and gen[i] not in gen[:i])
     stop = gen[j]
-    ref_s = dm.target_greedy(t.target, prefix, n, stop_token_ids=[stop])
-    out_s, al_s = dm.dflash_generate(t.drafter, t.target, prefix, n, stop_token_ids=[stop])
+    ref_s = decoding.target_greedy(t.target, prefix, n, stop_token_ids=[stop])
+    out_s, al_s = decoding.dflash_generate(t.drafter, t.target, prefix, n, stop_token_ids=[stop])
     assert torch.equal(out_s, ref_s)
     assert out_s.shape[1] == P + j + 1 and int(out_s[0, -1]) == stop
     assert 1 + sum(al_s) > j + 1                                           # the last block was cut at the stop
@@ -669,7 +670,7 @@ def test_save_load_roundtrip_and_format(targets, tmp_path):
         feats = dm.target_forward(target, torch.arange(20)[None], None, d.config.target_layer_ids)
     outs = []
     for m in (d, loaded):
-        outs.append(dm.draft_block(m, [None] * 3, feats, torch.arange(20)[None], torch.tensor(5), 20))
+        outs.append(decoding.draft_block(m, [None] * 3, feats, torch.arange(20)[None], torch.tensor(5), 20))
     assert torch.equal(outs[0], outs[1])
 
     # default save dtype (bf16): same names, bf16 tensors, loads to the bf16-rounded weights
@@ -880,7 +881,7 @@ def test_generate_refuses_positions_beyond_the_rope_table(targets):
     drafter = drafter_for(target, 16)
     n = drafter.config.max_position_embeddings
     with pytest.raises(ValueError, match="exceed the .* positions of the drafter's rotary table"):
-        dm.dflash_generate(drafter, target, torch.zeros(1, 8, dtype=torch.long), max_new_tokens=n)
+        decoding.dflash_generate(drafter, target, torch.zeros(1, 8, dtype=torch.long), max_new_tokens=n)
 
 
 # -----------------------------------------------------------------------------
@@ -1126,19 +1127,18 @@ def test_eval_stop_ids_take_the_generation_config_eos_list():
     """Llama-3.1: the tokenizer's eos is <|end_of_text|>, but a chat turn ends with <|eot_id|>, which
     only generation_config.eos_token_id (a list) names. No <|im_end|> in the vocabulary: the unk id
     (what convert_tokens_to_ids returns for it) must not become a stop id."""
-    import eval_dflash
     llama_tok = _word_tokenizer(["<unk>", "hi", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], "<|end_of_text|>")
     target = tiny_target("llama")
     target.generation_config.eos_token_id = [2, 3, 4]
-    assert eval_dflash.stop_token_ids(llama_tok, target) == [2, 3, 4]
+    assert decoding.stop_token_ids(llama_tok, target) == [2, 3, 4]
     target.generation_config.eos_token_id = 4                    # an int, not in the tokenizer's eos
-    assert eval_dflash.stop_token_ids(llama_tok, target) == [2, 4]
+    assert decoding.stop_token_ids(llama_tok, target) == [2, 4]
     target.generation_config.eos_token_id = None
-    assert eval_dflash.stop_token_ids(llama_tok, target) == [2]
+    assert decoding.stop_token_ids(llama_tok, target) == [2]
     # a ChatML tokenizer: <|im_end|> joins its eos
     chatml_tok = _word_tokenizer(["<unk>", "<|endoftext|>", "hi", "<|im_end|>"], "<|endoftext|>")
     target.generation_config.eos_token_id = 1
-    assert eval_dflash.stop_token_ids(chatml_tok, target) == [1, 3]
+    assert decoding.stop_token_ids(chatml_tok, target) == [1, 3]
 
 
 def test_ngram_lookup_tau_on_a_hand_made_sequence_equals_the_hand_count():
@@ -1148,7 +1148,6 @@ def test_ngram_lookup_tau_on_a_hand_made_sequence_equals_the_hand_count():
     -> 2 6 3, one accepted + 3 (length 2); ..1 2 3: "3" at index 4 -> 4 1 2, all accepted + 3 (4); then
     "1 2 3" matched at 6 -> 4 1 2, all accepted, cut at 10 new tokens (4). Rounds 2, 4, 4."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    import dflash_model as dm
     V = 8
     model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=V, intermediate_size=8, num_hidden_layers=1,
                                          num_attention_heads=1, num_key_value_heads=1, head_dim=V,
@@ -1162,11 +1161,11 @@ def test_ngram_lookup_tau_on_a_hand_made_sequence_equals_the_hand_count():
         for a, b in table.items():
             model.lm_head.weight[b, a] = 1.0
     prompt = torch.tensor([[5, 1, 2, 6, 3, 4]])
-    ref = dm.target_greedy(model, prompt, 10)
+    ref = decoding.target_greedy(model, prompt, 10)
     assert ref[0, 6:].tolist() == [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
-    out, rounds = dm.ngram_generate(model, prompt, 10, block_size=4)
+    out, rounds = decoding.ngram_generate(model, prompt, 10, block_size=4)
     assert torch.equal(out, ref) and rounds == [2, 4, 4], rounds
-    assert dm.ngram_propose([5, 1, 2, 6, 3, 4, 1], 3) == [2, 6, 3] and dm.ngram_propose([7, 8], 3) == []
+    assert decoding.ngram_propose([5, 1, 2, 6, 3, 4, 1], 3) == [2, 6, 3] and decoding.ngram_propose([7, 8], 3) == []
 
 
 def test_eval_histogram_without_drafting_rounds():

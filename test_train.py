@@ -1064,6 +1064,7 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
     overlaps and other drafters; --processes 2 does that split itself; drafters of two block sizes are
     an error."""
     import collections
+    import decoding
     import dflash_model as dm
     import eval_dflash
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1077,7 +1078,7 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
     # (its layer adds nothing: each block position's logits are those of its input, the mask token), so
     # the two drafters measure differently
     x = torch.tensor(eval_dflash.prompts_from([str(prompts)], AutoTokenizer.from_pretrained(llama), 1, 0, 1024)[0])
-    common = collections.Counter(dm.target_greedy(target, x, 32)[0, x.shape[1]:].tolist()).most_common(1)[0][0]
+    common = collections.Counter(decoding.target_greedy(target, x, 32)[0, x.shape[1]:].tolist()).most_common(1)[0][0]
     drafters = {}
     for seed, label, bs in ((0, "step_000001", 4), (1, "step_000002", 4), (2, "step_000003", 8)):
         cfg = dm.DFlashConfig.from_target_config(target.config, num_draft_layers=1, block_size=bs,
