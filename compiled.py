@@ -34,7 +34,7 @@ from torch.nn.attention.flex_attention import flex_attention
 import config
 import data_dflash
 import dflash_model as dm
-from diagnose import CACHE_INFO_FILE
+from environment import CACHE_INFO_FILE
 
 
 # -----------------------------------------------------------------------------

@@ -12,10 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
+import compile_race
 import diagnose
+import environment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MISSING = diagnose.MISSING
+MISSING = environment.MISSING
 
 
 def _start(*args):
@@ -55,8 +57,8 @@ def _env(cache="/c", **env_vars):
 
 def test_collect_env_never_raises_has_the_keys_and_starts_no_python(tmp_path, monkeypatch):
     commands, run = [], subprocess.run
-    monkeypatch.setattr(diagnose.subprocess, "run", lambda cmd, *a, **k: commands.append(cmd) or run(cmd, *a, **k))
-    env = diagnose.collect_env(cache_dir=str(tmp_path / "no_cache"))
+    monkeypatch.setattr(environment.subprocess, "run", lambda cmd, *a, **k: commands.append(cmd) or run(cmd, *a, **k))
+    env = environment.collect_env(cache_dir=str(tmp_path / "no_cache"))
     assert not [c for c in commands if c[0] == sys.executable], commands   # the trainer calls it at every save
     for key in ("time", "time_unix", "hostname", "platform", "cpu_count", "python_executable", "python_prefix",
                 "versions", "gpus", "env_vars", "compile_cache", "project", "packages", "natural_race_expected"):
@@ -65,33 +67,33 @@ def test_collect_env_never_raises_has_the_keys_and_starts_no_python(tmp_path, mo
                 "safetensors"):
         assert key in env["versions"], key
     assert "flex_fx_flag_thread_local" not in env
-    assert env["versions"]["torch"] == diagnose.torch.__version__
+    assert env["versions"]["torch"] == environment.torch.__version__
     assert env["compile_cache"]["exists"] is False and env["compile_cache"]["source"] == "argument"
     assert env["project"]["commit"] or env["project"]["error"], env["project"]   # a copy may have no .git
     json.dumps(env)                                                               # env.json takes it as is
-    text = diagnose.format_report(env)
+    text = environment.format_report(env)
     assert "torch" in text and "FX-tracing flag" not in text                     # no probes, no probe lines
 
 
 def test_collect_env_survives_broken_parts(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("broken")
-    monkeypatch.setattr(diagnose, "_gpus", boom)
-    monkeypatch.setattr(diagnose, "_git_state", boom)
-    env = diagnose.collect_env()
+    monkeypatch.setattr(environment, "_gpus", boom)
+    monkeypatch.setattr(environment, "_git_state", boom)
+    env = environment.collect_env()
     assert env["gpus"] == {"error": "RuntimeError: broken"} and "error" in env["project"]
-    diagnose.format_report(env)
+    environment.format_report(env)
 
 
 def test_env_records_the_python_in_use_not_the_interpreter_its_symlink_points_to(tmp_path, monkeypatch):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
-    monkeypatch.setattr(diagnose.sys, "executable", str(venv / "bin" / "python"))
-    monkeypatch.setattr(diagnose.sys, "prefix", str(venv))
-    env = diagnose.collect_env(cache_dir=str(tmp_path / "cache"))
+    monkeypatch.setattr(environment.sys, "executable", str(venv / "bin" / "python"))
+    monkeypatch.setattr(environment.sys, "prefix", str(venv))
+    env = environment.collect_env(cache_dir=str(tmp_path / "cache"))
     assert env["python_executable"] == str(venv / "bin" / "python") and env["python_prefix"] == str(venv)
-    assert f"{venv}/bin/python  (prefix {venv})" in diagnose.format_report(env)
+    assert f"{venv}/bin/python  (prefix {venv})" in environment.format_report(env)
 
 
 def test_command_line_report_has_the_thread_probe_and_help_works(capsys):
@@ -114,24 +116,24 @@ def test_cache_state_counts_files_and_ages_them_without_lock_files(tmp_path):
     (cache / "fxgraph").mkdir()
     (cache / "locks" / "k.lock").write_text("")
     (cache / "fxgraph" / "entry").write_bytes(b"x" * 10)
-    (cache / diagnose.CACHE_INFO_FILE).write_text('{"torch": "2.0.0"}')
-    for path, t in (("locks/k.lock", 500.0), ("fxgraph/entry", 1000.0), (diagnose.CACHE_INFO_FILE, 1500.0)):
+    (cache / environment.CACHE_INFO_FILE).write_text('{"torch": "2.0.0"}')
+    for path, t in (("locks/k.lock", 500.0), ("fxgraph/entry", 1000.0), (environment.CACHE_INFO_FILE, 1500.0)):
         os.utime(cache / path, (t, t))
-    c = diagnose._cache_state(str(cache))
+    c = environment._cache_state(str(cache))
     assert (c["file_count"], c["oldest_mtime"], c["newest_mtime"]) == (3, 1000.0, 1500.0)
     assert c["size_bytes"] == 10 + len('{"torch": "2.0.0"}') and c["info"] == {"torch": "2.0.0"}
-    assert "WARNING: filled by another build (torch 2.0.0" in diagnose.format_report(
-        {"compile_cache": c, "versions": {"torch": diagnose.torch.__version__}})
-    (cache / diagnose.CACHE_INFO_FILE).write_text("{not json")
-    assert "unreadable" in diagnose._cache_state(str(cache))["info"]["error"]
+    assert "WARNING: filled by another build (torch 2.0.0" in environment.format_report(
+        {"compile_cache": c, "versions": {"torch": environment.torch.__version__}})
+    (cache / environment.CACHE_INFO_FILE).write_text("{not json")
+    assert "unreadable" in environment._cache_state(str(cache))["info"]["error"]
 
 
 # --- diff_env and --against
 
 def test_against_reports_exactly_the_changed_fields(tmp_path, capsys):
     cache = str(tmp_path / "cache")
-    old = diagnose.collect_env(cache_dir=cache)
-    pkgs = diagnose.installed_packages()
+    old = environment.collect_env(cache_dir=cache)
+    pkgs = environment.installed_packages()
     t_old = pkgs[2][2] - 1e-3                                 # just before the 3rd newest package
     old["versions"]["torch"] = "2.0.0+fake"                   # versions no real machine has
     old["versions"]["triton"] = "0.0.1-fake"
@@ -144,7 +146,7 @@ def test_against_reports_exactly_the_changed_fields(tmp_path, capsys):
     fields = {d["field"] for d in out["differences"] if not d["field"].startswith("project.")}
     assert fields == {"versions.torch", "versions.triton"}, out["differences"]
     by = {d["field"]: d for d in out["differences"]}
-    assert (by["versions.torch"]["old"], by["versions.torch"]["new"]) == ("2.0.0+fake", diagnose.torch.__version__)
+    assert (by["versions.torch"]["old"], by["versions.torch"]["new"]) == ("2.0.0+fake", environment.torch.__version__)
     newer = {n for n, _, t in pkgs if t > t_old}
     assert newer and newer <= {p["name"] for p in out["packages_after"]}
     assert all(p["mtime"] > t_old for p in out["packages_after"])
@@ -158,7 +160,7 @@ def test_against_lists_what_changed_while_the_checkpointed_run_was_going(tmp_pat
     """The trainer records the start environment plus changed_during_run: --against shows those rows
     apart, and does not count the note itself as a difference."""
     cache = str(tmp_path / "cache")
-    old = diagnose.collect_env(cache_dir=cache)
+    old = environment.collect_env(cache_dir=cache)
     old["changed_during_run"] = [["versions.transformers", "5.16.0", "5.17.0"]]
     assert diagnose.main(["--against", _checkpoint(tmp_path, old), "--cache-dir", cache]) == 0
     text = capsys.readouterr().out
@@ -182,10 +184,10 @@ def test_diff_ignores_growing_cache_but_reports_a_rebuilt_one():
     grown["compile_cache"].update(size_bytes=9, file_count=50, newest_mtime=500.0)
     grown["time_unix"] = 600.0
     grown["env_vars"]["TORCHINDUCTOR_CACHE_DIR"] = "/c"      # exported by inductor itself: same cache
-    assert diagnose.diff_env(old, grown) == []
+    assert environment.diff_env(old, grown) == []
     rebuilt = json.loads(json.dumps(grown))
     rebuilt["compile_cache"].update(oldest_mtime=300.0, info={"torch": "2.13.0"})
-    assert [f for f, _, _ in diagnose.diff_env(old, rebuilt)] == ["compile_cache.info.torch", "compile_cache.rebuilt"]
+    assert [f for f, _, _ in environment.diff_env(old, rebuilt)] == ["compile_cache.info.torch", "compile_cache.rebuilt"]
 
 
 def test_diff_judges_the_cache_against_its_state_at_the_checkpoint_not_the_run_start():
@@ -195,11 +197,11 @@ def test_diff_judges_the_cache_against_its_state_at_the_checkpoint_not_the_run_s
         return {"time_unix": 100.0, "compile_cache": {"path": "/c", "exists": exists, "file_count": count,
                                                       "oldest_mtime": oldest, "newest_mtime": oldest and 110.0}}
     ckpt = env()
-    assert diagnose.diff_env(ckpt, env(count=9)) == []                          # the same cache, grown
-    assert [f for f, _, _ in diagnose.diff_env(ckpt, env(count=9, oldest=300.0))] == ["compile_cache.rebuilt"]
-    assert diagnose.diff_env(ckpt, env(count=3)) == [("compile_cache.shrank", "5 files", "3 files (some removed)")]
+    assert environment.diff_env(ckpt, env(count=9)) == []                          # the same cache, grown
+    assert [f for f, _, _ in environment.diff_env(ckpt, env(count=9, oldest=300.0))] == ["compile_cache.rebuilt"]
+    assert environment.diff_env(ckpt, env(count=3)) == [("compile_cache.shrank", "5 files", "3 files (some removed)")]
     # no cache at the checkpoint, one now: a change, but nothing was rebuilt
-    assert diagnose.diff_env(env(exists=False, count=0, oldest=None), env(oldest=300.0)) == [
+    assert environment.diff_env(env(exists=False, count=0, oldest=None), env(oldest=300.0)) == [
         ("compile_cache.exists", False, True)]
 
 
@@ -209,17 +211,17 @@ def test_diff_of_the_variables_the_trainer_sets_or_defaults():
     "0" takes effect and is one, whatever the cache path."""
     fx, ag = "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"
     ckpt = _env(**{fx: "1", ag: "1", "TORCHINDUCTOR_CACHE_DIR": "/c", "TRITON_CACHE_DIR": "/c/triton"})
-    assert diagnose.diff_env(ckpt, _env()) == []                              # a shell: the defaults
-    assert diagnose.diff_env(_env(), ckpt) == []
-    assert diagnose.diff_env(ckpt, _env("/other")) == [
+    assert environment.diff_env(ckpt, _env()) == []                              # a shell: the defaults
+    assert environment.diff_env(_env(), ckpt) == []
+    assert environment.diff_env(ckpt, _env("/other")) == [
         ("compile_cache.path", "/c", "/other"), ("env_vars.TORCHINDUCTOR_CACHE_DIR", "/c", MISSING),
         ("env_vars.TRITON_CACHE_DIR", "/c/triton", MISSING)]
-    assert diagnose.diff_env(ckpt, _env(**{fx: "0"})) == [(f"env_vars.{fx}", "1", "0")]
-    assert diagnose.diff_env(ckpt, _env(**{fx: "1", ag: "0"})) == [(f"env_vars.{ag}", "1", "0")]
-    assert diagnose.diff_env(_env(), _env(**{ag: "0"})) == [(f"env_vars.{ag}", MISSING, "0")]
+    assert environment.diff_env(ckpt, _env(**{fx: "0"})) == [(f"env_vars.{fx}", "1", "0")]
+    assert environment.diff_env(ckpt, _env(**{fx: "1", ag: "0"})) == [(f"env_vars.{ag}", "1", "0")]
+    assert environment.diff_env(_env(), _env(**{ag: "0"})) == [(f"env_vars.{ag}", MISSING, "0")]
     # every other recorded variable is compared as it is, whatever wrote the env.json
-    assert diagnose.diff_env(_env(), _env(HF_HOME="/hf")) == [("env_vars.HF_HOME", MISSING, "/hf")]
-    assert diagnose.diff_env(_env(CUDA_VISIBLE_DEVICES="1,0"), _env()) == [
+    assert environment.diff_env(_env(), _env(HF_HOME="/hf")) == [("env_vars.HF_HOME", MISSING, "/hf")]
+    assert environment.diff_env(_env(CUDA_VISIBLE_DEVICES="1,0"), _env()) == [
         ("env_vars.CUDA_VISIBLE_DEVICES", "1,0", MISSING)]
 
 
@@ -237,13 +239,13 @@ def test_git_state_hashes_the_diff_and_against_reports_a_further_edit(tmp_path, 
     (repo / "model.py").write_text("x = 1\n")
     _git(repo, "add", "model.py")
     _git(repo, "commit", "-q", "-m", "init")
-    clean = diagnose._git_state(str(repo))
+    clean = environment._git_state(str(repo))
     assert clean["dirty"] is False and clean["diff_sha256"] and "error" not in clean
     (repo / "model.py").write_text("x = 2\n")
-    first = diagnose._git_state(str(repo))
+    first = environment._git_state(str(repo))
     (repo / "model.py").write_text("x = 3\n")                   # a further edit of the same dirty file
     (repo / "new_module.py").write_text("y = 1\n")
-    second = diagnose._git_state(str(repo))
+    second = environment._git_state(str(repo))
     assert first["dirty_files"] == second["dirty_files"] == ["model.py"]
     assert len({clean["diff_sha256"], first["diff_sha256"], second["diff_sha256"]}) == 3
     assert first["untracked_files"] == [] and second["untracked_files"] == ["new_module.py"]
@@ -252,9 +254,9 @@ def test_git_state_hashes_the_diff_and_against_reports_a_further_edit(tmp_path, 
     # --against, with this repo as the project: the hash row names the edit
     (repo / "model.py").write_text("x = 2\n")
     (repo / "new_module.py").unlink()
-    monkeypatch.setattr(diagnose, "_git_state", lambda path=str(repo), real=diagnose._git_state: real(path))
+    monkeypatch.setattr(environment, "_git_state", lambda path=str(repo), real=environment._git_state: real(path))
     cache = str(tmp_path / "cache")
-    old = diagnose.collect_env(cache_dir=cache)
+    old = environment.collect_env(cache_dir=cache)
     assert old["project"]["diff_sha256"] == first["diff_sha256"]
     ckpt = _checkpoint(tmp_path, old, "step_000001")
     (repo / "model.py").write_text("x = 3\n")
@@ -274,17 +276,17 @@ def test_git_state_failing_command_is_unknown_not_clean(tmp_path, monkeypatch):
                     'echo "fatal: index file corrupt" >&2\nexit 128\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + os.environ["PATH"])
-    g = diagnose._git_state(str(tmp_path))
+    g = environment._git_state(str(tmp_path))
     assert g["commit"] == "0123abcd"
     assert g["dirty"] is None and g["diff_sha256"] is None and g["untracked_files"] is None
     assert "git status: fatal: index file corrupt" in g["error"] and "git diff" in g["error"]
-    text = diagnose.format_report({"project": g})
+    text = environment.format_report({"project": g})
     assert "dirty: unknown" in text and "index file corrupt" in text
 
 
 def test_env_vars_records_more_names_and_never_a_secret(monkeypatch):
     for k in list(os.environ):
-        if k.startswith(diagnose.ENV_PREFIXES) or k in diagnose.ENV_NAMES:
+        if k.startswith(environment.ENV_PREFIXES) or k in environment.ENV_NAMES:
             monkeypatch.delenv(k)
     recorded = {"LD_PRELOAD": "/x/libfoo.so", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "PYTHONPATH": "/src",
                 "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
@@ -293,10 +295,10 @@ def test_env_vars_records_more_names_and_never_a_secret(monkeypatch):
                "NCCL_PASSWORD": "sEcReT4", "hf_hub_token": "sEcReT5"}
     for k, v in {**recorded, **secrets, "UNRELATED_VAR": "1", "AWS_SECRET_ACCESS_KEY": "sEcReT6"}.items():
         monkeypatch.setenv(k, v)
-    env = diagnose._env_vars()
-    assert env == {**recorded, **{k: "<set>" for k in secrets if k.startswith(diagnose.ENV_PREFIXES)}}
+    env = environment._env_vars()
+    assert env == {**recorded, **{k: "<set>" for k in secrets if k.startswith(environment.ENV_PREFIXES)}}
     assert env["HF_TOKEN"] == env["HF_API_KEY"] == "<set>"
-    assert "sEcReT" not in json.dumps(env) + diagnose.format_report({"env_vars": env})
+    assert "sEcReT" not in json.dumps(env) + environment.format_report({"env_vars": env})
 
 
 def _fake_nvidia_smi(tmp_path, monkeypatch, stdout, rc):
@@ -307,27 +309,27 @@ def _fake_nvidia_smi(tmp_path, monkeypatch, stdout, rc):
     fake.write_text(f'#!/bin/sh\ncat "{bin_dir / "out.txt"}"\nexit {rc}\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + os.environ["PATH"])
-    monkeypatch.setattr(diagnose.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(environment.torch.cuda, "is_available", lambda: False)
 
 
 def test_gpus_keep_nvidia_smi_failure_message(tmp_path, monkeypatch):
     msg = "Failed to initialize NVML: Driver/library version mismatch"
     _fake_nvidia_smi(tmp_path, monkeypatch, msg + "\nNVML library version: 570.86\n", 18)
-    g = diagnose._gpus()
+    g = environment._gpus()
     assert g["nvidia_smi"] == [f"error: exit 18: {msg}"] and g["driver"] is None
-    assert msg in diagnose.format_report({"gpus": g})
+    assert msg in environment.format_report({"gpus": g})
 
 
 def test_gpus_nvidia_smi_unexpected_output(tmp_path, monkeypatch):
     _fake_nvidia_smi(tmp_path, monkeypatch, "No devices were found\n" + "z" * 5000 + "\n", 0)
-    g = diagnose._gpus()
+    g = environment._gpus()
     assert g["nvidia_smi"] == ["error: unexpected output: No devices were found"] and g["driver"] is None
 
 
 def test_gpus_nvidia_smi_normal_output(tmp_path, monkeypatch):
     lines = ["0, NVIDIA H200, 570.86.15, 143771 MiB", "1, NVIDIA H200, 570.86.15, 143771 MiB"]
     _fake_nvidia_smi(tmp_path, monkeypatch, "\n".join(lines) + "\n", 0)
-    g = diagnose._gpus()
+    g = environment._gpus()
     assert g["nvidia_smi"] == lines and g["driver"] == "570.86.15"
 
 
@@ -341,8 +343,8 @@ def test_installed_packages_skip_vendored_copies(monkeypatch, tmp_path):
         p.mkdir(parents=True)
     fake = [SimpleNamespace(metadata={"Name": "autocommand"}, version="2.2.2", _path=vendored),
             SimpleNamespace(metadata={"Name": "numpy"}, version="2.0.0", _path=real)]
-    monkeypatch.setattr(diagnose.importlib.metadata, "distributions", lambda: fake)
-    assert [(n, v) for n, v, _ in diagnose.installed_packages()] == [("numpy", "2.0.0")]
+    monkeypatch.setattr(environment.importlib.metadata, "distributions", lambda: fake)
+    assert [(n, v) for n, v, _ in environment.installed_packages()] == [("numpy", "2.0.0")]
 
 
 # --- the threaded exercise (started by the fixture, at the top)
@@ -359,9 +361,9 @@ def test_race_test_gate_keeps_calls_off_compiles_and_names_who_raises_the_flag(r
     assert r["fx_errors"] == 0 and r["exposed_calls"] == 0              # no call ever overlaps a compile
     assert r["gate_stats"]["exclusive"] >= 2                             # each thread compiled its shape
     assert r["flag_raises"] >= 2 and r["flag_up_after_run"] is False
-    text = diagnose.format_race_table([r])
+    text = compile_race.format_race_table([r])
     assert text.splitlines()[2].split()[:4] == ["gate", "0", "0", "0"], text
     sites = re.findall(r"^  \d+x in worker-.*: traced at (\S+).*, for (\S+).*, called from (\S+)", text, re.M)
     assert sites and all(s[0].startswith("torch/fx/") for s in sites), text
     # AOTAutograd's graph capture, asked for by the exercise's own compiled call
-    assert any(s[1].startswith("torch/_functorch/") and s[2].startswith("diagnose.py") for s in sites), text
+    assert any(s[1].startswith("torch/_functorch/") and s[2].startswith("compile_race.py") for s in sites), text

@@ -722,12 +722,12 @@ def test_checkpoints_record_the_start_environment_and_what_changed_during_the_ru
     """A checkpoint's env.json is the environment the run started in (what --against compares with),
     the compile cache as it is at the save, and the fields that changed since the start, said once."""
     import config
-    import diagnose
+    import environment
     import train_dflash as tr
     monkeypatch.delenv("NCCL_DEBUG", raising=False)
     logged = []
     cfg = config.parse_args(["--out-dir", str(tmp_path)])
-    trainer = tr.Trainer(cfg, logged.append, diagnose.collect_env(str(tmp_path / "compile_cache")))
+    trainer = tr.Trainer(cfg, logged.append, environment.collect_env(str(tmp_path / "compile_cache")))
     assert trainer.checkpoint_env()["changed_during_run"] == [] and logged == []
     monkeypatch.setenv("NCCL_DEBUG", "INFO")           # e.g. set for a later run in the same shell
     (tmp_path / "compile_cache").mkdir()

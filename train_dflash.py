@@ -38,7 +38,7 @@ import checkpoint as ck
 import config
 import data_dflash
 import compiled
-import diagnose
+import environment
 import dflash_model as dm
 import layout
 from replicas import Replicas
@@ -354,10 +354,10 @@ class Trainer:
     def checkpoint_env(self):
         """env.json: the environment the run STARTED in (its code and packages were loaded then), the
         compile cache as it is now, and under changed_during_run what differs now."""
-        now = diagnose.collect_env(self.cfg.compile_cache)
+        now = environment.collect_env(self.cfg.compile_cache)
         if self.env_at_start is None:
             return now
-        changed = [r for r in diagnose.diff_env(self.env_at_start, now) if not r[0].startswith("compile_cache.")]
+        changed = [r for r in environment.diff_env(self.env_at_start, now) if not r[0].startswith("compile_cache.")]
         if changed and not self.env_change_said:     # once: every later checkpoint has the same news
             self.env_change_said = True
             self.log(f"WARNING: the environment changed while this run was going ({len(changed)} field(s): "
@@ -656,8 +656,8 @@ def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     log = Logger(cfg.out_dir, int(os.environ.get("RANK", 0)))
     log("=" * 72)
-    env = diagnose.collect_env(cfg.compile_cache)
-    log(diagnose.format_report(env))
+    env = environment.collect_env(cfg.compile_cache)
+    log(environment.format_report(env))
     log("[config] " + json.dumps(dataclasses.asdict(cfg)))
     try:
         rc = Trainer(cfg, log, env).train()

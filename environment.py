@@ -1,0 +1,337 @@
+"""What a DFlash training run runs on, and what changed since a checkpoint.
+
+train_dflash.py writes collect_env() into every checkpoint (env.json) and format_report() at the top of every
+log; diagnose.py prints them and compares with a checkpoint (--against); compiled.use_compile_cache writes
+CACHE_INFO_FILE into the compile cache it fills.
+"""
+import datetime
+import getpass
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE_INFO_FILE = "dflash_cache_info.json"   # which build filled the compile cache
+# Recorded variables: these prefixes, and names outside them that change speed or numerics (TF32,
+# cuBLAS workspace, stream count, a preloaded or differently found library, code on the import path).
+ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TORCHDYNAMO_", "TRITON_", "CUDA_VISIBLE_DEVICES", "NCCL_",
+                "PYTORCH_", "OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "HF_")
+ENV_NAMES = {"LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "NVIDIA_TF32_OVERRIDE",
+             "CUBLAS_WORKSPACE_CONFIG", "CUDA_MODULE_LOADING", "MKL_NUM_THREADS"}
+# env.json and the logs get shared: a credential (HF_TOKEN, ...) is recorded as set, never by value.
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+LIBRARIES = ("transformers", "datasets", "numpy", "safetensors")   # versions recorded besides torch and triton
+NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total")
+
+
+# --- 1. The environment ----------------------------------------------------------------------------------
+def collect_env(cache_dir=None):
+    """Everything that decides whether a run reproduces: versions, GPUs, variables, compile cache, code.
+    Never raises (a part that fails records its error: a fingerprint with a hole beats a crashed
+    checkpoint) and starts no compile and no python: the trainer calls it at every start and save."""
+    now = datetime.datetime.now().astimezone()
+    env = {"time": now.isoformat(timespec="seconds"), "time_unix": now.timestamp()}
+    parts = {"hostname": socket.gethostname, "platform": platform.platform, "cpu_count": os.cpu_count,
+             # as is: a venv's python is a symlink to the base interpreter, and the venv is what runs
+             "python_executable": lambda: sys.executable, "python_prefix": lambda: sys.prefix,
+             "versions": _versions, "gpus": _gpus, "env_vars": _env_vars,
+             "compile_cache": lambda: _cache_state(cache_dir), "project": _git_state,
+             "packages": lambda: {n: v for n, v, _ in sorted(installed_packages(), key=lambda r: r[0].lower())}}
+    for key, fn in parts.items():
+        try:
+            env[key] = fn()
+        except Exception as e:
+            env[key] = {"error": f"{type(e).__name__}: {e}"}
+    env["natural_race_expected"] = natural_race_expected()
+    return env
+
+
+def _versions():
+    def installed(*dists):   # the first found on sys.path, without importing it: "absent" is an answer
+        return next((x.version for d in dists for x in importlib.metadata.distributions(name=d)), "absent")
+
+    try:
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except Exception as e:   # a cuDNN that does not match torch raises here: that is the finding
+        cudnn = f"error: {e}"
+    return {"python": platform.python_version(), "torch": torch.__version__, "torch_git": torch.version.git_version,
+            "cuda": torch.version.cuda, "cudnn": cudnn,
+            "triton": installed("triton", "pytorch-triton", "pytorch-triton-rocm", "triton-xpu"),
+            **{d: installed(d) for d in LIBRARIES}}
+
+
+def _gpus():
+    g = {"cuda_available": False, "count": 0, "names": [], "memory_gib": [], "capability": [], "driver": None,
+         "nvidia_smi": []}
+    try:   # a CUDA that fails to initialise raises here; nvidia-smi below may say why
+        g["cuda_available"] = torch.cuda.is_available()
+        g["count"] = torch.cuda.device_count() if g["cuda_available"] else 0
+        for p in map(torch.cuda.get_device_properties, range(g["count"])):
+            g["names"].append(p.name)
+            g["memory_gib"].append(round(p.total_memory / 2**30, 1))
+            g["capability"].append(f"{p.major}.{p.minor}")
+    except Exception as e:
+        g["error"] = f"{type(e).__name__}: {e}"
+    if not shutil.which("nvidia-smi"):
+        return g
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(NVIDIA_SMI_FIELDS), "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+    except Exception as e:
+        return g | {"nvidia_smi": [f"error: {type(e).__name__}: {e}"]}
+    lines = [line.strip() for line in r.stdout.splitlines() if line.strip()]
+    if r.returncode == 0 and lines and all(line.count(",") == len(NVIDIA_SMI_FIELDS) - 1 for line in lines):
+        return g | {"nvidia_smi": lines, "driver": lines[0].split(",")[2].strip()}
+    # nvidia-smi's own message (driver/library mismatch, no device) is the diagnosis: kept, truncated
+    first = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[0][:200]
+    why = f"exit {r.returncode}" if r.returncode else "unexpected output"
+    return g | {"nvidia_smi": [f"error: {why}: {first}"]}
+
+
+def _env_vars():
+    env = {k: ("<set>" if any(m in k.upper() for m in SECRET_MARKERS) else v)
+           for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    # importing torch._dynamo exports inductor's default cache dir into this variable: nobody chose it
+    if os.path.abspath(env.get("TORCHINDUCTOR_CACHE_DIR", "-")) == _default_cache_dir():
+        del env["TORCHINDUCTOR_CACHE_DIR"]
+    return env
+
+
+def _default_cache_dir():
+    # inductor's rule, without importing inductor (seconds, and it exports the variable)
+    try:
+        user = getpass.getuser()
+    except Exception:   # a container's uid without a passwd entry
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def _cache_state(cache_dir=None):
+    path, source = cache_dir, "argument"
+    if not cache_dir:
+        chosen = _env_vars().get("TORCHINDUCTOR_CACHE_DIR")   # as recorded: inductor's own export is no choice
+        path, source = (chosen, "TORCHINDUCTOR_CACHE_DIR") if chosen else (_default_cache_dir(), "inductor default")
+    c = {"path": os.path.abspath(path), "source": source, "exists": os.path.isdir(path), "info": None}
+    sizes, mtimes = [], []
+    for root, _, files in os.walk(c["path"]):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue   # inductor renames and removes files while we walk
+            sizes.append(st.st_size)
+            if not name.endswith(".lock"):   # some filelock versions truncate a lock file (new mtime) at each lock
+                mtimes.append(st.st_mtime)
+    c.update(size_bytes=sum(sizes), file_count=len(sizes), oldest_mtime=min(mtimes, default=None),
+             newest_mtime=max(mtimes, default=None))
+    if os.path.isfile(info := os.path.join(c["path"], CACHE_INFO_FILE)):
+        try:
+            with open(info) as f:
+                c["info"] = json.load(f)
+        except Exception as e:
+            c["info"] = {"error": f"unreadable {CACHE_INFO_FILE}: {e}"}
+    return c
+
+
+def _git_state(path=HERE):
+    """Commit, dirty files, a hash of the uncommitted diff, untracked names. A git command that fails
+    leaves its fields None and says why in "error": a failure must not read as a clean tree."""
+    g = {"dir": path, "commit": None, "dirty": None, "dirty_files": [], "diff_sha256": None,
+         "untracked_files": None, "untracked_count": None}
+    errors = []
+
+    def git(*args):   # stdout as bytes (the diff is hashed as it is); None, and the reason in errors, on failure
+        try:
+            return subprocess.run(["git", "-C", path, *args], capture_output=True, timeout=30, check=True).stdout
+        except subprocess.CalledProcessError as e:
+            why = e.stderr.decode(errors="replace").strip().splitlines() or [f"exit {e.returncode}"]
+            errors.append(f"git {args[0]}: {why[0][:200]}")
+        except Exception as e:   # no git, or it hangs
+            errors.append(f"git {args[0]}: {type(e).__name__}: {e}")
+
+    if (head := git("rev-parse", "HEAD")) is not None:
+        g["commit"] = head.decode().strip()
+        if (status := git("status", "--porcelain", "--untracked-files=no")) is not None:
+            files = [line[3:] for line in status.decode(errors="replace").splitlines() if line.strip()]
+            g["dirty"], g["dirty_files"] = bool(files), files[:20]
+        # names alone miss a further edit of a file that is already dirty: hash the diff itself (binary
+        # too; no external diff or textconv, which a user's git config can switch on)
+        if (diff := git("diff", "HEAD", "--binary", "--no-ext-diff", "--no-textconv", "--no-color")) is not None:
+            g["diff_sha256"] = hashlib.sha256(diff).hexdigest()
+        # untracked and not ignored: a new module the code may import (out/ and logs are ignored)
+        if (others := git("ls-files", "--others", "--exclude-standard")) is not None:
+            names = sorted(line for line in others.decode(errors="replace").splitlines() if line.strip())
+            g["untracked_files"], g["untracked_count"] = names[:50], len(names)
+    if errors:
+        g["error"] = "; ".join(errors)
+    return g
+
+
+def installed_packages():
+    """[(name, version, mtime of its dist-info folder, which pip creates at each install)], newest first."""
+    rows, seen = [], set()
+    for d in importlib.metadata.distributions():
+        name, path = d.metadata["Name"], d._path
+        if not name or name.lower() in seen:
+            continue   # shadowed by the same package earlier on sys.path, which is the one in use
+        if f"{os.sep}_vendor{os.sep}" in str(path):
+            continue   # bundled inside another package (setuptools' _vendor joins sys.path once imported)
+        seen.add(name.lower())
+        rows.append((name, d.version, os.path.getmtime(path)))
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def natural_race_expected(fx_flag_thread_local=None):
+    # does the cold-cache compile race show by itself? By the thread probe where it ran, else by version
+    version = tuple(int(x) for x in torch.__version__.split(".")[:2])
+    if fx_flag_thread_local or (fx_flag_thread_local is None and version >= (2, 14)):
+        return "no: the FX-tracing flag is per thread"
+    if (2, 12) <= version < (2, 14):
+        return ("masked: torch 2.12/2.13 hide the FX flag from other threads while anything compiles; "
+                "0 errors here says nothing about torch 2.11")
+    return "yes: a compile in one thread makes compiled calls in other threads fail"
+
+
+# --- 2. What changed, and the report -------------------------------------------------------------------
+# Fields that change on every call or grow in any healthy run, and the trainer's own note
+# changed_during_run (shown apart): a row for them says nothing.
+IGNORED = {"time", "time_unix", "changed_during_run", "compile_cache.size_bytes", "compile_cache.file_count",
+           "compile_cache.oldest_mtime", "compile_cache.newest_mtime"}
+MISSING = "(missing)"
+# compiled.use_compile_cache() sets these in the trainer's process from the cache path, which is compared
+# on its own: in a checkpoint's env.json and not in a shell is no change.
+TRAINER_SET_VARS = {"env_vars.TORCHINDUCTOR_CACHE_DIR", "env_vars.TRITON_CACHE_DIR"}
+# It only defaults these: absent on one side and the default on the other is no change, while a user's
+# own value (the FX graph or autograd cache off) takes effect and is one.
+TRAINER_DEFAULT_VARS = {"env_vars.TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "env_vars.TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+
+
+def diff_env(old, new):
+    """[(dotted field, old value, new value)] for every field that differs, sorted by field."""
+    # a JSON round trip makes tuples lists and keys strings on both sides, as in env.json
+    old, new = json.loads(json.dumps(old, default=str)), json.loads(json.dumps(new, default=str))
+    fo, fn = _flatten(old), _flatten(new)
+    same_cache = fo.get("compile_cache.path") == fn.get("compile_cache.path")
+    rows = []
+    for k in sorted(fo | fn):
+        a, b = fo.get(k, MISSING), fn.get(k, MISSING)
+        if a == b or k in IGNORED or (k in TRAINER_SET_VARS and same_cache):
+            continue
+        if k in TRAINER_DEFAULT_VARS and {a, b} == {MISSING, TRAINER_DEFAULT_VARS[k]}:
+            continue
+        if None in (a, b) and MISSING in (a, b) and any(x.startswith(k + ".") for x in fo | fn):
+            continue   # None on one side, a dict on the other (the cache info appeared): its keys say it
+        rows.append((k, a, b))
+    # A healthy cache only gains files: an oldest file newer than the checkpoint's says it was rebuilt (cold
+    # compiles again: the race window), fewer files that some were removed.
+    oc, nc = old.get("compile_cache") or {}, new.get("compile_cache") or {}
+    if same_cache and oc.get("exists") and nc.get("exists") and oc.get("oldest_mtime"):
+        if (nc.get("oldest_mtime") or 0) > oc["oldest_mtime"]:
+            rows.append(("compile_cache.rebuilt", "no", f"yes: oldest file from {_fmt_time(nc['oldest_mtime'])}, "
+                         f"at the checkpoint from {_fmt_time(oc['oldest_mtime'])}"))
+        elif (nc.get("file_count") or 0) < (oc.get("file_count") or 0):
+            rows.append(("compile_cache.shrank", f"{oc['file_count']} files",
+                         f"{nc.get('file_count')} files (some removed)"))
+    return rows
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():   # an empty dict leaves no key: {} and absent are the same state
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _fmt_time(t):
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def format_report(env):
+    v, g, c, p = (env.get(k) or {} for k in ("versions", "gpus", "compile_cache", "project"))
+    lines = [f"DFlash environment  {env.get('time')}  host {env.get('hostname')}  ({env.get('platform')}, "
+             f"{env.get('cpu_count')} CPUs)",
+             f"  python {v.get('python')}  {env.get('python_executable')}  (prefix {env.get('python_prefix')})",
+             f"  torch {v.get('torch')}  git {str(v.get('torch_git'))[:12]}  CUDA {v.get('cuda')}  "
+             f"cuDNN {v.get('cudnn')}",
+             "  " + "  ".join(f"{k} {v.get(k)}" for k in ("triton", *LIBRARIES))]
+    if g.get("count"):
+        kinds = Counter(zip(g["names"], g["memory_gib"], g["capability"]))
+        lines.append("  GPUs: " + ", ".join(f"{n} x {name} ({mem} GiB, capability {cap})"
+                                            for (name, mem, cap), n in kinds.items()) + f", driver {g['driver']}")
+    else:
+        lines.append(f"  GPUs: none visible to torch (CUDA available: {g.get('cuda_available')})"
+                     + (f"; nvidia-smi: {g['nvidia_smi']}" if g.get("nvidia_smi") else ""))
+    if p.get("dirty"):
+        dirty = f"DIRTY: {', '.join(p['dirty_files'])} (diff sha256 {str(p.get('diff_sha256'))[:12]})"
+    else:
+        dirty = "dirty: unknown" if p.get("dirty") is None else "clean"
+    lines.append(f"  project {p.get('dir')}  commit {p.get('commit')}  {dirty}")
+    if p.get("error"):
+        lines.append(f"    git error: {p['error']}")
+    if p.get("untracked_count"):
+        lines.append(f"    {p['untracked_count']} untracked: {', '.join(p['untracked_files'])}")
+    lines.append(f"  compile cache {c.get('path')} ({c.get('source')}): " + (
+        f"{c.get('size_bytes', 0) / 2**20:,.1f} MiB in {c.get('file_count')} files, oldest "
+        f"{_fmt_time(c.get('oldest_mtime'))}, newest {_fmt_time(c.get('newest_mtime'))}" if c.get("exists")
+        else "does not exist -> every shape compiles cold"))
+    if info := c.get("info"):
+        lines.append(f"    filled by ({CACHE_INFO_FILE}): {json.dumps(info, sort_keys=True)[:400]}")
+        other = [f"{k} {info[k]} (now {v[k]})" for k in ("torch", "torch_git", "triton", "cuda")
+                 if k in info and k in v and str(info[k]) != str(v[k])]
+        lines += [f"    WARNING: filled by another build ({'; '.join(other)}): its entries will miss"] if other else []
+    elif c.get("exists"):
+        lines.append(f"    no {CACHE_INFO_FILE}: unknown which build filled it")
+    if "flex_fx_flag_thread_local" in env:   # the thread probe: only the command line runs it
+        flag = {None: "unknown (not seen even by the tracing thread)", True: "per thread",
+                False: "PROCESS-GLOBAL (a compile in one thread is seen by all)"}[env["flex_fx_flag_thread_local"]]
+        lines.append(f"  FX-tracing flag: {flag}")
+    variables = "  ".join(f"{k}={x}" for k, x in (env.get("env_vars") or {}).items())
+    lines += [f"  natural compile race expected: {env.get('natural_race_expected')}",
+              f"  env: {variables or '(none of the recorded variables)'}"]
+    return "\n".join(lines)
+
+
+def format_packages(rows, title):
+    return "\n".join([title] + ([f"  {_fmt_time(t)}  {n} {ver}" for n, ver, t in rows] or ["  (none)"]))
+
+
+def load_checkpoint_env(folder):
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    if not os.path.isfile(path := os.path.join(folder, "env.json")):
+        raise FileNotFoundError(f"{folder} has no env.json (not a checkpoint folder written by train_dflash.py)")
+    with open(path) as f:
+        return json.load(f)
+
+
+# --- 3. The thread probe: it raises the FX flag for real, so it runs only where no other thread runs
+# compiled code: the command line, the race exercise's child.
+def _fx_flag():
+    # this thread's view; read directly where it is a module global: is_fx_tracing() logs a warning
+    flag = getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", None)
+    return flag if isinstance(flag, bool) else bool(torch.fx._symbolic_trace.is_fx_tracing())
+
+
+def _fx_flag_thread_local():
+    """Is the FX flag per thread? Measured by behaviour: another thread reads it while this one traces."""
+    seen = []
+
+    def traced(x):
+        with ThreadPoolExecutor(1) as other:
+            seen.append((_fx_flag(), other.submit(_fx_flag).result()))
+        return x + 1
+    torch.fx.symbolic_trace(traced)
+    here, there = seen[0]
+    return (not there) if here else None   # None: not up even where the trace runs, so "there" says nothing
