@@ -21,7 +21,6 @@ import time
 import torch
 
 import dflash_model as dm
-from pipeline import fault, inject
 
 OPT_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -82,10 +81,9 @@ class Checkpointer:
         self.pool = HostPool()
         self.writer, self.lock, self.closed = None, threading.Lock(), False
 
-    def save(self, step, state, drafter, env_fn, progress):
+    def save(self, step, state, drafter, env_fn):
         """Snapshot `state` (torch.save'd) and the drafter's state_dict (saved in the serving format), and
-        write them with env_fn()'s env.json in the background. progress() is the step training has reached
-        (tests hold a write back with DFLASH_FAULT=ckpt_lag:N). Returns the seconds the step loop paused."""
+        write them with env_fn()'s env.json in the background. Returns the seconds the step loop paused."""
         busy = self.writer is not None and self.writer.is_alive()
         t0 = time.time()
         waited_for = self.wait()
@@ -103,14 +101,11 @@ class Checkpointer:
                 self.log(f"[ckpt] step {step}: not written, the run is stopping")
                 return 0.0
             self.writer = self.run.start_thread("checkpoint-writer", self._write, step, state, serving,
-                                                drafter, env_fn, progress)
+                                                drafter, env_fn)
             self.writer.step = step
         return time.time() - t0
 
-    def _write(self, step, state, serving, drafter, env_fn, progress):
-        lag = fault("ckpt_lag")
-        while lag is not None and progress() < step + lag and not self.run.stop.wait(0.05):
-            pass
+    def _write(self, step, state, serving, drafter, env_fn):
         t0 = time.time()
         final = os.path.join(self.out_dir, f"step_{step:06d}")
         tmp = final + ".tmp"
@@ -118,7 +113,6 @@ class Checkpointer:
         try:
             os.makedirs(tmp)
             dm.save_drafter(drafter, os.path.join(tmp, "drafter"), state=serving)
-            inject("ckpt", step)
             torch.save(state, os.path.join(tmp, "state.pt"))
             with open(os.path.join(tmp, "env.json"), "w") as f:
                 json.dump(env_fn(), f, indent=1, default=str)

@@ -8,6 +8,7 @@ Data for the DFlash drafter trainer, read top to bottom:
 3. tokenize_conversation / build_dataset: chat-template token ids and a loss mask that is 1 on exactly
    what the target generates in assistant turns (content + end-of-turn token), cached by `datasets`.
 4. length buckets, batches and collate: batches of similar length, so little compute goes to padding.
+5. load_training_data and BatchStream: what the trainer reads, and batch j of its stream over the epochs.
 
 Only numpy/torch are imported at module level: the trainer imports this file on machines that train on
 synthetic data only, without transformers' or datasets' import time.
@@ -550,3 +551,70 @@ def collate(batch_indices, data, bucket_len, pad_id):
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = torch.from_numpy(data["loss_mask"][i].astype(np.int64))
     return input_ids, attention_mask, loss_mask
+
+
+# -----------------------------------------------------------------------------
+# 5. what the trainer reads: the samples, and batch j of a stream over the epochs
+
+def load_training_data(cfg, files, tok, vocab, rank, log):
+    """(samples, path of the held-out conversations or None): tokenised chats, or synthetic samples."""
+    if files[0].startswith("synthetic:"):
+        return synthetic_data(files[0], cfg.max_length, vocab, cfg.seed), None
+    if tok is None:
+        raise SystemExit("error: a random:<config> target has no tokenizer; use --data synthetic:N")
+    data = build_dataset(tok, files, cfg.max_length, cfg.block_size, cfg.cache_dir, min_supervised=cfg.min_supervised,
+                         log=log, max_conversations=cfg.max_samples, heldout=cfg.heldout)
+    if not data["input_ids"]:
+        raise SystemExit("error: no usable training samples (see the skip counts above)")
+    data["manifests"] = {}
+    for name in files:         # data written by generate_data.py: which target wrote it, and how
+        if os.path.isfile(name + ".manifest.json"):
+            with open(name + ".manifest.json") as f:
+                m = data["manifests"][name] = json.load(f)
+            st = {k: v for k, v in m["settings"].items() if k not in ("sources", "target", "target_sha256")}
+            log(f"[data] {name}: answers written by {m['settings']['target']} (weights sha256 "
+                f"{m['settings']['target_sha256'][:12]}), {st}, counts {m['counts']}")
+    heldout = None
+    if data["heldout"] and rank == 0:
+        heldout = os.path.join(cfg.out_dir, "heldout.jsonl")
+        write_chat_jsonl(heldout, data["heldout"])
+        log(f"[data] {len(data['heldout'])} held-out conversations (never trained on) -> {heldout}")
+    return data, heldout
+
+
+def synthetic_data(spec, length, vocab, seed):
+    """Random samples for benchmarks: synthetic:N = N full-length samples, synthetic:N:varied = lengths
+    uniform in [length/8, length] (every bucket occurs). Loss on all but the first 10%."""
+    parts = spec.split(":")
+    n, varied = int(parts[1]), parts[2:] == ["varied"]
+    rng = np.random.default_rng(seed)
+    ids, masks = [], []
+    for _ in range(n):
+        L = int(rng.integers(max(2, length // 8), length + 1)) if varied else length
+        m = np.ones(L, dtype=np.uint8)
+        m[: L // 10] = 0
+        ids.append(rng.integers(0, vocab, L, dtype=np.int32))
+        masks.append(m)
+    return {"input_ids": ids, "loss_mask": masks}
+
+
+class BatchStream:
+    """Batch j of a flat stream over the epochs: (bucket length, sample indices) of this rank's shard, in an
+    order fixed by (seed, epoch); `rows` maps a bucket length to its rows (the shape plan's)."""
+
+    def __init__(self, cfg, lengths, rank, world, rows, buckets):
+        self.cfg, self.rows, self.buckets = cfg, rows, buckets
+        self.indices = list(range(rank, len(lengths), world))          # this node's shard
+        self.lengths = [lengths[i] for i in self.indices]
+        self.current, self.batches = None, None
+        self.nb = len(self.epoch(0))
+        self.padding_waste = padding_waste(self.lengths, self.batches)
+
+    def epoch(self, e):
+        if e != self.current:
+            self.current, self.batches = e, make_batches(self.lengths, self.buckets, self.rows, self.cfg.seed, e)
+        return self.batches
+
+    def batch(self, j):
+        S, local = self.epoch(j // self.nb)[j % self.nb]
+        return S, [self.indices[i] for i in local]

@@ -19,7 +19,6 @@ import json
 import os
 import queue
 import shutil
-import signal
 import sys
 import time
 from collections import Counter
@@ -29,7 +28,6 @@ import torch
 import config
 import data_dflash
 import decoding
-import pipeline
 
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples")
 
@@ -139,7 +137,7 @@ def worker(device, jobs, a, shards_dir, n_shards):
     model = config.load_model(a.target, device, config.param_dtype(device))
     stops = decoding.stop_token_ids(tok, model)
     slots = decoding.Slots(model, decoding.Slots.fit(model, a.max_length), a.max_length)
-    for n, (i, convs) in enumerate(iter(jobs.get, None), 1):
+    for i, convs in iter(jobs.get, None):
         if a.temperature > 0:
             torch.manual_seed(a.seed + i)  # a restarted shard samples as it would have uninterrupted
         t0 = time.time()
@@ -151,8 +149,6 @@ def worker(device, jobs, a, shards_dir, n_shards):
         print(f"[gen] shard {i + 1}/{n_shards} on {device}: {len(convs)} conversations, {st['answers']} answers, "
               f"{st['generated_tokens']:,} tokens in {st['seconds']:.1f} s "
               f"({st['generated_tokens'] / st['seconds']:,.0f} tok/s)", flush=True)
-        if pipeline.fault("gen_kill") == n:  # tests only: a worker killed right after its n-th shard
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_workers(a, pending, shards_dir, n_shards):

@@ -5,7 +5,6 @@ Any exception in any thread is recorded with its traceback and stops the whole r
 wakes at least every 0.2 s to look at the stop flag, and the replicas' barrier is aborted, so no thread hangs
 on a partner that died.
 """
-import os
 import queue
 import threading
 import traceback
@@ -122,14 +121,3 @@ class StepSync:
             self.result = combine(list(self.slots))
         self.wait()
         return self.result
-
-
-def fault(kind):
-    """Tests only: N of DFLASH_FAULT=kind:N (kinds: target, drafter, kill, ckpt, ckpt_lag, gen_kill), else None."""
-    spec = os.environ.get("DFLASH_FAULT", "")
-    return int(spec.split(":")[1]) if spec.startswith(kind + ":") else None
-
-
-def inject(kind, n):
-    if fault(kind) == n:
-        raise RuntimeError(f"injected failure in {kind} at {n} (DFLASH_FAULT={os.environ['DFLASH_FAULT']})")

@@ -1,5 +1,5 @@
 """CPU tests of generate_data.py: a tiny random Llama target (test_train's helper, SmolLM2 tokenizer)
-regenerates the assistant turns of small chat files. Faults come through DFLASH_FAULT, never an option."""
+regenerates the assistant turns of small chat files. Faults are injected by the tests (test_train.break_)."""
 import json
 import os
 import sys
@@ -10,7 +10,7 @@ import torch
 import data_dflash as D
 import decoding
 import generate_data as G
-from test_train import REPO, _save_tiny, child_env, embedded, run_cmd, tok  # noqa: F401 - fixtures
+from test_train import REPO, _save_tiny, broken, embedded, run_cmd, tok  # noqa: F401 - fixtures
 
 NEW = 12  # new tokens per answer: a tiny random model rarely stops by itself
 
@@ -69,11 +69,10 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
     data = D.build_dataset(tok, [str(out)], 256, 4, str(tmp_path / "cache"))
     assert data["stats"]["samples"] == 3
     import config
-    import train_dflash as tr
     cfg = config.parse_args(["--data", str(out), "--max-length", "256", "--block-size", "4", "--heldout", "0",
                              "--min-supervised", "1", "--cache-dir", str(tmp_path / "cache")])
     lines = []
-    data = tr.load_data(cfg, cfg.data, tok, len(tok), 0, lines.append)[0]   # the trainer names who wrote it
+    data = D.load_training_data(cfg, cfg.data, tok, len(tok), 0, lines.append)[0]   # the trainer names who wrote it
     assert data["manifests"][str(out)]["counts"]["written"] == 3
     assert any(f"{out}: answers written by {target}" in line for line in lines), lines
     m = manifest(out)
@@ -88,9 +87,9 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
 
 def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(target, tmp_path):
     src = chats(tmp_path / "in.jsonl")
-    cmd = [sys.executable, str(REPO / "generate_data.py"), "--target", target, "--data", src,
-           "--max-new-tokens", str(NEW), "--shard-size", "1", "--out"]
-    killed = run_cmd(cmd + [str(tmp_path / "a.jsonl")], env=child_env(DFLASH_FAULT="gen_kill:1"))
+    args = ["--target", target, "--data", src, "--max-new-tokens", str(NEW), "--shard-size", "1", "--out"]
+    cmd = [sys.executable, str(REPO / "generate_data.py"), *args]
+    killed = run_cmd(broken("generate_data", "gen_kill:1", args + [str(tmp_path / "a.jsonl")]))
     assert killed.rc == -9, killed.tail()
     assert os.listdir(tmp_path / "a.jsonl.shards") and not os.path.exists(tmp_path / "a.jsonl")
     again = run_cmd(cmd + [str(tmp_path / "a.jsonl")])

@@ -3,7 +3,7 @@ bench.py, eval_dflash.py, start_training.sh, torchrun).
 
 Every training run is tiny: a random 4-layer Llama/Qwen3 target (hidden 64) with the SmolLM2
 tokenizer, a 2-layer drafter, a handful of steps. What each test asserts is in its name. Faults are
-injected through the environment (DFLASH_FAULT=kind:N, see pipeline.fault), never a user option.
+injected by the tests: break() wraps the project's own function that is to fail, in the run's process.
 """
 import json
 import math
@@ -95,9 +95,68 @@ def run_cmd(cmd, timeout=TIMEOUT, env=None, cwd=REPO):
     return Proc(rc, lines, t0, t_end)
 
 
+def break_(kind, n):
+    """Wrap the function a fault breaks, in this process (a child that then runs a script's main):
+      target:N    the target thread's N-th batch raises        drafter:N   a drafter thread's step N raises
+      ckpt:N      checkpoint N's write raises, mid-folder      ckpt_lag:N  each checkpoint's write waits
+                                                                           until training is N steps past it
+      kill:N      SIGKILL once checkpoint N is on disk         gen_kill:N  SIGKILL after generate_data.py's
+                                                                           N-th shard is written"""
+    import checkpoint as ck
+    import data_dflash
+    import dflash_model as dm
+    import train_dflash as tr
+
+    def wrap(owner, name, before=None, after=None):
+        orig = getattr(owner, name)
+
+        def wrapped(*a, **kw):
+            before and before(*a)
+            out = orig(*a, **kw)
+            after and after(*a)
+            return out
+        setattr(owner, name, wrapped)
+
+    def fail(where):
+        raise RuntimeError(f"injected failure in {where} at {n}")
+    calls = iter(range(1, 1 << 30))
+    if kind == "target":
+        wrap(dm, "target_forward", before=lambda *a: next(calls) == n and fail("target"))
+    elif kind == "drafter":
+        wrap(tr.Trainer, "forward_backward", before=lambda self, r, step, *a: step == n and fail("drafter"))
+    elif kind == "ckpt":
+        wrap(dm, "save_drafter", after=lambda d, path, *a: f"step_{n:06d}.tmp" in path and fail("ckpt"))
+    elif kind == "ckpt_lag":
+        def lag(self, step, *a):          # training's progress, as metrics.jsonl records it
+            done = lambda: max([0] + [json.loads(x)["step"] for x in open(Path(self.out_dir) / "metrics.jsonl")])
+            while done() < step + n and not self.run.stop.wait(0.05):
+                pass
+        wrap(ck.Checkpointer, "_write", before=lag)
+    elif kind == "kill":
+        def kill(self, step, *a):
+            if step == n:
+                self.wait()
+                print(f"[test] SIGKILL after step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        wrap(ck.Checkpointer, "save", after=kill)
+    elif kind == "gen_kill":
+        wrap(data_dflash, "write_chat_jsonl", after=lambda path, *a: ".shards" in path and next(calls) == n
+             and os.kill(os.getpid(), signal.SIGKILL))
+    else:
+        raise ValueError(kind)
+
+
+def broken(script, fault, args):
+    """The command that runs `script` with the fault `kind:N` injected (break_)."""
+    kind, n = fault.split(":")
+    code = (f"import sys, test_train, {script}; test_train.break_({kind!r}, {int(n)}); "
+            f"sys.exit({script}.main(sys.argv[1:]))")
+    return [sys.executable, "-c", code, *map(str, args)]
+
+
 def train(*args, timeout=TIMEOUT, fault=None):
-    env = child_env(**({"DFLASH_FAULT": fault} if fault else {}))
-    return run_cmd([sys.executable, TRAIN, *map(str, args)], timeout=timeout, env=env)
+    cmd = broken("train_dflash", fault, args) if fault else [sys.executable, TRAIN, *map(str, args)]
+    return run_cmd(cmd, timeout=timeout)
 
 
 def metrics(out_dir):

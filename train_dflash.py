@@ -7,14 +7,15 @@
 
     loader --batches--> [bounded queue] --> one target thread per target device
         (no grad, bf16, compiled layers on GPUs, stops after the deepest captured layer, no LM head)
-    --features--> [reorder buffer] --> one drafter thread per drafter device, each its own replica:
-        anchors -> block mask -> compiled forward -> loss -> backward; the replicas meet at every
-        optimiser step: gradients summed (NCCL between GPUs, a plain sum on one device; across nodes
-        under torchrun), clipped, the same AdamW step on every replica.
+    --features--> [reorder buffer] --> the step loop (Trainer.loop, the main thread): every step hands each
+        drafter thread its micro-batches, and the thread runs anchors -> block mask -> compiled forward ->
+        loss -> backward on its own replica; then the loop sums the gradients (NCCL between GPUs, a plain
+        sum on one device; across nodes under torchrun), clips them, takes the same AdamW step on every
+        replica, writes the metrics and the log line, and checkpoints.
 
-Trainer.train() reads top to bottom: config, data, models, warm-up, threads, step, checkpoint. Any
-exception in any thread stops the run within seconds, prints that thread's traceback and exits
-non-zero; checkpoints are written atomically, so the last one stays intact.
+Trainer.train() reads top to bottom: config, data, models, resume, warm-up, then the loop. Any exception in
+any thread stops the run within seconds, prints that thread's traceback and exits non-zero; checkpoints are
+written atomically, so the last one stays intact.
 """
 import dataclasses
 import itertools
@@ -22,7 +23,6 @@ import json
 import math
 import os
 import queue
-import signal
 import statistics
 import sys
 import threading
@@ -30,27 +30,24 @@ import time
 
 T_PROCESS = time.time()       # before torch's import: the start-up line counts from here
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import checkpoint as ck
+import compiled
 import config
 import data_dflash
-import compiled
-import environment
 import dflash_model as dm
+import environment
 import layout
+from pipeline import ReorderBuffer, Run, Stop
 from replicas import Replicas
-from pipeline import ReorderBuffer, Run, StepSync, fault, inject
 
 
 class Trainer:
     def __init__(self, cfg, log, env=None):
         self.cfg, self.log, self.env_at_start, self.env_change_said = cfg, log, env, False
-        self.time_frac = 0.0          # the share of a --max-minutes budget used
-        self.next_end_s = 0.0         # when the next step is predicted to end, in train_seconds (all ranks' max)
-        self.run = Run()
+        self.run, self.time_frac, self.next_end_s = Run(), 0.0, 0.0   # the share of --max-minutes used; see loop
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
     def train(self):
@@ -72,8 +69,7 @@ class Trainer:
         if self.step >= self.total_steps:
             log(f"[run] already at step {self.step} of {self.total_steps}: nothing to do")
             return 0
-        # the budget's rule: a step runs only if it ends within the budget; a resume applies it to the end the
-        # checkpointed step predicted for its successor, so it agrees with where the run stopped
+        # the budget's rule (see loop), applied to the end the checkpointed step predicted for its successor
         if cfg.max_minutes and self.step and self.next_end_s >= 60 * cfg.max_minutes:
             log(f"[run] the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
                 f"{self.step}: nothing to do (a larger --max-minutes continues)")
@@ -82,8 +78,8 @@ class Trainer:
         compiled.GATE.log = log
         if self.attn == "flex":
             compiled.use_compile_cache(cfg.compile_cache, log)
-        compiled.warm_up(self.replicas.drafters, self.shapes, self.gamma, self.attn, cfg.on_unwarmed, log,
-                       targets=self.targets if self.attn == "flex" else ())
+        compiled.warm_up(self.replicas.drafters, self.shapes, cfg.gamma, self.attn, cfg.on_unwarmed, log,
+                         targets=self.targets if self.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
         if self.ddevs[0].type == "cuda" and self.world == 1:   # one process holds the node's GPUs
             self.advise_layout()
@@ -94,9 +90,9 @@ class Trainer:
         log(f"[run] start-up {now - T_PROCESS:.1f}s: imports + environment report {t_setup - T_PROCESS:.1f}s, "
             f"setup + data {t_models - t_setup:.1f}s, models + resume {t_warm - t_models:.1f}s, warm-up + matmul "
             f"peak {now - t_warm:.1f}s")
-        return self.run_threads()
+        return self.loop()
 
-    # --- config, data ------------------------------------------------------------------------
+    # --- config, data, models, resume ----------------------------------------------------------------
     def setup(self):
         cfg, log = self.cfg, self.log
         if self.world > 1:
@@ -108,17 +104,17 @@ class Trainer:
         self.tpath, files = config.target_and_data(cfg)
         self.tcfg, self.tok = config.load_target_config(self.tpath)
         self.dcfg = config.make_drafter_config(cfg, self.tcfg, self.tok)
-        self.gamma = cfg.gamma
         self.pad_id = 0 if self.tok is None else (
             self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id)
         mask = "-" if self.tok is None else repr(self.tok.convert_ids_to_tokens(self.dcfg.mask_token_id))
         log(f"[model] drafter {self.dcfg}")
-        log(f"[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {self.gamma}, attention {self.attn}"
+        log(f"[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {cfg.gamma}, attention {self.attn}"
             + (" (CPU: FlexAttention has no backward, dense-mask SDPA)" if self.ddevs[0].type == "cpu" else ""))
-        self.data, self.heldout = load_data(cfg, files, self.tok, self.dcfg.vocab_size, self.rank, log)
+        self.data, self.heldout = data_dflash.load_training_data(cfg, files, self.tok, self.dcfg.vocab_size,
+                                                                 self.rank, log)
         self.shapes = config.shape_plan(cfg, self.dcfg, config.batch_memory(self.dcfg, self.tcfg, self.tdevs, self.ddevs))
-        self.stream = BatchStream(cfg, [len(x) for x in self.data["input_ids"]], self.rank, self.world,
-                                  {S: B for B, S, _ in self.shapes})
+        self.stream = data_dflash.BatchStream(cfg, [len(x) for x in self.data["input_ids"]], self.rank, self.world,
+                                              {S: B for B, S, _ in self.shapes}, config.bucket_list(cfg))
         self.per_step = len(self.ddevs) * cfg.grad_accum             # batches per optimiser step (this node)
         steps_per_epoch = max(1, self.stream.nb // self.per_step)
         # shards differ in size: all ranks must agree (the same schedule, no hang at the end)
@@ -133,7 +129,6 @@ class Trainer:
             + (f" (or fewer: the run stops at the last step within --max-minutes {cfg.max_minutes:g})"
                if cfg.max_minutes else ""))
 
-    # --- models, resume ----------------------------------------------------------------------
     def build_models(self):
         tdtype = config.param_dtype(self.tdevs[0])
         self.targets = [config.load_target(self.tpath, d, tdtype, self.dcfg.target_layer_ids, self.log)
@@ -186,10 +181,9 @@ class Trainer:
         key = {"gpu": torch.cuda.get_device_name(self.ddevs[0]), "torch": torch.__version__, "target": self.tpath,
                "target_layers": len(self.targets[0].model.layers), "drafter": repr(self.dcfg),
                "shapes": [list(s) for s in self.shapes], "attn": self.attn}
-        times = compiled.time_shapes(self.targets[0], self.replicas.drafters[0], self.shapes, self.gamma, self.attn,
-                                   os.path.join(self.cfg.compile_cache, "layout_times.json"), key)
-        batches, lengths = self.stream._epoch(0), self.stream.lengths
-        buckets = []
+        times = compiled.time_shapes(self.targets[0], self.replicas.drafters[0], self.shapes, self.cfg.gamma,
+                                     self.attn, os.path.join(self.cfg.compile_cache, "layout_times.json"), key)
+        batches, lengths, buckets = self.stream.epoch(0), self.stream.lengths, []
         for B, S, A in self.shapes:
             mine = [sum(min(lengths[i], S) for i in idx) for s, idx in batches if s == S]
             if mine:                  # share of the batches, mean real tokens of a batch, its seconds
@@ -200,46 +194,100 @@ class Trainer:
                  + ", ".join(f"{s} target {1e3 * t:.0f} ms drafter {1e3 * d:.0f} ms" for s, (t, d) in times.items())
                  + f"):\n{layout.format_table(rows)}" + (f"\n[layout] {warning}" if warning else ""))
 
-    # --- threads -----------------------------------------------------------------------------
-    def run_threads(self):
-        cfg, log = self.cfg, self.log
+    # --- the loop ------------------------------------------------------------------------------------
+    def loop(self):
+        """The training loop, in the main thread; the threads produce features and run forward/backward."""
+        cfg, log, run, reps, bs = self.cfg, self.log, self.run, self.replicas, self.cfg.block_size
+        R, rank0, budget = len(self.ddevs), self.rank == 0, 60 * cfg.max_minutes
         os.makedirs(cfg.out_dir, exist_ok=True)
-        metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
-        if self.rank == 0 and os.path.exists(metrics):     # a resume: a killed run's later steps go
-            keep_metrics_upto(metrics, self.step)
-        self.meter = Meter(self, open(metrics if self.rank == 0 else os.devnull, "a"))
-        self.ckpt = ck.Checkpointer(self.run, cfg.out_dir, cfg.keep_last, log)
-        self.finish_at = None
+        metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        if rank0 and os.path.exists(metrics_path):     # a resume: a killed run's later steps go
+            keep_metrics_upto(metrics_path, self.step)
+        metrics, tb = open(metrics_path if rank0 else os.devnull, "a"), None
+        if cfg.tensorboard and rank0:
+            from torch.utils.tensorboard import SummaryWriter
+            # a resume hides the events of steps trained again, as metrics.jsonl drops their records
+            tb = SummaryWriter(cfg.tensorboard, purge_step=self.step + 1 if self.step else None)
+            log(f"[tensorboard] writing to {cfg.tensorboard} (view: tensorboard --logdir {cfg.tensorboard})")
+        self.ckpt = ck.Checkpointer(run, cfg.out_dir, cfg.keep_last, log)
         self.load_q = queue.Queue(maxsize=cfg.queue_depth * len(self.tdevs))
-        self.buf = ReorderBuffer(self.run, self.cursor, cfg.queue_depth * self.per_step + len(self.tdevs))
-        sync = StepSync(self.run, len(self.ddevs))
-        threads = [self.run.start_thread("loader", self.loader)]
-        threads += [self.run.start_thread(f"target-{i}:{d}", self.target_worker, i) for i, d in enumerate(self.tdevs)]
-        drafters = [self.run.start_thread(f"drafter-{r}:{d}", self.drafter_worker, r, sync)
-                    for r, d in enumerate(self.ddevs)]
-        log(f"[run] {len(threads) - 1} target + {len(drafters)} drafter threads started")
+        self.buf = ReorderBuffer(run, self.cursor, cfg.queue_depth * self.per_step + len(self.tdevs))
+        self.inbox, self.outbox = [queue.Queue(1) for _ in range(R)], [queue.Queue(1) for _ in range(R)]
+        self.busy = {"target": [0.0] * len(self.tdevs), "drafter": [0.0] * R}   # seconds of device work
+        threads = [run.start_thread("loader", self.loader)]
+        threads += [run.start_thread(f"target-{i}:{d}", self.target_worker, i) for i, d in enumerate(self.tdevs)]
+        threads += [run.start_thread(f"drafter-{r}:{d}", self.drafter_worker, r) for r, d in enumerate(self.ddevs)]
+        log(f"[run] {len(self.tdevs)} target + {R} drafter threads started")
+        if self.ddevs[0].type == "cuda":
+            torch.cuda.set_device(self.ddevs[0])      # the gradient sum and the steps run from this thread
+        self.t_start, t_prev = time.time(), self.seconds_before        # t_prev: the last step's end, budget clock
+        tot = {"tokens": 0.0, "flops": 0.0, "sync": 0.0, "pause": 0.0}   # this run's sums
+        seen, self.losses, self.last, tok_hist = dict(tot, t=self.t_start, busy=(0.0, 0.0)), [], None, []
+        self.busy_at_last = self.busy
         try:
-            while any(t.is_alive() for t in drafters) and not self.run.stop.is_set():
-                for t in drafters:
-                    t.join(timeout=0.5)
+            for step in range(self.step + 1, self.total_steps + 1):     # 1-based: the step being taken
+                # this step's micro-batches in stream order: replica r takes every R-th, grad_accum of them
+                j0 = self.cursor + (step - 1 - self.step) * self.per_step
+                items = [self.buf.take(j) for j in range(j0, j0 + self.per_step)]
+                work = [prepare_batches(cfg, self.dcfg, items[r::R]) for r in range(R)]
+                # one loss normaliser over replicas x micro-batches x ranks: the step is one over their concatenation
+                wsum = reps.over_ranks([sum(w[1] for w in work)])[0]
+                for r in range(R):
+                    run.put(self.inbox[r], (step, work[r], wsum))
+                sums = [run.get(q) for q in self.outbox]    # every replica's backward is done
+                t0 = time.time()
+                stats = reps.reduce(sums)                     # the gradients and the sums, over replicas and ranks
+                if cfg.max_minutes:
+                    # a step runs only if it ends within the budget, the next one predicted to take as long as
+                    # this one; the clock is every rank's latest (the same lr, the same last step everywhere)
+                    now = self.train_seconds()
+                    used, self.next_end_s = reps.over_ranks([now, 2 * now - t_prev], "MAX")
+                    t_prev, self.time_frac = now, used / budget        # before the step: the schedule reads it
+                lr = reps.opts[0].param_groups[0]["lr"]
+                try:
+                    gnorm = reps.step(cfg.clip)
+                except FloatingPointError as e:   # before any replica stepped: the weights are the last step's
+                    raise FloatingPointError(f"step {step}: {e} (loss {float(stats[0]):.4g}); stopped without "
+                                             "stepping, the checkpoints are intact. Usual causes: too high --lr, "
+                                             "or a bad batch / target feature") from None
+                tot["sync"] += time.time() - t0
+                loss, hits, counts, tokens, flops = stats.split([1, bs - 1, bs - 1, 1, 1])
+                tot["tokens"], tot["flops"] = tot["tokens"] + float(tokens), tot["flops"] + float(flops)
+                acc = (hits / counts.clamp(min=1)).tolist()
+                self.last = {"step": step, "loss": float(loss), "acc": [round(a, 4) for a in acc],
+                             "sim_tau": round(dm.simulated_tau(acc), 4), "lr": lr, "grad_norm": gnorm,
+                             "time": time.time()}
+                self.losses.append(self.last["loss"])
+                self.busy_at_last = {k: list(v) for k, v in self.busy.items()}   # the summary's window
+                metrics.write(json.dumps(self.last) + "\n")
+                metrics.flush()
+                reps.watch(step, cfg.log_interval)
+                budget_end = bool(cfg.max_minutes and self.next_end_s >= budget)
+                if budget_end:
+                    log(f"[run] time budget of {cfg.max_minutes} min: step {step} is the last that ends within it")
+                last = budget_end or step == self.total_steps
+                if step % cfg.log_interval == 0 or last:
+                    x, seen = self.interval(step, tot, seen)
+                    log(log_line(step, x, self.total_steps, cfg))
+                    for k, v in x.items() if tb else ():
+                        tb.add_scalar(k, v, step)
+                    if tb:
+                        tb.flush()         # readable while the run goes on, and after a kill
+                    self.warn_if_slow(x, tok_hist)
+                if rank0 and (step % cfg.ckpt_interval == 0 or last):
+                    tot["pause"] += self.save_checkpoint(step)
+                if last:
+                    break
+        except Stop:             # another thread failed: finish() reports it
+            pass
+        except Exception as e:   # noqa: BLE001 - the loop's own failure stops the run as a thread's would
+            run.fail("step loop", e)
         finally:                # after a failure or a Ctrl-C too: the TensorBoard events end complete
-            self.run.stop.set()                               # stop loader and target threads
+            run.stop.set()                               # stop the loader, target and drafter threads
             self.ckpt.close()
-            self.meter.close()
-        if self.run.failures:
-            for name, tb in self.run.failures:
-                log(f"\n[FATAL] thread {name} failed:\n{tb}")
-            last = ck.list_checkpoints(cfg.out_dir)
-            log(f"[FATAL] run stopped. Last intact checkpoint: {last[-1] if last else 'none'}")
-            return 1
-        for t in threads:    # a thread still inside torch at interpreter exit aborts the process
-            t.join(60)
-        self.replicas.check_identical(self.meter.last_step, log)
-        self.meter.summary()
-        if self.world > 1:   # all ranks together: a group left to the interpreter's exit can abort it
-            dist.barrier()
-            dist.destroy_process_group()
-        return 0
+            if tb:
+                tb.close()
+        return self.finish(threads, tot)
 
     def loader(self):
         for j in itertools.count(self.cursor):
@@ -251,105 +299,128 @@ class Trainer:
         dev, model = self.tdevs[ti], self.targets[ti]
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        for n in itertools.count(1):
+        while True:
             j, S, sids, ids, lm, lengths = self.run.get(self.load_q)
-            inject("target", n)
             t0 = time.time()
             with torch.no_grad():
                 am = (torch.arange(S)[None] < lengths[:, None]).to(dev)
                 feats = dm.target_forward(model, ids.to(dev, non_blocking=True), am, self.dcfg.target_layer_ids)
             compiled.sync_device(dev)            # busy = device time, not launch time
-            self.meter.t_busy[ti] += time.time() - t0
+            self.busy["target"][ti] += time.time() - t0
             self.buf.put(j, (S, sids, ids, lm, lengths, feats))
 
-    def drafter_worker(self, r, sync):
-        cfg, dev, dr = self.cfg, self.ddevs[r], self.replicas.drafters[r]
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        for step in range(self.step + 1, self.total_steps + 1):          # 1-based: the step being taken
-            inject("drafter", step)
-            base = self.cursor + (step - 1 - self.step) * self.per_step
-            items = [self.buf.take(base + g * len(self.ddevs) + r) for g in range(cfg.grad_accum)]
-            t0 = time.time()
-            prepared, wsum, flops = prepare_batches(cfg, self.dcfg, self.gamma, items)
-            # one loss normaliser over replicas x micro-batches (x ranks): a step equals one over their concatenation
-            wsum = sync.gather(r, wsum, lambda sums: self.replicas.over_ranks([sum(sums)])[0])
-            loss_sum, hits, counts = 0.0, 0, 0
-            for S, ids, lm, feats, anchors, valid in prepared:
-                shape = (ids.shape[0], S, anchors.shape[1])
-                if shape not in self.shapes:     # on every path, not only the gate's: CPU tests see it too
-                    raise RuntimeError(f"batch shape {shape} is not in the warmed shape plan {self.shapes}")
-                with compiled.autocast(dev):
-                    loss, acc, cnt = dm.drafter_forward_loss(dr, feats.to(dev, non_blocking=True),
-                                                             dm.to_device(ids, dev), dm.to_device(lm, dev), anchors,
-                                                             valid, self.gamma, compiled.trunk(self.attn), weight_sum=wsum)
-                compiled.backward(loss, dev, shape, self.attn)
-                loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
-            compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
-            self.meter.d_busy[r] += time.time() - t0
-            t1 = time.time()
-            n_tok = float(sum(int(it[4].sum()) for it in items))          # real (unpadded) target tokens
-            stats = torch.cat([loss_sum.float().view(1), hits.float(), counts.float(),
-                               torch.tensor([n_tok, flops], device=hits.device)]).to(dev)
-            gnorm, stats = sync.gather(r, stats, self.optimizer_step)
-            self.meter.d_sync[r] += time.time() - t1
-            if r == 0:
-                self.after_step(step, stats, gnorm)
-            sync.wait()                # the checkpoint and the stop decision are seen by every replica
-            if self.finish_at is not None and step >= self.finish_at:
-                break
+    def drafter_worker(self, r):
+        if self.ddevs[r].type == "cuda":
+            torch.cuda.set_device(self.ddevs[r])
+        while True:
+            step, work, wsum = self.run.get(self.inbox[r])
+            self.run.put(self.outbox[r], self.forward_backward(r, step, work, wsum))
 
-    # --- the step, after every replica's backward ---------------------------------------------
-    def optimizer_step(self, stats_list):
-        """In the leader thread while the others wait: sum the gradients and stats, clip, step every replica."""
-        t0 = time.time()
-        stats = self.replicas.reduce(stats_list)
-        if self.cfg.max_minutes:
-            # the budget clock is the same on every rank (the same lr, the same last step); the run stops
-            # at the last step that ends within the budget, the next one predicted to take as long as this one
-            now, budget = self.train_seconds(), 60 * self.cfg.max_minutes
-            step_s = now - getattr(self, "t_prev_step", now)
-            self.t_prev_step = now
-            self.time_frac, self.next_frac = self.replicas.over_ranks([now / budget, (now + step_s) / budget], "MAX")
-            self.next_end_s = self.next_frac * budget
-        self.t_sync_last = time.time() - t0
-        self.lr_used = self.replicas.opts[0].param_groups[0]["lr"]
-        try:
-            gnorm = self.replicas.step(self.cfg.clip)
-        except FloatingPointError as e:   # before any replica stepped: the weights are the last step's
-            raise FloatingPointError(f"step {self.meter.last_step + 1}: {e} (loss {float(stats[0]):.4g}); stopped "
-                                     "without stepping, the checkpoints are intact. Usual causes: too high "
-                                     "--lr, or a bad batch / target feature") from None
-        return gnorm, stats
+    def forward_backward(self, r, step, work, wsum):
+        """Replica r's part of a step: forward and backward of its micro-batches (the gradients add up in
+        its buffer); its sums (loss, hits and counts per block position, real tokens, FLOPs) on its device."""
+        dev, dr, t0 = self.ddevs[r], self.replicas.drafters[r], time.time()
+        prepared, _, n_tok, flops = work
+        loss_sum, hits, counts = 0.0, 0, 0
+        for S, ids, lm, feats, anchors, valid in prepared:
+            shape = (ids.shape[0], S, anchors.shape[1])
+            if shape not in self.shapes:     # on every path, not only the gate's: CPU tests see it too
+                raise RuntimeError(f"batch shape {shape} is not in the warmed shape plan {self.shapes}")
+            with compiled.autocast(dev):
+                loss, acc, cnt = dm.drafter_forward_loss(dr, feats.to(dev, non_blocking=True), dm.to_device(ids, dev),
+                                                         dm.to_device(lm, dev), anchors, valid, self.cfg.gamma,
+                                                         compiled.trunk(self.attn), weight_sum=wsum)
+            compiled.backward(loss, dev, shape, self.attn)
+            loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
+        compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
+        self.busy["drafter"][r] += time.time() - t0
+        return torch.cat([loss_sum.float().view(1), hits.float(), counts.float(),
+                          torch.tensor([n_tok, flops], device=hits.device)]).to(dev)
 
-    def after_step(self, step, stats, gnorm):
-        cfg = self.cfg
-        rec = self.meter.record(step, stats, gnorm, self.lr_used)
-        self.replicas.watch(step, cfg.log_interval)
-        if cfg.max_minutes and self.finish_at is None and self.next_frac >= 1.0:
-            self.finish_at = step
-            self.log(f"[run] time budget of {cfg.max_minutes} min: step {step} is the last that ends within it")
-        if step % cfg.log_interval == 0 or step == self.total_steps or self.finish_at == step:
-            self.meter.log_line(step, rec)
-        if self.rank == 0 and (step % cfg.ckpt_interval == 0 or step == self.total_steps or self.finish_at == step):
-            self.save_checkpoint(step)
-        # rank 0 only: it writes the checkpoints, and its death ends the others (torchrun stops them)
-        if fault("kill") == step and self.rank == 0:
-            self.ckpt.wait()                    # killed once its checkpoint is on disk
-            self.log(f"[test] SIGKILL after step {step}")
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+    # --- what a run reports --------------------------------------------------------------------------
+    def interval(self, step, tot, seen):
+        """The log line's figures over the steps since the last line (a checkpoint's pause apart: the rates say
+        how fast training runs), and the sums they start from next time."""
+        now, cfg = time.time(), self.cfg
+        dt = max(now - seen["t"] - (tot["pause"] - seen["pause"]), 1e-9)
+        busy = tuple(sum(v) / len(v) for v in self.busy.values())             # mean per device
+        x = {"loss": self.last["loss"], "acc@1": self.last["acc"][0], f"acc@{cfg.block_size - 1}": self.last["acc"][-1],
+             "sim_tau": self.last["sim_tau"], "lr": self.last["lr"], "grad_norm": self.last["grad_norm"],
+             "tok_s": (tot["tokens"] - seen["tokens"]) / dt,
+             "mfu_drafter": (tot["flops"] - seen["flops"]) / dt / (self.peak_flops * len(set(self.ddevs)) * self.world),
+             "busy_target": (busy[0] - seen["busy"][0]) / dt, "busy_drafter": (busy[1] - seen["busy"][1]) / dt,
+             "queue_load": self.load_q.qsize(), "queue_feat": len(self.buf),
+             "sync_ms": 1e3 * (tot["sync"] - seen["sync"]) / max(1, step - seen.get("step", self.step)),
+             "eta_min": (self.total_steps - step) * (now - self.t_start) / max(1, step - self.step) / 60,
+             "ckpt_pause_s": tot["pause"] - seen["pause"]}
+        if cfg.max_minutes:       # the budget, not the step count, ends such a run
+            x["eta_min"] = min(x["eta_min"], cfg.max_minutes - self.train_seconds() / 60)
+            x["budget_used"] = self.time_frac
+        if self.ddevs[0].type == "cuda":
+            x["mem_gib"] = torch.cuda.max_memory_allocated(self.ddevs[0]) / 2**30
+        return x, dict(tot, t=now, busy=busy, step=step)
 
-    # --- checkpoints ---------------------------------------------------------------------------
+    def warn_if_slow(self, x, tok_hist):
+        if x["mfu_drafter"] > 1.0 and not getattr(self, "mfu_warned", False):
+            self.mfu_warned = True
+            self.log(f"WARNING: MFU above 100%: the matmul peak measured at the start ({self.peak_flops / 1e12:.0f} "
+                     f"TFLOP/s on {self.ddevs[0]}) was too low; was the device busy with another process then? This "
+                     "run's MFU figures are not comparable")
+        recent = tok_hist[-19:]
+        tok_hist.append(x["tok_s"])
+        if len(recent) >= 5 and x["tok_s"] < 0.5 * statistics.median(recent):
+            last = ck.list_checkpoints(self.cfg.out_dir)
+            self.log(f"WARNING: throughput {x['tok_s']:,.0f} tok/s is far below this run's recent median "
+                     f"{statistics.median(recent):,.0f}. If the environment changed, run: python diagnose.py"
+                     + (f" --against {last[-1]}" if last else ""))
+
+    def finish(self, threads, tot):
+        """After the loop: the failures, or the bit-identity check, the summary and the process group's end."""
+        log, cfg = self.log, self.cfg
+        if self.run.failures:
+            for name, tb in self.run.failures:
+                log(f"\n[FATAL] thread {name} failed:\n{tb}")
+            last = ck.list_checkpoints(cfg.out_dir)
+            log(f"[FATAL] run stopped. Last intact checkpoint: {last[-1] if last else 'none'}")
+            return 1
+        for t in threads:    # a thread still inside torch at interpreter exit aborts the process
+            t.join(60)
+        self.replicas.check_identical(self.last["step"] if self.last else self.step, log)
+        # the training window ends at the last step, not the final checkpoint's write
+        elapsed = max((self.last["time"] if self.last else time.time()) - self.t_start, 1e-9)
+        share = lambda xs: [f"{x / elapsed:.0%}" for x in xs]
+        busy = self.busy_at_last
+        last = ck.list_checkpoints(cfg.out_dir)
+        prompts = self.heldout or "YOUR_PROMPTS.jsonl (no held-out conversations: --heldout 0 or synthetic data)"
+        n, losses = max(1, min(20, len(self.losses) // 5)), self.losses
+        log("\n".join([
+            "=" * 72, "summary",
+            f"  steps          {self.last['step'] if self.last else self.step} (this run: from {self.step})",
+            f"  tokens/s       {tot['tokens'] / elapsed:,.0f} (target tokens, {elapsed / 60:.1f} min)",
+            f"  loss           {losses[0]:.4f} -> {losses[-1]:.4f} (mean of the first / last {n} steps: "
+            f"{statistics.mean(losses[:n]):.4f} -> {statistics.mean(losses[-n:]):.4f})" if losses else "  loss -",
+            f"  simulated tau  {self.last['sim_tau']:.2f}" if self.last else "  simulated tau -",
+            f"  busy           target {share(busy['target'])} drafter {share(busy['drafter'])} (share of the "
+            f"training time on device work); optimiser step + gradient sync {tot['sync'] / elapsed:.0%}",
+            f"  checkpoint     {last[-1] if last else 'none'}",
+            *([f"  tensorboard    tensorboard --logdir {cfg.tensorboard}"] if cfg.tensorboard else []),
+            "  measure real acceptance:",
+            f"    python eval_dflash.py --target {self.tpath} --drafter {last[-1]}/drafter --prompts {prompts}"
+            + eval_processes(self) if last else "    (no checkpoint)", "=" * 72]))
+        if self.world > 1:   # all ranks together: a group left to the interpreter's exit can abort it
+            dist.barrier()
+            dist.destroy_process_group()
+        return 0
+
+    # --- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, step):
-        r = self.replicas
+        """Snapshot this step's state and write it in the background; the seconds the loop paused."""
         state = {"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
                  "batches_per_epoch_by_rank": self.nb_by_rank, "train_seconds": self.train_seconds(),
                  "next_step_ends_s": self.next_end_s if self.cfg.max_minutes else self.train_seconds(),
                  "config": dataclasses.asdict(self.cfg), "data_manifests": self.data.get("manifests", {}),
-                 **r.checkpoint_state()}
-        self.meter.ckpt_pause += self.ckpt.save(step, state, r.drafters[0], self.checkpoint_env,
-                                                lambda: self.meter.last_step)
+                 **self.replicas.checkpoint_state()}
+        return self.ckpt.save(step, state, self.replicas.drafters[0], self.checkpoint_env)
 
     def checkpoint_env(self):
         """env.json: the environment the run STARTED in (its code and packages were loaded then), the
@@ -368,10 +439,61 @@ class Trainer:
 
     def train_seconds(self):
         """Training time of the whole run, the runs it resumed included: what --max-minutes budgets."""
-        return self.seconds_before + time.time() - self.meter.t_start
+        return self.seconds_before + time.time() - self.t_start
 
 
-# --- Set-up pieces --------------------------------------------------------------------------------
+def log_line(step, x, total_steps, cfg):
+    bs = cfg.block_size
+    progress = f"{step} ({x['budget_used']:.0%} of {cfg.max_minutes:g} min)" if cfg.max_minutes else f"{step}/{total_steps}"
+    return (f"step {progress} | loss {x['loss']:.4f} | acc@1 {x['acc@1']:.3f} acc@{bs - 1} {x[f'acc@{bs - 1}']:.3f} "
+            f"| sim_tau {x['sim_tau']:.2f} | lr {x['lr']:.2e} | gnorm {x['grad_norm']:.2f} | {x['tok_s']:,.0f} tok/s "
+            f"| MFU drafter {x['mfu_drafter']:.1%} | busy target {x['busy_target']:.0%} drafter "
+            f"{x['busy_drafter']:.0%} | queues load {x['queue_load']} feat {x['queue_feat']} | sync "
+            f"{x['sync_ms']:.0f}ms | mem " + (f"{x['mem_gib']:.1f}GiB" if "mem_gib" in x else "-")
+            + f" | ETA {x['eta_min']:.1f}min" + (f" | checkpoint pause {x['ckpt_pause_s']:.2f}s (not in the rates)"
+                                                 if x["ckpt_pause_s"] else ""))
+
+
+def eval_processes(t):
+    """The eval's --processes for this machine: on a GPU as many fp32 copies of the target as fit in 80%
+    of its memory (a decoding process leaves a GPU mostly idle), at most 8 and one per two CPU cores."""
+    if t.tdevs[0].type != "cuda":
+        return ""
+    params = sum(p.numel() for p in t.targets[0].parameters())
+    n = min(8, (os.cpu_count() or 2) // 2, int(0.8 * torch.cuda.get_device_properties(t.tdevs[0]).total_memory
+                                                 / (4.8 * params)))
+    return f" --processes {n}" if n > 1 else ""
+
+
+# --- A step's micro-batches: anchors drawn per (seed, sample, epoch), so a resume is exact ---
+
+
+def prepare_batches(cfg, dcfg, items):
+    """(micro-batches with their anchors, loss-weight sum, real tokens, FLOPs) of one replica's step."""
+    prepared, wsum, tokens, flops = [], 0.0, 0.0, 0.0
+    for S, sids, ids, lm, lengths, feats in items:
+        A = config.anchors_for(cfg, S, cfg.block_size)
+        anchors, valid = sample_anchors_for(cfg.seed, sids, lm, lengths, A, cfg.block_size)
+        wsum += float(dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3][:, :, 1:].sum())
+        tokens += float(lengths.sum())
+        flops += dm.batch_flops(dcfg, S, anchors, valid)
+        prepared.append((S, ids, lm, feats, anchors, valid))
+    return prepared, wsum, tokens, flops
+
+
+def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
+    """Anchors drawn per (sample, epoch) with their own generator: the same sample gets the same
+    anchors however the batches are split across replicas, and a resumed run draws them again."""
+    anchors, valid = [], []
+    for r, (sid, epoch) in enumerate(sample_keys):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + int(sid) * 7919 + int(epoch))
+        a, v = dm.sample_anchors(lm[r: r + 1], lengths[r: r + 1], A, block_size, generator=g)
+        anchors.append(a)
+        valid.append(v)
+    return torch.cat(anchors), torch.cat(valid)
+
+
+# --- Processes, logs and the command line --------------------------------------------------------
 
 
 def init_distributed(rank, world, log):
@@ -392,233 +514,6 @@ def gather_ints(world, value):
     t[dist.get_rank()] = int(value)
     dist.all_reduce(t)
     return t.tolist()
-
-
-def load_data(cfg, files, tok, vocab, rank, log):
-    """(samples, path of the held-out conversations or None): tokenised chats, or synthetic samples."""
-    if files[0].startswith("synthetic:"):
-        return synthetic_data(files[0], cfg.max_length, vocab, cfg.seed), None
-    if tok is None:
-        raise SystemExit("error: a random:<config> target has no tokenizer; use --data synthetic:N")
-    data = data_dflash.build_dataset(tok, files, cfg.max_length, cfg.block_size, cfg.cache_dir,
-                                     min_supervised=cfg.min_supervised, log=log,
-                                     max_conversations=cfg.max_samples, heldout=cfg.heldout)
-    if not data["input_ids"]:
-        raise SystemExit("error: no usable training samples (see the skip counts above)")
-    data["manifests"] = {}
-    for name in files:         # data written by generate_data.py: which target wrote it, and how
-        if os.path.isfile(name + ".manifest.json"):
-            with open(name + ".manifest.json") as f:
-                m = data["manifests"][name] = json.load(f)
-            st = {k: v for k, v in m["settings"].items() if k not in ("sources", "target", "target_sha256")}
-            log(f"[data] {name}: answers written by {m['settings']['target']} (weights sha256 "
-                f"{m['settings']['target_sha256'][:12]}), {st}, counts {m['counts']}")
-    heldout = None
-    if data["heldout"] and rank == 0:
-        heldout = os.path.join(cfg.out_dir, "heldout.jsonl")
-        data_dflash.write_chat_jsonl(heldout, data["heldout"])
-        log(f"[data] {len(data['heldout'])} held-out conversations (never trained on) -> {heldout}")
-    return data, heldout
-
-
-# --- What a run reports: metrics.jsonl, the log line, the summary ---------------------------------
-
-
-class Meter:
-    """Counters of the steps that ran: metrics.jsonl records, a line every log interval, the summary at the end."""
-
-    def __init__(self, trainer, metrics_file):
-        t = self.t = trainer
-        self.metrics = metrics_file
-        self.t_busy, self.d_busy, self.d_sync = [0.0] * len(t.tdevs), [0.0] * len(t.ddevs), [0.0] * len(t.ddevs)
-        self.tokens = self.tokens_log = self.flops = self.flops_log = 0.0
-        self.tok_hist, self.losses, self.last, self.ckpt_pause, self.mfu_warned = [], [], None, 0.0, False
-        self.busy_log = (0.0, 0.0)
-        self.t_start = self.t_log = time.time()
-        self.tb = None
-        if t.cfg.tensorboard and t.rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
-            # a resume hides the events of steps trained again, as metrics.jsonl drops their records
-            self.tb = SummaryWriter(t.cfg.tensorboard, purge_step=t.step + 1 if t.step else None)
-            t.log(f"[tensorboard] writing to {t.cfg.tensorboard} (view: tensorboard --logdir {t.cfg.tensorboard})")
-
-    def close(self):
-        """Writes the TensorBoard events still buffered (metrics.jsonl is flushed at every record)."""
-        if self.tb:
-            self.tb.close()
-
-    @property
-    def last_step(self):
-        return self.last["step"] if self.last else self.t.step
-
-    def record(self, step, stats, gnorm, lr):
-        bs = self.t.cfg.block_size
-        self.tokens += float(stats[2 * bs - 1])     # summed over replicas and ranks
-        self.flops += float(stats[2 * bs])
-        acc = (stats[1: bs] / stats[bs: 2 * bs - 1].clamp(min=1)).tolist()
-        rec = {"step": step, "loss": float(stats[0]), "acc": [round(a, 4) for a in acc],
-               "sim_tau": round(dm.simulated_tau(acc), 4), "lr": lr, "grad_norm": gnorm, "time": time.time()}
-        self.losses.append(rec["loss"])
-        self.last = rec
-        self.busy_at_last = (list(self.t_busy), list(self.d_busy), list(self.d_sync))  # the summary's window
-        self.metrics.write(json.dumps(rec) + "\n")
-        self.metrics.flush()
-        return rec
-
-    def log_line(self, step, rec):
-        """The log line and the TensorBoard scalars, both from one dict of the interval's figures."""
-        t, bs = self.t, self.t.cfg.block_size
-        now = time.time()
-        # a checkpoint's pause is reported apart: the rates say how fast training runs
-        pause, self.ckpt_pause = self.ckpt_pause, 0.0
-        dt = max(now - self.t_log - pause, 1e-9)
-        busy = sum(self.t_busy) / len(self.t_busy), sum(self.d_busy) / len(self.d_busy)   # mean per device
-        x = {"loss": rec["loss"], "acc@1": rec["acc"][0], f"acc@{bs - 1}": rec["acc"][-1], "sim_tau": rec["sim_tau"],
-             "lr": rec["lr"], "grad_norm": rec["grad_norm"], "tok_s": (self.tokens - self.tokens_log) / dt,
-             "mfu_drafter": (self.flops - self.flops_log) / dt / (t.peak_flops * len(set(t.ddevs)) * t.world),
-             "busy_target": (busy[0] - self.busy_log[0]) / dt, "busy_drafter": (busy[1] - self.busy_log[1]) / dt,
-             "queue_load": t.load_q.qsize(), "queue_feat": len(t.buf), "sync_ms": 1000 * t.t_sync_last,
-             "eta_min": (t.total_steps - step) * (now - self.t_start) / max(1, step - t.step) / 60,
-             "ckpt_pause_s": pause}
-        self.t_log, self.tokens_log, self.flops_log, self.busy_log = now, self.tokens, self.flops, busy
-        progress = f"{step}/{t.total_steps}"
-        if t.cfg.max_minutes:       # the budget, not the step count, ends such a run
-            x["eta_min"] = min(x["eta_min"], t.cfg.max_minutes - t.train_seconds() / 60)
-            x["budget_used"] = t.time_frac
-            progress = f"{step} ({t.time_frac:.0%} of {t.cfg.max_minutes:g} min)"
-        if t.ddevs[0].type == "cuda":
-            x["mem_gib"] = torch.cuda.max_memory_allocated(t.ddevs[0]) / 2**30
-        t.log(f"step {progress} | loss {x['loss']:.4f} | acc@1 {x['acc@1']:.3f} acc@{bs - 1} {x[f'acc@{bs - 1}']:.3f} "
-              f"| sim_tau {x['sim_tau']:.2f} | lr {x['lr']:.2e} | gnorm {x['grad_norm']:.2f} | {x['tok_s']:,.0f} tok/s "
-              f"| MFU drafter {x['mfu_drafter']:.1%} | busy target {x['busy_target']:.0%} drafter "
-              f"{x['busy_drafter']:.0%} | queues load {x['queue_load']} feat {x['queue_feat']} | sync "
-              f"{x['sync_ms']:.0f}ms | mem " + (f"{x['mem_gib']:.1f}GiB" if "mem_gib" in x else "-") + f" | ETA "
-              f"{x['eta_min']:.1f}min" + (f" | checkpoint pause {pause:.2f}s (not in the rates)" if pause else ""))
-        if self.tb:
-            for k, v in x.items():
-                self.tb.add_scalar(k, v, step)
-            self.tb.flush()         # readable while the run goes on, and after a kill
-        tok_s, mfu = x["tok_s"], x["mfu_drafter"]
-        if mfu > 1.0 and not self.mfu_warned:
-            self.mfu_warned = True
-            t.log(f"WARNING: MFU above 100%: the matmul peak measured at the start ({t.peak_flops / 1e12:.0f} "
-                  f"TFLOP/s on {t.ddevs[0]}) was too low; was the device busy with another process then? This run's "
-                  "MFU figures are not comparable")
-        recent = self.tok_hist[-19:]
-        self.tok_hist.append(tok_s)
-        if len(recent) >= 5 and tok_s < 0.5 * statistics.median(recent):
-            last = ck.list_checkpoints(t.cfg.out_dir)
-            t.log(f"WARNING: throughput {tok_s:,.0f} tok/s is far below this run's recent median "
-                  f"{statistics.median(recent):,.0f}. If the environment changed, run: python diagnose.py"
-                  + (f" --against {last[-1]}" if last else ""))
-
-    def summary(self):
-        t = self.t
-        # the training window ends at the last step, not the final checkpoint's write
-        elapsed = max((self.last["time"] if self.last else time.time()) - self.t_start, 1e-9)
-        t_busy, d_busy, d_sync = self.busy_at_last if self.last else (self.t_busy, self.d_busy, self.d_sync)
-        share = lambda xs: [f"{x / elapsed:.0%}" for x in xs]
-        last = ck.list_checkpoints(t.cfg.out_dir)
-        prompts = t.heldout or "YOUR_PROMPTS.jsonl (no held-out conversations: --heldout 0 or synthetic data)"
-        n = max(1, min(20, len(self.losses) // 5))
-        t.log("\n".join([
-            "=" * 72, "summary",
-            f"  steps          {self.last_step} (this run: from {t.step})",
-            f"  tokens/s       {self.tokens / elapsed:,.0f} (target tokens, {elapsed / 60:.1f} min)",
-            f"  loss           {self.losses[0]:.4f} -> {self.losses[-1]:.4f} (mean of the first / last {n} steps: "
-            f"{statistics.mean(self.losses[:n]):.4f} -> {statistics.mean(self.losses[-n:]):.4f})"
-            if self.losses else "  loss -",
-            f"  simulated tau  {self.last['sim_tau']:.2f}" if self.last else "  simulated tau -",
-            f"  busy           target {share(t_busy)} drafter {share(d_busy)} (share of the training time on "
-            f"device work); drafter wait at the step barrier + sync {share(d_sync)}",
-            f"  checkpoint     {last[-1] if last else 'none'}",
-            *([f"  tensorboard    tensorboard --logdir {t.cfg.tensorboard}"] if t.cfg.tensorboard else []),
-            "  measure real acceptance:",
-            f"    python eval_dflash.py --target {t.tpath} --drafter {last[-1]}/drafter --prompts {prompts}"
-            + eval_processes(t) if last else "    (no checkpoint)", "=" * 72]))
-
-
-def eval_processes(t):
-    """The eval's --processes for this machine: on a GPU as many fp32 copies of the target as fit in 80%
-    of its memory (a decoding process leaves a GPU mostly idle), at most 8 and one per two CPU cores."""
-    if t.tdevs[0].type != "cuda":
-        return ""
-    params = sum(p.numel() for p in t.targets[0].parameters())
-    n = min(8, (os.cpu_count() or 2) // 2, int(0.8 * torch.cuda.get_device_properties(t.tdevs[0]).total_memory
-                                                 / (4.8 * params)))
-    return f" --processes {n}" if n > 1 else ""
-
-
-# --- Data order and anchors: functions of the seed, the epoch and the sample, so a resume is exact ---
-
-
-class BatchStream:
-    """Batch j of a flat stream over the epochs: (bucket length, sample indices) of this rank's shard,
-    in an order fixed by (seed, epoch)."""
-
-    def __init__(self, cfg, lengths, rank, world, rows):
-        self.cfg = cfg
-        self.indices = list(range(rank, len(lengths), world))          # this node's shard
-        self.lengths = [lengths[i] for i in self.indices]
-        self.buckets = config.bucket_list(cfg)
-        self.rows = rows              # bucket length -> rows: the shape plan's
-        self.epoch, self.batches = None, None
-        self.nb = len(self._epoch(0))
-        self.padding_waste = data_dflash.padding_waste(self.lengths, self.batches)
-
-    def _epoch(self, epoch):
-        if epoch != self.epoch:
-            self.epoch, self.batches = epoch, data_dflash.make_batches(self.lengths, self.buckets, self.rows,
-                                                                       self.cfg.seed, epoch)
-        return self.batches
-
-    def batch(self, j):
-        S, local = self._epoch(j // self.nb)[j % self.nb]
-        return S, [self.indices[i] for i in local]
-
-
-def prepare_batches(cfg, dcfg, gamma, items):
-    """Anchors of each micro-batch of a step, the step's loss-weight sum and its FLOPs."""
-    prepared, wsum, flops = [], 0.0, 0.0
-    for S, sids, ids, lm, lengths, feats in items:
-        A = config.anchors_for(cfg, S, cfg.block_size)
-        anchors, valid = sample_anchors_for(cfg.seed, sids, lm, lengths, A, cfg.block_size)
-        w = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, gamma)[3]
-        wsum += float(w[:, :, 1:].sum())
-        flops += dm.batch_flops(dcfg, S, anchors, valid)
-        prepared.append((S, ids, lm, feats, anchors, valid))
-    return prepared, wsum, flops
-
-
-def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
-    """Anchors drawn per (sample, epoch) with their own generator: the same sample gets the same
-    anchors however the batches are split across replicas, and a resumed run draws them again."""
-    anchors, valid = [], []
-    for r, (sid, epoch) in enumerate(sample_keys):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + int(sid) * 7919 + int(epoch))
-        a, v = dm.sample_anchors(lm[r: r + 1], lengths[r: r + 1], A, block_size, generator=g)
-        anchors.append(a)
-        valid.append(v)
-    return torch.cat(anchors), torch.cat(valid)
-
-
-def synthetic_data(spec, length, vocab, seed):
-    """Random samples for benchmarks: synthetic:N = N full-length samples, synthetic:N:varied = lengths
-    uniform in [length/8, length] (every bucket occurs). Loss on all but the first 10%."""
-    parts = spec.split(":")
-    n, varied = int(parts[1]), parts[2:] == ["varied"]
-    rng = np.random.default_rng(seed)
-    ids, masks = [], []
-    for _ in range(n):
-        L = int(rng.integers(max(2, length // 8), length + 1)) if varied else length
-        m = np.ones(L, dtype=np.uint8)
-        m[: L // 10] = 0
-        ids.append(rng.integers(0, vocab, L, dtype=np.int32))
-        masks.append(m)
-    return {"input_ids": ids, "loss_mask": masks}
-
-
-# --- Logs and the command line --------------------------------------------------------------------
 
 
 def keep_metrics_upto(path, step):
