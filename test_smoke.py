@@ -12,6 +12,10 @@ guard: mixing modes would compile twice). FlexAttention has no backward on CPU, 
 attn="sdpa". The gate tests use tiny torch.compile(backend=<counting eager backend>) functions, which
 exercise dynamo's per-call checks, stances and recompile limits without inductor.
 """
+if __name__ == "__main__":   # the test command sets itself up: it installs what is missing, and says what
+    import install
+    install.main(["--test"])
+
 import json
 import math
 import os
