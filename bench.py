@@ -62,6 +62,13 @@ def parse_args(argv):
         p.error("--target-devices / --drafter-devices need --pipeline-only")
     if min(a.steps, a.rounds) < 1:
         p.error("--steps and --rounds must be >= 1")
+    config.check_devices([a.device or "cpu", *filter(None, (a.target_devices + "," + a.drafter_devices).split(","))])
+    if a.target_config:
+        try:
+            with open(a.target_config) as f:
+                a.spec = {k: v for k, v in json.load(f).items() if k not in ("architectures", "torch_dtype", "dtype")}
+        except (OSError, ValueError) as e:
+            p.error(f"--target-config {a.target_config}: {e}")
     return a
 
 
@@ -82,8 +89,7 @@ def main(argv=None):
         torch.cuda.set_device(dev)
     spec = TINY if a.tiny or dev.type == "cpu" else QWEN3_8B
     if a.target_config:
-        with open(a.target_config) as f:
-            spec = {k: v for k, v in json.load(f).items() if k not in ("architectures", "torch_dtype", "dtype")}
+        spec = a.spec
     S = a.seq or (256 if spec is TINY else 3072)
     A = a.anchors or (16 if spec is TINY else 512)
     cfg_path = os.path.join(tmp, "target_config.json")

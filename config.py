@@ -171,12 +171,18 @@ def resolve_devices(cfg):
         n, ([f"cuda:{i}" for i in range(n - nd)], [f"cuda:{i}" for i in range(n - nd, n)]))
     tdev = [torch.device(d) for d in auto[0]] if cfg.target_devices == "auto" else parse(cfg.target_devices)
     ddev = [torch.device(d) for d in auto[1]] if cfg.drafter_devices == "auto" else parse(cfg.drafter_devices)
-    for d in tdev + ddev:
-        if d.type == "cuda" and (d.index or 0) >= n:
-            raise SystemExit(f"error: device {d} requested but only {n} CUDA device(s) visible")
+    check_devices(tdev + ddev)
     if not tdev or not ddev:
         raise SystemExit("error: need at least one target and one drafter device")
     return tdev, ddev
+
+
+def check_devices(devices):
+    """Every device exists here; else the one-line error (every script's)."""
+    n = torch.cuda.device_count()
+    for d in map(torch.device, devices):
+        if d.type == "cuda" and (d.index or 0) >= n:
+            raise SystemExit(f"error: device {d} requested but only {n} CUDA device(s) visible")
 
 
 def resolve_attn(cfg, drafter_devs):
@@ -333,10 +339,12 @@ def new_drafter(dcfg, emb, head, dev, seed):
 def load_model(path, device, dtype):
     """The target as transformers loads it (LM head included), frozen: every script's one way to load it."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()    # a bar per load would fill the logs
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError) as e:    # no such folder or hub name, missing or cut weights
-        raise SystemExit(f"error: cannot load the target {path!r}: {str(e).splitlines()[0]}") from None
+    except Exception as e:    # no such folder or hub name, missing or cut weights: name it, in one line
+        raise SystemExit(f"error: cannot load the target {path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     return model.to(device).eval().requires_grad_(False)
 
 

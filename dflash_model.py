@@ -544,24 +544,30 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
 
 
 def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
-    """Load a saved drafter; `target` provides the frozen embedding and LM head."""
+    """Load a saved drafter; `target` provides the frozen embedding and LM head. What is not a drafter for
+    this target is a one-line error naming the file."""
     from safetensors.torch import load_file
-    cfg_path = os.path.join(path, "config.json")
+    cfg_path, weights = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"no drafter config.json in {path}")
-    with open(cfg_path) as f:
-        hf = json.load(f)
-    if "dflash_config" not in hf:
-        raise ValueError(f"{cfg_path} has no dflash_config: not a DFlash drafter")
-    d = hf["dflash_config"]
-    cfg = DFlashConfig(**{k: hf[k] for k in HF_KEYS}, num_draft_layers=hf["num_hidden_layers"],
-                       **{k: d[k] for k in ("block_size", "mask_token_id", "target_layer_ids")})
+        raise SystemExit(f"error: no drafter at {path}: {cfg_path} does not exist (a drafter folder is a "
+                         "checkpoint's drafter/, e.g. out/step_000690/drafter)")
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+        d = hf["dflash_config"]
+        cfg = DFlashConfig(**{k: hf[k] for k in HF_KEYS}, num_draft_layers=hf["num_hidden_layers"],
+                           **{k: d[k] for k in ("block_size", "mask_token_id", "target_layer_ids")})
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: {cfg_path} is not a DFlash drafter's config ({type(e).__name__}: {e})") from None
     drafter = DFlashDrafter(cfg)
-    weights = os.path.join(path, "model.safetensors")
     try:
         drafter.load_state_dict(load_file(weights), strict=True)
-    except Exception as e:       # a truncated or foreign file: name it, not safetensors' internals
-        raise ValueError(f"cannot load the drafter weights {weights}: {e}") from None
+    except Exception as e:       # missing, cut or foreign: name the file, not safetensors' internals
+        raise SystemExit(f"error: cannot load the drafter weights {weights}: {e}") from None
     if target is not None:
+        t = getattr(target.config, "text_config", target.config)
+        if (t.hidden_size, t.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+            raise SystemExit(f"error: the drafter at {path} was trained for a target of hidden size {cfg.hidden_size} "
+                             f"and {cfg.vocab_size} tokens; this one has {t.hidden_size} and {t.vocab_size}")
         drafter.attach_target(target)
     return drafter.to(device=device, dtype=dtype)

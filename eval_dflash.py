@@ -64,9 +64,11 @@ def parse_args(argv):
         p.error(f"a drafter is given twice: {' '.join(a.drafter)}")
     if missing := [f for f in a.prompts or [] if data_dflash.names_a_file(f) and not os.path.isfile(f)]:
         p.error(f"prompt file not found: {', '.join(missing)}")
+    if min(1 if x is None else x for x in (a.num_prompts, a.max_new_tokens, a.max_prompt_tokens, a.processes)) < 1 \
+            or a.skip < 0:
+        p.error("--num-prompts, --max-new-tokens, --max-prompt-tokens and --processes must be >= 1, --skip >= 0")
+    config.check_devices([a.device])
     gpu = torch.device(a.device).type == "cuda"
-    if gpu and not torch.cuda.is_available():
-        p.error(f"--device {a.device}: no CUDA device is visible (--device cpu)")
     a.num_prompts = a.num_prompts or (100 if gpu else 5)
     a.max_new_tokens = a.max_new_tokens or (256 if gpu else 32)
     return a

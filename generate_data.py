@@ -50,8 +50,11 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if a.target and not a.data:
         p.error("--target needs --data (the embedded default's data goes with its own target)")
+    if min(a.max_new_tokens, a.shard_size, a.max_length - 1) < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
+        p.error("need --max-new-tokens, --shard-size >= 1, --max-length >= 2, --temperature >= 0, 0 < --top-p <= 1")
     n_gpu = torch.cuda.device_count()
     a.devices = a.devices.split(",") if a.devices else [f"cuda:{i}" for i in range(n_gpu)] or ["cpu"]
+    config.check_devices(a.devices)
     return a
 
 
@@ -209,7 +212,10 @@ def main(argv=None):
           f"skipped: {reasons}")
     if not convs:
         raise SystemExit(f"error: no usable conversation in {', '.join(a.data)} (skipped: {reasons})")
-    os.makedirs(shards_dir, exist_ok=True)
+    try:
+        os.makedirs(shards_dir, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: cannot write next to --out {a.out}: {e}") from None
     if not same_settings(os.path.join(shards_dir, "settings.json"), settings):
         data_dflash.write_json(os.path.join(shards_dir, "settings.json"), settings)
     shards = [convs[i:i + a.shard_size] for i in range(0, len(convs), a.shard_size)]

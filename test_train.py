@@ -1083,6 +1083,62 @@ def test_start_training_sh_embedded_default_end_to_end(embedded, tmp_path):
             (REPO / logfile.group(1)).unlink()        # our run's copy of the log in logs/
 
 
+def test_every_script_answers_a_bad_input_with_one_line_naming_it(llama, tmp_path):
+    """A user's mistake ends every script with one line that names the file or option (a SystemExit with its
+    message: no traceback). Each case runs the script's main in one child process. (diagnose.py: test_diagnose.)"""
+    import dflash_model as dm
+    from transformers import AutoConfig
+    t = tmp_path
+    good = t / "drafter"
+    dm.save_drafter(dm.DFlashDrafter(dm.DFlashConfig.from_target_config(AutoConfig.from_pretrained(llama),
+                                                                        num_draft_layers=1, block_size=4)), str(good))
+    dm.save_drafter(dm.DFlashDrafter(dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                                     num_key_value_heads=1, head_dim=16, vocab_size=100,
+                                                     num_target_layers=4, num_draft_layers=1)), str(t / "alien"))
+    shutil.copytree(good, t / "cut")
+    (t / "cut" / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:100])
+    shutil.copytree(llama, t / "tcut")
+    for f in (t / "tcut").glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])
+    (t / "other").mkdir()
+    (t / "other" / "config.json").write_text('{"model_type": "qwen3"}')
+    (t / "bad.json").write_text("{not json")
+    prompts = short_chats(t / "p.jsonl", 2)
+    ev = ["eval_dflash", "--target", llama, "--prompts", prompts, "--drafter"]
+    cases = [(ev + [str(t / "nowhere" / "drafter")], f"no drafter at {t / 'nowhere' / 'drafter'}"),
+             (ev + [str(t / "cut")], f"cannot load the drafter weights {t / 'cut' / 'model.safetensors'}"),
+             (ev + [str(t / "other")], f"{t / 'other' / 'config.json'} is not a DFlash drafter's config"),
+             (ev + [str(t / "alien")], f"the drafter at {t / 'alien'} was trained for a target of hidden size 32"),
+             (["eval_dflash", "--target", str(t / "tcut"), "--prompts", prompts, "--drafter", str(good)],
+              f"cannot load the target '{t / 'tcut'}'"),
+             (ev[:4] + [str(t / "nope.jsonl"), "--drafter", str(good)], f"prompt file not found: {t / 'nope.jsonl'}"),
+             (ev + [str(good), "--device", "cuda:7"], "device cuda:7 requested but only"),
+             (["eval_dflash", "--merge", str(t / "bad.json")], f"cannot read {t / 'bad.json'}"),
+             (["generate_data", "--target", str(t / "tcut"), "--data", prompts, "--out", str(t / "g.jsonl")],
+              f"cannot load the target '{t / 'tcut'}'"),
+             (["generate_data", "--target", llama, "--data", prompts, "--out", str(t / "g.jsonl"), "--shard-size", "0"],
+              "--shard-size >= 1"),
+             (["generate_data", "--target", llama, "--data", prompts, "--out", "/proc/no/g.jsonl"],
+              "cannot write next to --out /proc/no/g.jsonl"),
+             (["warmup", "--target", str(t / "nowhere"), "--data", prompts], f"cannot load the target '{t / 'nowhere'}'"),
+             (["bench", "--target-config", str(t / "bad.json")], f"--target-config {t / 'bad.json'}"),
+             (["train_dflash", "--target", str(t / "tcut"), "--data", prompts, "--max-length", "256",
+               "--cache-dir", str(t / "c"), "--out-dir", str(t / "o")], f"cannot load the target '{t / 'tcut'}'")]
+    code = ("import importlib, json, sys\n"
+            "for argv in json.loads(sys.argv[1]):\n"
+            "    try:\n"
+            "        importlib.import_module(argv[0]).main(argv[1:])\n"
+            "        print('RAN', argv)\n"
+            "    except SystemExit as e:\n"
+            "        print('EXIT', json.dumps(str(e.code)))\n")
+    p = run_cmd([sys.executable, "-c", code, json.dumps([c for c, _ in cases])], timeout=300)
+    assert_ok(p)
+    exits = [json.loads(line[5:]) for _, line in p.lines if line.startswith("EXIT ")]
+    assert len(exits) == len(cases), p.tail()
+    for (argv, needle), msg in zip(cases, exits):
+        assert msg.startswith("error: ") and needle in msg and "\n" not in msg, (argv, msg)
+
+
 def test_warmup_cli_prints_the_table_of_every_device_and_shape(llama, tmp_path):
     p = run_cmd([sys.executable, str(REPO / "warmup.py"), *TINY, "--target", llama, "--drafter-devices", "cpu,cpu",
                  "--out-dir", str(tmp_path / "out")])
