@@ -3,18 +3,11 @@
     python bench.py                    # Qwen3-8B-shaped random target, 5-layer drafter, S 3072, 512 anchors
     python bench.py --tiny             # the same code at toy size (CPU: seconds)
     python bench.py --all-shapes       # cold warm-up of every default bucket, then the pipeline's warm start
-    python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1
-                                       # only the threaded loop, on any layout of GPUs
+    python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1   # the loop, any layout
     python bench.py --decode --target-config config.json --seq 2048   # generate_data.py's decoding step
 
-Ours:  the trainer's step: tile-level block mask from the anchors, the whole drafter trunk compiled
-       (flex inside), the Triton LM-head CE, MasterAdamW with the clip inside its pass.
-Naive: what public DFlash trainers run: only flex_attention compiled, the rest of the drafter eager,
-       the block mask built every step by torch's uncompiled create_block_mask.
-Both are timed in one process, on the same weights and inputs: the median of --rounds rounds of
---steps steps back to back (one device sync at each end of a round, as in training), with the
-rounds' min-max as the spread. The threaded pipeline (train_dflash.py) runs as a subprocess on the
-same compile cache, which also measures a warm-cache start. Results: a table, and --json FILE.
+Naive is what public DFlash trainers run: only flex_attention compiled, the block mask from torch's
+create_block_mask every step. Times are the median of --rounds rounds of --steps calls back to back.
 """
 import argparse
 import json

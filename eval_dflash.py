@@ -4,15 +4,10 @@
     python eval_dflash.py --target ... --drafter out/step_000*/drafter --prompts ...   # compare checkpoints
     python eval_dflash.py --merge part0.json part1.json [--json all.json]
 
-Each prompt (a conversation up to its first reply, in the target's chat template) is decoded greedily by
-the target alone, once by n-gram prompt lookup (the speculator that needs no training: the tokens that
-followed the last earlier match of the context's last 3, 2 or 1 tokens) and once by each DFlash drafter,
-all timed: tau (the mean acceptance length), its histogram, the acceptance by draft position, the rates
-and speed-ups, in one table. Every speculator's output must equal the target's token for token, or the
-exit status is 1. The defaults fit the device: 100 prompts x 256 new tokens on a GPU, 5 x 32 on a CPU
-(a 135M target decodes a few tokens per second there). --merge adds up the --json results of runs over
-disjoint prompt ranges (--skip / --num-prompts, e.g. one process per GPU); --processes N does that on
-one device.
+Each prompt (a conversation up to its first reply) is decoded greedily by the target alone, by n-gram prompt
+lookup and by each drafter: tau, its histogram, acceptance by draft position, rates and speed-ups in one
+table. Every output must equal the target's, or the exit status is 1. --processes N splits the prompts over
+N processes and merges their --json results (as --merge does).
 """
 import argparse
 import collections

@@ -1,17 +1,11 @@
-"""Regenerate the assistant turns of chat data with the target itself (the DFlash recipe trains the drafter on
-the target's own answers), turn by turn on the regenerated context, in the target's chat template.
+"""Regenerate the assistant turns of chat data with the target itself, turn by turn on the regenerated context.
 
     python generate_data.py --out data/regen.jsonl                       # the embedded default
     python generate_data.py --target Qwen/Qwen3-8B --data sharegpt.json --out data/qwen3_regen.jsonl
-    python train_dflash.py --target Qwen/Qwen3-8B --data data/qwen3_regen.jsonl
 
-Greedy unless --temperature > 0. A conversation stops before the turn whose prompt + answer would pass
---max-length. One worker process per device takes shards of --shard-size conversations and writes each
-atomically to <out>.shards/: a stopped run goes on where it was and gives the same file. Then the shards
-become <out> and <out>.manifest.json (settings, sources, counts); a run on a finished <out> only says so.
-Speed: a shard's answers are decoded together on a static KV cache of up to 512 slots (Slots): a
-finished answer's slot takes the next prompt, a conversation's next turn is queued as soon as its answer
-is written, and on a GPU each step is one CUDA-graph replay.
+One worker process per device takes shards of --shard-size conversations, decodes their answers together
+(decoding.Slots) and writes each shard atomically to <out>.shards/: a stopped run goes on where it was and
+gives the same file. Then <out> and <out>.manifest.json (settings, sources, counts) are written.
 """
 import argparse
 import hashlib

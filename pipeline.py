@@ -1,9 +1,8 @@
-"""The thread plumbing of one training run: a stop flag every thread watches, bounded queues, the reorder
-buffer between target and drafter threads, and the barrier where drafter replicas meet.
+"""The thread plumbing of one training run: a stop flag every thread watches, bounded queues, and the reorder
+buffer between the target threads and the step loop.
 
 Any exception in any thread is recorded with its traceback and stops the whole run: every blocking wait here
-wakes at least every 0.2 s to look at the stop flag, and the replicas' barrier is aborted, so no thread hangs
-on a partner that died.
+wakes at least every 0.2 s to look at the stop flag, so no thread hangs on a partner that died.
 """
 import queue
 import threading
@@ -21,14 +20,11 @@ class Run:
 
     def __init__(self):
         self.stop, self.failures, self.lock = threading.Event(), [], threading.Lock()
-        self.on_stop = []          # callables that wake threads blocked elsewhere (barriers)
 
     def fail(self, name, exc):
         with self.lock:
             self.failures.append((name, "".join(traceback.format_exception(exc))))
         self.stop.set()
-        for wake in self.on_stop:
-            wake()
 
     def check(self):
         if self.stop.is_set():
@@ -64,14 +60,12 @@ class Run:
 
 
 class ReorderBuffer:
-    """Features arrive from several target threads out of order; drafters take batch j exactly. Bounded: only
-    indices in [lo, lo + capacity) are accepted, lo = the lowest index not yet taken, so a fast target thread
-    cannot run away, and nothing deadlocks (earlier indices always fit)."""
+    """Features arrive from several target threads out of order; the step loop takes batch j, in order. Bounded:
+    only indices in [lo, lo + capacity) are accepted, lo = the next index to be taken, so a fast target thread
+    cannot run away, and nothing deadlocks (the next index always fits)."""
 
     def __init__(self, run, start, capacity):
-        self.run, self.lo, self.cap = run, start, capacity
-        self.items, self.taken = {}, set()
-        self.cond = threading.Condition()
+        self.run, self.lo, self.cap, self.items, self.cond = run, start, capacity, {}, threading.Condition()
 
     def put(self, j, item):
         with self.cond:
@@ -86,38 +80,9 @@ class ReorderBuffer:
             while j not in self.items:
                 self.run.check()
                 self.cond.wait(0.2)
-            item = self.items.pop(j)
-            self.taken.add(j)
-            while self.lo in self.taken:
-                self.taken.discard(self.lo)
-                self.lo += 1
+            self.lo = j + 1
             self.cond.notify_all()
-            return item
+            return self.items.pop(j)
 
     def __len__(self):
         return len(self.items)
-
-
-class StepSync:
-    """Where the drafter replicas meet: every replica hands in a value, the leader (replica 0) turns
-    them into one result while the others wait, and every replica gets that result."""
-
-    def __init__(self, run, n):
-        self.run, self.bar, self.slots, self.result = run, threading.Barrier(n), [None] * n, None
-        run.on_stop.append(self.bar.abort)     # a failure anywhere wakes every waiter
-
-    def wait(self):
-        self.run.check()
-        try:
-            self.bar.wait()
-        except threading.BrokenBarrierError:
-            raise Stop() from None
-        self.run.check()
-
-    def gather(self, r, value, combine):
-        self.slots[r] = value
-        self.wait()
-        if r == 0:
-            self.result = combine(list(self.slots))
-        self.wait()
-        return self.result

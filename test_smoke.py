@@ -947,7 +947,7 @@ def test_layout_advice_times_each_shape_once_and_reads_them_back_on_a_restart(tm
     trainer.setup()
     trainer.build_models()
     trainer.attn = "sdpa"
-    args = (trainer.targets[0], trainer.replicas.drafters[0], trainer.shapes, trainer.gamma, "sdpa",
+    args = (trainer.targets[0], trainer.replicas.drafters[0], trainer.shapes, trainer.cfg.gamma, "sdpa",
             str(tmp_path / "times.json"))
     times = compiled.time_shapes(*args, {"k": 1})
     assert set(times) == set(trainer.shapes) and all(t > 0 and d > 0 for t, d in times.values())

@@ -3,19 +3,11 @@
     python train_dflash.py --target Qwen/Qwen3-8B --data sharegpt.json \\
         --target-devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4 --drafter-devices cuda:5,cuda:6,cuda:7
     python train_dflash.py                      # the embedded default: SmolLM2-135M-Instruct + ShareGPT
-    python train_dflash.py --help               # every option
 
-    loader --batches--> [bounded queue] --> one target thread per target device
-        (no grad, bf16, compiled layers on GPUs, stops after the deepest captured layer, no LM head)
-    --features--> [reorder buffer] --> the step loop (Trainer.loop, the main thread): every step hands each
-        drafter thread its micro-batches, and the thread runs anchors -> block mask -> compiled forward ->
-        loss -> backward on its own replica; then the loop sums the gradients (NCCL between GPUs, a plain
-        sum on one device; across nodes under torchrun), clips them, takes the same AdamW step on every
-        replica, writes the metrics and the log line, and checkpoints.
-
-Trainer.train() reads top to bottom: config, data, models, resume, warm-up, then the loop. Any exception in
-any thread stops the run within seconds, prints that thread's traceback and exits non-zero; checkpoints are
-written atomically, so the last one stays intact.
+    loader -> [bounded queue] -> a thread per target device (no grad, compiled layers on GPUs, cut after the
+    deepest feature layer) -> [reorder buffer] -> Trainer.loop, the main thread: each step hands every drafter
+    thread its micro-batches (forward + backward on its replica), then sums the gradients, clips, steps every
+    replica, logs and checkpoints. Any thread's exception stops the run within seconds with its traceback.
 """
 import dataclasses
 import itertools
