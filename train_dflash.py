@@ -420,7 +420,9 @@ class Trainer:
         now = environment.collect_env(self.cfg.compile_cache)
         if self.env_at_start is None:
             return now
-        changed = [r for r in environment.diff_env(self.env_at_start, now) if not r[0].startswith("compile_cache.")]
+        # the cache grows, and this process's own variables change only by its libraries (inductor exports some)
+        changed = [r for r in environment.diff_env(self.env_at_start, now)
+                   if not r[0].startswith(("compile_cache.", "env_vars."))]
         if changed and not self.env_change_said:     # once: every later checkpoint has the same news
             self.env_change_said = True
             self.log(f"WARNING: the environment changed while this run was going ({len(changed)} field(s): "
