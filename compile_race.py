@@ -93,7 +93,7 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
              for n, args in inputs.items()}
     samples, called = [], set()
 
-    def exposed(fn):   # a call that STARTS while the flag is up is the one that fails on torch 2.11
+    def exposed(fn):   # a call that STARTS while the flag is up is the one that fails (compiled.py's torch notes)
         def call(*args):
             if _fx_flag() and (s := stats.get(threading.current_thread().name)):
                 s["exposed_calls"] += 1
@@ -110,7 +110,7 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
 
     @torch.no_grad()
     def worker(me, args):
-        gate.configure_thread()   # dynamo config is per thread on torch >= 2.12
+        gate.configure_thread()   # dynamo's config is per thread (compiled.py's torch notes)
         barrier.wait()
         start = time.time()
         # until --seconds are up and every thread has made its first (compiling) call: the others'

@@ -215,10 +215,9 @@ def anchors_for(cfg, S, block_size):
     return max(m, math.ceil(min(cfg.num_anchors, S - block_size + 1) / m) * m)
 
 
-# An automatic micro-batch on a GPU holds at least this much drafter work (~50 ms of an H200 at 60% of its
-# bf16 peak): the per-step costs (kernel launches, the optimiser pass, the gradient sum) stay small (with one
-# full-length sequence a step, a 135M target's drafter runs at 5% MFU; 28 sequences of 2048 tokens give
-# 42%), while a small data set still gets many optimiser steps.
+# An automatic micro-batch on a GPU holds at least this much drafter work (tens of ms of a Hopper GPU): the
+# per-step costs (kernel launches, the optimiser pass, the gradient sum) stay small next to it, while a small
+# data set still gets many optimiser steps.
 STEP_FLOPS = 25e12
 
 

@@ -2,7 +2,7 @@
 the seconds of one target forward and one drafter step per shape bucket, and a warning for a slow one.
 
 - Every GPU both roles (its target and drafter threads run concurrently): a GPU reaches the sum of its
-  parts, tokens / (t_target + t_drafter) (bench.py measures 100% of it on one H200); N GPUs, N times that.
+  parts, tokens / (t_target + t_drafter) (bench.py measures it); N GPUs, N times that.
 - k target GPUs feeding N - k drafter GPUs: the slower side binds, min(k / t_target, (N - k) / t_drafter)
   batches/s.
 Drafter replicas meet at every optimiser step for the gradient sum: with more than one, the drafter side's

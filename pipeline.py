@@ -48,7 +48,7 @@ class Run:
     def start_thread(self, name, fn, *args):
         def body():
             try:
-                compiled.GATE.configure_thread()     # dynamo's config is per thread on torch >= 2.12
+                compiled.GATE.configure_thread()     # dynamo's config is per thread (compiled.py's notes)
                 fn(*args)
             except Stop:
                 pass
