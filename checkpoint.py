@@ -173,7 +173,8 @@ def to_host(obj, memo, pool):
 class HostPool:
     """Host snapshot buffers, reused from one checkpoint to the next (handed out in order; one of another shape
     or dtype is replaced). Pinned where CUDA is, so a GPU copy runs asynchronously at bus speed, where a copy
-    into fresh pageable memory pauses the step loop for seconds. They hold a checkpoint's size of host RAM (pinned: more, torch's pinned allocator rounds each up to a power of 2)."""
+    into fresh pageable memory pauses the step loop for seconds. They hold a checkpoint's size of host RAM
+    (pinned: more, torch's pinned allocator rounds each up to a power of 2)."""
 
     def __init__(self):
         self.bufs, self.i, self.devices = [], 0, set()

@@ -102,7 +102,8 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
     if kind == "flex":
         fn, name = exposed(compiled.compiled_flex), "flex"
     else:
-        fn, name = exposed(torch.compile(lambda x: torch.sin(x) * 2 + torch.cos(x), dynamic=False, fullgraph=True)), "tiny"
+        fn = exposed(torch.compile(lambda x: torch.sin(x) * 2 + torch.cos(x), dynamic=False, fullgraph=True))
+        name = "tiny"
     # nogate: the compiled function called directly
     one_call = fn if mode == "nogate" else lambda x, *a: gate.run(name, x.device, tuple(x.shape) + tuple(
         a[0].shape if a else ()), fn, x, *a)
@@ -158,7 +159,8 @@ def run_child(spec):
     with tempfile.TemporaryDirectory(prefix="dflash_diag_") as tmp:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
-        code = "import json, sys, compile_race; print(json.dumps(compile_race.run_exercise(**json.loads(sys.argv[1])), default=str))"
+        code = ("import json, sys, compile_race\n"
+                "print(json.dumps(compile_race.run_exercise(**json.loads(sys.argv[1])), default=str))")
         try:
             r = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], cwd=HERE, env=env, capture_output=True,
                                text=True, timeout=spec["seconds"] + 1800)

@@ -349,7 +349,8 @@ def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targe
         aot_hit, fx_hit, fx_miss = (a - b for a, b in zip(_cache_counters(), before))
         how = ("eager (sdpa)" if not compiled else "cold compile" if fx_miss else
                "cache hit" if aot_hit or fx_hit else "reused (in process)")   # reused: a graph of this process
-        rows.append((dev, tuple(shape), time.time() - t0, how + (f", features {note:.0e} from eager" if note is not None else "")))
+        how += "" if note is None else f", features {note:.0e} from eager"
+        rows.append((dev, tuple(shape), time.time() - t0, how))
         log(f"[warmup] {dev:14s} {str(rows[-1][1]):18s} {rows[-1][2]:7.1f}s  {rows[-1][3]}")
     for target in targets:
         dev = next(target.parameters()).device

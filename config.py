@@ -343,7 +343,8 @@ def load_model(path, device, dtype):
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except Exception as e:    # no such folder or hub name, missing or cut weights: name it, in one line
-        raise SystemExit(f"error: cannot load the target {path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        raise SystemExit(f"error: cannot load the target {path!r}: {why}") from None
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -137,7 +137,8 @@ class Slots:
     """Greedy (or sampled) decoding of many answers at once on a static KV cache of `n` slots of `length`
     tokens: a finished answer's slot takes the next prompt at once (no batch waits for its longest answer),
     prompts are prefilled in batches, and each decoding step is one replay of a CUDA graph
-    per (rows, span) shape: a small target's step is otherwise hundreds of kernel launches for little work. `span` covers the longest context in the slots (rounded up to SPAN), so attention reads what is
+    per (rows, span) shape: a small target's step is otherwise hundreds of kernel launches for little work.
+    `span` covers the longest context in the slots (rounded up to SPAN), so attention reads what is
     written, not the whole cache. The target's own layers run the step (any Llama-like HF model: embed,
     rotary, decoder layers, norm); only its attention is replaced, by `slot_attention` below."""
     SPAN, PREFILL_TOKENS = 256, 16384

@@ -104,7 +104,8 @@ class Trainer:
             + (" (CPU: FlexAttention has no backward, dense-mask SDPA)" if self.ddevs[0].type == "cpu" else ""))
         self.data, self.heldout = data_dflash.load_training_data(cfg, files, self.tok, self.dcfg.vocab_size,
                                                                  self.rank, log)
-        self.shapes = config.shape_plan(cfg, self.dcfg, config.batch_memory(self.dcfg, self.tcfg, self.tdevs, self.ddevs))
+        memory = config.batch_memory(self.dcfg, self.tcfg, self.tdevs, self.ddevs)
+        self.shapes = config.shape_plan(cfg, self.dcfg, memory)
         self.stream = data_dflash.BatchStream(cfg, [len(x) for x in self.data["input_ids"]], self.rank, self.world,
                                               {S: B for B, S, _ in self.shapes}, config.bucket_list(cfg))
         self.per_step = len(self.ddevs) * cfg.grad_accum             # batches per optimiser step (this node)
@@ -438,7 +439,9 @@ class Trainer:
 
 def log_line(step, x, total_steps, cfg):
     bs = cfg.block_size
-    progress = f"{step} ({x['budget_used']:.0%} of {cfg.max_minutes:g} min)" if cfg.max_minutes else f"{step}/{total_steps}"
+    progress = f"{step}/{total_steps}"
+    if cfg.max_minutes:       # the budget, not the step count, ends such a run
+        progress = f"{step} ({x['budget_used']:.0%} of {cfg.max_minutes:g} min)"
     return (f"step {progress} | loss {x['loss']:.4f} | acc@1 {x['acc@1']:.3f} acc@{bs - 1} {x[f'acc@{bs - 1}']:.3f} "
             f"| sim_tau {x['sim_tau']:.2f} | lr {x['lr']:.2e} | gnorm {x['grad_norm']:.2f} | {x['tok_s']:,.0f} tok/s "
             f"| MFU drafter {x['mfu_drafter']:.1%} | busy target {x['busy_target']:.0%} drafter "
@@ -468,7 +471,8 @@ def prepare_batches(cfg, dcfg, items):
     for S, sids, ids, lm, lengths, feats in items:
         A = config.anchors_for(cfg, S, cfg.block_size)
         anchors, valid = sample_anchors_for(cfg.seed, sids, lm, lengths, A, cfg.block_size)
-        wsum += float(dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3][:, :, 1:].sum())
+        weights = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3]
+        wsum += float(weights[:, :, 1:].sum())
         tokens += float(lengths.sum())
         flops += dm.batch_flops(dcfg, S, anchors, valid)
         prepared.append((S, ids, lm, feats, anchors, valid))
