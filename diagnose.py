@@ -10,13 +10,13 @@ The race (compiled.py's notes on torch versions): while one thread compiles, a c
 fails or runs uncompiled; compiled.GATE keeps compiles exclusive, and --race-test measures calls without
 and with it (compile_race.py, imported for --race-test only).
 """
+import argparse
 import functools
 import json
 import sys
 
 import torch
 
-import config
 from environment import (collect_env, diff_env, format_packages, format_report, installed_packages,
                          load_checkpoint_env, natural_race_expected, _fx_flag_thread_local)
 
@@ -42,7 +42,7 @@ def _against(folder, cache_dir):
 
 
 def main(argv=None):
-    ap = config.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", metavar="CHECKPOINT", help="checkpoint folder with env.json: what changed since")
     ap.add_argument("--race-test", action="store_true", help="threaded cold-cache compile race, without and with gate")
     ap.add_argument("--threads", type=int, default=3)

@@ -215,7 +215,8 @@ class Trainer:
             torch.cuda.set_device(self.ddevs[0])      # the gradient sum and the steps run from this thread
         self.t_start, t_prev = time.time(), self.seconds_before        # t_prev: the last step's end, budget clock
         tot = {"tokens": 0.0, "flops": 0.0, "sync": 0.0, "pause": 0.0}   # this run's sums
-        seen, self.losses, self.last, tok_hist = dict(tot, t=self.t_start, busy=(0.0, 0.0)), [], None, []
+        seen = dict(tot, t=self.t_start, busy=(0.0, 0.0), step=self.step)    # the sums at the last log line
+        self.losses, self.last, tok_hist = [], None, []
         self.busy_at_last = self.busy
         try:
             for step in range(self.step + 1, self.total_steps + 1):     # 1-based: the step being taken
@@ -262,9 +263,9 @@ class Trainer:
                 if step % cfg.log_interval == 0 or last:
                     x, seen = self.interval(step, tot, seen)
                     log(log_line(step, x, self.total_steps, cfg))
-                    for k, v in x.items() if tb else ():
-                        tb.add_scalar(k, v, step)
                     if tb:
+                        for k, v in x.items():
+                            tb.add_scalar(k, v, step)
                         tb.flush()         # readable while the run goes on, and after a kill
                     self.warn_if_slow(x, tok_hist)
                 if rank0 and (step % cfg.ckpt_interval == 0 or last):
@@ -343,7 +344,7 @@ class Trainer:
              "mfu_drafter": (tot["flops"] - seen["flops"]) / dt / (self.peak_flops * len(set(self.ddevs)) * self.world),
              "busy_target": (busy[0] - seen["busy"][0]) / dt, "busy_drafter": (busy[1] - seen["busy"][1]) / dt,
              "queue_load": self.load_q.qsize(), "queue_feat": len(self.buf),
-             "sync_ms": 1e3 * (tot["sync"] - seen["sync"]) / max(1, step - seen.get("step", self.step)),
+             "sync_ms": 1e3 * (tot["sync"] - seen["sync"]) / max(1, step - seen["step"]),
              "eta_min": (self.total_steps - step) * (now - self.t_start) / max(1, step - self.step) / 60,
              "ckpt_pause_s": tot["pause"] - seen["pause"]}
         if cfg.max_minutes:       # the budget, not the step count, ends such a run
