@@ -17,7 +17,7 @@ except ImportError:
     triton = None
 
 _CHECK_LOCK = threading.Lock()
-_CE_CHECKED, _ADAMW_CHECKED = set(), set()     # devices whose kernel passed its check
+_CE_CHECKED, _ADAMW_CHECKED, _ROW_CHECKED = set(), set(), set()   # devices whose kernel passed its check
 
 
 def _check_once(checked, dev, check, *args):
@@ -188,3 +188,99 @@ def _check_adamw_kernel(dev):
         if not all(torch.equal(a, b) for a, b in zip(before, sub)):
             raise RuntimeError(f"the Triton AdamW kernel stores an update with a nan clip factor on {dev} "
                                "(it must store nothing: a nan/inf gradient norm would poison the weights)")
+
+
+# -----------------------------------------------------------------------------
+# 3. Decoding attention: each row of a static KV cache read up to its own length
+
+
+def row_attention_torch(q, k, v, lens, causal, scale):
+    """q (R, H, T, D) against a cache k, v (R, L, KV heads, D): query t of row r sees the keys j < lens[r] + t
+    (causal) or j < lens[r] (all of its block): -> (R, T, H, D). SDPA over the cache up to the longest row, masked."""
+    n = min(k.shape[1], int(lens.max()) + q.shape[2])   # the keys some row sees (a sync: no CUDA graph runs this)
+    k, v = k[:, :n], v[:, :n]
+    j, t = torch.arange(n, device=q.device), torch.arange(q.shape[2], device=q.device)
+    visible = j < (lens[:, None, None] + (t[None, :, None] if causal else 0))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                                           attn_mask=visible[:, None], enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+if triton is not None:
+    @triton.jit
+    def _row_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lens_ptr, scale, sq_r, sq_h, sq_t, sk_r, sk_l, sk_h,
+                              so_r, so_t, so_h, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                              CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+        # one program per (row, KV head): its G query heads x T positions are the rows of one tile, so each key
+        # is read once for all of them, and only the keys the row has (a flash-attention loop over them)
+        r, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
+        t, head = m // G, g * G + m % G
+        d = tl.arange(0, BLOCK_D)
+        qm = (m < T * G)[:, None] & (d < D)[None, :]
+        q = tl.load(q_ptr + r * sq_r + head[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=qm, other=0.0)
+        n = tl.load(lens_ptr + r)
+        if CAUSAL:
+            lim, end = n + t, n + T - 1
+        else:
+            lim, end = n + 0 * t, n
+        best = tl.full([BLOCK_M], -1e30, tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(0, end, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            km = (j < end)[:, None] & (d < D)[None, :]
+            kv_off = r * sk_r + j[:, None] * sk_l + g * sk_h + d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=km, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(j[None, :] < lim[:, None], s * scale, -1e30)
+            new = tl.maximum(best, tl.max(s, 1))
+            p = tl.exp(s - new[:, None])
+            alpha = tl.exp(best - new)
+            total = total * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_off, mask=km, other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            best = new
+        out = acc / total[:, None]
+        tl.store(o_ptr + r * so_r + t[:, None] * so_t + head[:, None] * so_h + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=qm)
+
+
+def _row_attention_triton_unchecked(q, k, v, lens, causal, scale):
+    (R, H, T, D), fp32 = q.shape, q.dtype == torch.float32   # fp32 tiles take twice the registers
+    G = H // k.shape[2]
+    out = torch.empty(R, T, H, D, device=q.device, dtype=q.dtype)
+    p2 = lambda x: 1 << (max(x, 16) - 1).bit_length()
+    with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
+        _row_attention_kernel[(R, k.shape[2])](
+            q, k, v, out, lens, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            out.stride(0), out.stride(1), out.stride(2), T=T, G=G, D=D, BLOCK_M=p2(T * G), BLOCK_D=p2(D),
+            BLOCK_N=32 if fp32 else 64, CAUSAL=causal, IEEE=fp32, num_warps=8 if fp32 else 4)   # fp32: half the tile
+    return out
+
+
+def row_attention(q, k, v, lens, causal, scale):
+    """row_attention_torch's result, on a GPU from one Triton kernel that reads each row's keys only up to its
+    length (SDPA would read every row's whole cache); checked against the torch version on each device's and
+    dtype's first call, which comes before any CUDA-graph capture."""
+    if not q.is_cuda or triton is None:
+        return row_attention_torch(q, k, v, lens, causal, scale)
+    _check_once(_ROW_CHECKED, (q.device, q.dtype, causal), _check_row_attention, q, k, v, lens, causal, scale)
+    return _row_attention_triton_unchecked(q, k, v, lens, causal, scale)
+
+
+def _check_row_attention(q, k, v, lens, causal, scale):
+    got = _row_attention_triton_unchecked(q, k, v, lens, causal, scale).float()
+    ref = row_attention_torch(q, k, v, lens, causal, scale).float()
+    err, tol = float((got - ref).abs().max()), (1e-4 if q.dtype == torch.float32 else 2e-2) * float(ref.abs().max())
+    if not err <= tol + 1e-6:
+        raise RuntimeError(f"the Triton row-attention kernel disagrees with SDPA on {q.device} ({q.dtype}): max "
+                           f"error {err:.3g}; this triton/GPU is not supported")

@@ -111,3 +111,46 @@ def test_adamw_kernel_compiles_for_the_h200_ahead_of_time():
     k = triton.compile(ASTSource(fn=ma._adamw_kernel, signature=sig, constexprs={"BLOCK": 1024}),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert len(k.asm["cubin"]) > 1000 and ".entry _adamw_kernel" in k.asm["ptx"]
+
+
+def test_row_attention_kernel_equals_masked_sdpa_and_its_check_catches_a_wrong_kernel():
+    """Rows of other lengths, grouped heads (9 over 3, as SmolLM2; 4 over 2), one query (a decoding step) or a
+    block (causal: the target's verify step; all visible: the drafter's block), a head dim that is not a power
+    of two, fp32 and fp16 (the interpreter has no bf16 matmul; a GPU checks bf16 on its first call)."""
+    out = run_interpreted("""
+        import torch
+        import kernels as K
+        torch.manual_seed(0)
+        for R, H, KV, T, D, L, causal in [(3, 9, 3, 1, 64, 200, True), (2, 4, 2, 16, 32, 300, True),
+                                           (2, 4, 2, 16, 24, 100, False), (1, 2, 2, 5, 16, 70, True)]:
+            for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+                q, k, v = (torch.randn(*s).to(dtype) for s in ((R, H, T, D), (R, L, KV, D), (R, L, KV, D)))
+                lens = torch.randint(1, L - T, (R,))
+                got = K._row_attention_triton_unchecked(q, k, v, lens, causal, D ** -0.5)
+                ref = K.row_attention_torch(q, k, v, lens, causal, D ** -0.5)
+                assert got.shape == (R, T, H, D) and (got.float() - ref.float()).abs().max() < tol, (got - ref).abs().max()
+                K._check_row_attention(q, k, v, lens, causal, D ** -0.5)
+        K._row_attention_triton_unchecked = lambda q, *a: torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+        try:
+            K._check_row_attention(q, k, v, lens, causal, D ** -0.5)
+            raise SystemExit("the check passed a wrong kernel")
+        except RuntimeError as e:
+            assert "the Triton row-attention kernel disagrees with SDPA on cpu" in str(e), e
+        print("rows ok")
+    """)
+    assert out.split() == ["rows", "ok"], out
+
+
+def test_row_attention_kernel_compiles_for_the_h200_ahead_of_time():
+    """As above, for the decoding attention at SmolLM2's verify-step shape in bf16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import kernels as K
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "lens_ptr": "*i64", "scale": "fp32",
+           **{s: "i64" for s in ("sq_r", "sq_h", "sq_t", "sk_r", "sk_l", "sk_h", "so_r", "so_t", "so_h")},
+           **{c: "constexpr" for c in ("T", "G", "D", "BLOCK_M", "BLOCK_D", "BLOCK_N", "CAUSAL", "IEEE")}}
+    consts = {"T": 16, "G": 3, "D": 64, "BLOCK_M": 64, "BLOCK_D": 64, "BLOCK_N": 64, "CAUSAL": True, "IEEE": False}
+    k = triton.compile(ASTSource(fn=K._row_attention_kernel, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert len(k.asm["cubin"]) > 1000 and ".entry _row_attention_kernel" in k.asm["ptx"]
