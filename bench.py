@@ -39,7 +39,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=3, help="timed rounds; the median is reported")
     p.add_argument("--all-shapes", action="store_true", help="cold warm-up of every default bucket")
     p.add_argument("--decode", action="store_true",
-                   help="only generate_data.py's decoding step: one CUDA-graph replay over every slot that fits")
+                   help="only generate_data.py's decoding step: one CUDA-graph replay over every engine row that fits")
     p.add_argument("--pipeline-steps", type=int, default=40, help="optimiser steps of the pipeline run")
     p.add_argument("--no-pipeline", action="store_true", help="skip the threaded pipeline")
     p.add_argument("--pipeline-only", action="store_true", help="only the threaded pipeline")
@@ -238,8 +238,8 @@ def naive_loss(drafter, feats, ids, lm, anchors, valid, dev):
 
 
 def decode(a, spec, S, dev, log):
-    """generate_data.py's decoding step on a random target of `spec`: the slots that fit a context of S
-    (at most 512), each at a random position below the span; ms per step for spans S/4, S/2 and S."""
+    """generate_data.py's decoding step on a random target of `spec`: the engine rows that fit a context of S
+    (at most 512), each at a random position below S/4, S/2 and S; ms per step."""
     import torch
     import config
     import compiled
@@ -248,16 +248,15 @@ def decode(a, spec, S, dev, log):
     torch.manual_seed(0)
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=config.param_dtype(dev)).eval()
-    slots = decoding.Slots(model, decoding.Slots.fit(model, S), S)
-    slots.ids.copy_(torch.randint(0, spec["vocab_size"], (slots.n,)))
-    res = {"decode_slots": slots.n, "decode_ms": {}}
+    engine = decoding.Engine(model, decoding.Engine.fit(model, S), S)
+    ids, n = torch.randint(0, spec["vocab_size"], (engine.rows, 1)), engine.rows
+    res = {"decode_rows": n, "decode_ms": {}}
     for span in (S // 4, S // 2, S):
-        slots.pos.copy_(torch.randint(0, span, (slots.n,)))
-        with torch.no_grad():
-            t, spread = compiled.median_time(lambda: slots.replay(slots.n, span), a.steps, dev, a.rounds)
+        pos = torch.randint(0, span, (n,))
+        t, spread = compiled.median_time(lambda: engine.step(ids, pos), a.steps, dev, a.rounds)
         res["decode_ms"][span] = 1e3 * t
-        log(f"[bench] decoding step, {slots.n} slots, span {span}: {1e3 * t:.2f} ms "
-            f"[{1e3 * spread[0]:.2f}-{1e3 * spread[1]:.2f}] = {slots.n / t:,.0f} tok/s with every slot busy")
+        log(f"[bench] decoding step, {n} rows below position {span}: {1e3 * t:.2f} ms "
+            f"[{1e3 * spread[0]:.2f}-{1e3 * spread[1]:.2f}] = {n / t:,.0f} tok/s with every row busy")
     return res
 
 

@@ -324,6 +324,19 @@ def _render(tokenizer, messages, add_generation_prompt=False):
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
+def prompt_ids(tokenizer, messages, max_tokens):
+    """The prompt a reply is decoded from (generate_data.py, eval_dflash.py): the chat-template ids of the
+    conversation so far and the generation prompt, (ids, None), or (None, why the turn is not answered)."""
+    roles = [m["role"] for m in messages if m["role"] != "system"]
+    if not roles or roles[-1] != "user":
+        return None, "assistant turn without a user turn before it"
+    try:
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    except Exception:  # noqa: BLE001 - a template that refuses a conversation (jinja2 raises): counted
+        return None, "chat template error"
+    return (ids, None) if len(ids) <= max_tokens else (None, "prompt longer than max length")
+
+
 def _assistant_spans(tokenizer, messages, text, max_chars=None):
     """Character spans of `text` (the full render) that the model generates as the assistant.
 

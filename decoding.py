@@ -1,8 +1,15 @@
-"""Decoding with the target: every way the project decodes, in one file.
-  1. speculative decoding - greedy, token-identical to the target's own: a DFlash drafter's blocks or n-gram
-                            prompt lookup proposed, the target verifying each proposal in one pass
-  2. many answers at once - Slots: a static KV cache of many rows, each step one CUDA-graph replay (the
-                            answers generate_data.py writes)
+"""Decoding with the target: one engine for the answers generate_data.py writes and the drafters eval_dflash.py
+measures.
+
+Engine: a static KV cache of `rows` rows over the target's own HF layers (any Llama-like model: embed, rotary,
+decoder layers, norm); only the attention is replaced. Each row holds one sequence at its own position: a step
+feeds every row T tokens at its position, writes their keys/values there and attends to the row's cache up to
+them (kernels.row_attention), so rows advance by their own counts. On a GPU each step shape is one CUDA-graph
+replay: a small target's step is otherwise hundreds of kernel launches for little work.
+  1. generate  - many answers at once; a finished row takes the next prompt (generate_data.py)
+  2. speculate - greedy decoding of a batch of prompts, plain or speculative: n-gram prompt lookup or a DFlash
+                 drafter proposes up to block_size-1 tokens per row, the target verifies them in one step, and
+                 each row keeps its agreeing prefix plus the target's own next token (eval_dflash.py)
 """
 import heapq
 import itertools
@@ -12,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash_model as dm
+import kernels
 
 
 def stop_token_ids(tok, target):
@@ -24,287 +32,363 @@ def stop_token_ids(tok, target):
     return sorted(t for t in ids if isinstance(t, int) and t >= 0)
 
 
-# -----------------------------------------------------------------------------
-# 1. Speculative decoding
+def replay(graphs, key, fn, device):
+    """fn() on a CPU; on a GPU one replay of the CUDA graph captured from fn on the first call under `key` (fn
+    reads and writes only tensors that outlive it; the graphs of one dict share a memory pool, so they must
+    never run at the same time)."""
+    if device.type != "cuda":
+        return fn()
+    if key not in graphs:
+        s = torch.cuda.Stream(device)       # warm up on a side stream (lazy inits, the kernels' checks), capture
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=graphs.get("pool")):
+            out = fn()
+        graphs["pool"], graphs[key] = g.pool(), (g, out)
+    g, out = graphs[key]
+    g.replay()
+    return out
 
 
-@torch.no_grad()
-def draft_block(drafter, cache, new_feats, new_pos, anchor_token, anchor_pos):
-    """Extend the drafter's context cache (per layer: keys, values; block entries are never kept) with
-    new context features, then draft bs-1 tokens' logits."""
-    c = drafter.config
-    dev = new_feats.device
-    ctx = drafter.context(new_feats)
-    cos_c, sin_c = drafter.rope(new_pos, ctx.dtype)
-    block_ids = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=dev)
-    block_ids[0, 0] = anchor_token
-    block_pos = anchor_pos + torch.arange(c.block_size, device=dev)[None]
-    h = F.embedding(block_ids, drafter.embed_weight).to(ctx.dtype)
-    cos_q, sin_q = drafter.rope(block_pos, ctx.dtype)
-    attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # all visible
-    for i, layer in enumerate(drafter.layers):
-        kv = layer.self_attn.kv(ctx, cos_c, sin_c)
-        cache[i] = kv if cache[i] is None else [torch.cat([old, new], dim=2) for old, new in zip(cache[i], kv)]
-        h = layer(h, *cache[i], cos_q, sin_q, attend)
-    return (drafter.norm(h)[0, 1:] @ drafter.lm_head_weight.t().to(h.dtype)).float()     # (bs-1, V)
+def kv_shape(c, rows, length):
+    """One layer's keys, or values: (rows, length, kv heads, head dim)."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return rows, length, c.num_key_value_heads, head_dim
 
 
-@torch.no_grad()
-def speculative_generate(target, input_ids, max_new_tokens, stop_token_ids, block_size, propose):
-    """Greedy speculative decoding: (ids (1, P+n), acceptance length of each round), token-identical to
-    the target's own greedy decoding (target_greedy). Each round `propose(tokens, start)` drafts up to
-    block_size-1 tokens after tokens[-1]; the target's last pass covered the positions start.., which
-    hold tokens[start:-1] (its captured features). The target verifies the draft in one pass and keeps
-    the agreeing prefix plus its own next token."""
-    from transformers import DynamicCache
-    stops, dev, P = set(stop_token_ids or []), input_ids.device, input_ids.shape[1]
-    cache = DynamicCache(config=target.config)
-    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True)
-    tokens, start, accept_lengths = input_ids[0].tolist() + [int(out.logits[0, -1].argmax())], 0, []
-    while len(tokens) - P < max_new_tokens and tokens[-1] not in stops:
-        draft = torch.as_tensor(propose(tokens, start), dtype=torch.long, device=dev)
-        draft, k, start = draft[: block_size - 1], min(len(draft), block_size - 1), len(tokens) - 1
-        verify = torch.cat([torch.tensor([tokens[-1]], device=dev), draft])[None]
-        out = target(input_ids=verify, past_key_values=cache, use_cache=True)
-        t_tok = out.logits[0].argmax(-1)                                      # (k+1,)
-        n = int((draft == t_tok[:k]).int().cumprod(0).sum())                  # the agreeing prefix
-        if n < k:                                     # keep target KV only for accepted tokens
-            cache.crop(-(k - n))
-        accept_lengths.append(n + 1)
-        for t in draft[:n].tolist() + [int(t_tok[n])]:
-            tokens.append(t)
-            if t in stops or len(tokens) - P >= max_new_tokens:
-                break
-    return torch.tensor([tokens[: P + max_new_tokens]], device=dev, dtype=input_ids.dtype), accept_lengths
+class Engine:
+    """The target over a static cache of `rows` rows of `length` tokens; `feature_layers`: the decoder layers
+    whose outputs each step also returns (a drafter's input)."""
+    PREFILL_TOKENS = 65536     # tokens per prefill batch (padding included)
 
-
-def dflash_generate(drafter, target, input_ids, max_new_tokens, stop_token_ids=None):
-    """speculative_generate with a DFlash drafter: its own cache of context keys/values, extended each
-    round with the target features of the newly committed tokens, drafts a block from the last one."""
-    c = drafter.config
-    P, dcache = input_ids.shape[1], [None] * len(drafter.layers)
-    if P + max_new_tokens + c.block_size > c.max_position_embeddings:
-        raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) + a block ({c.block_size}) exceed the "
-                         f"{c.max_position_embeddings} positions of the drafter's rotary table")
-
-    dm.capture(target, c.target_layer_ids)
-
-    def propose(tokens, start):
-        n = len(tokens) - 1 - start
-        feats = dm.target_features(target, c.target_layer_ids)[:, :n].to(drafter.fc.weight.dtype)
-        pos = torch.arange(start, start + n, device=input_ids.device)[None]
-        return draft_block(drafter, dcache, feats, pos, tokens[-1], len(tokens) - 1).argmax(-1)
-    return speculative_generate(target, input_ids, max_new_tokens, stop_token_ids, c.block_size, propose)
-
-
-def ngram_propose(tokens, k, max_n=3):
-    """Prompt lookup, the speculator that needs no training: the up to k tokens that followed the latest
-    earlier occurrence of the context's last 3 tokens, else of its last 2, else of its last token."""
-    for n in range(max_n, 0, -1):
-        tail = tokens[-n:]
-        for i in range(len(tokens) - n - 1, -1, -1):
-            if tokens[i:i + n] == tail:
-                return tokens[i + n: i + n + k]
-    return []
-
-
-def ngram_generate(target, input_ids, max_new_tokens, stop_token_ids=None, block_size=16):
-    return speculative_generate(target, input_ids, max_new_tokens, stop_token_ids, block_size,
-                                lambda tokens, _start: ngram_propose(tokens, block_size - 1))
-
-
-@torch.no_grad()
-def target_greedy(target, input_ids, max_new_tokens, stop_token_ids=None):
-    """Plain greedy decoding with a KV cache: the reference for losslessness."""
-    from transformers import DynamicCache
-    stops = set(stop_token_ids or [])
-    cache = DynamicCache(config=target.config)
-    nxt, out_tokens = input_ids, []
-    for _ in range(max_new_tokens):
-        t = int(target(input_ids=nxt, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
-        out_tokens.append(t)
-        if t in stops:
-            break
-        nxt = torch.tensor([[t]], device=input_ids.device)
-    return torch.cat([input_ids, torch.tensor([out_tokens], device=input_ids.device, dtype=input_ids.dtype)], dim=1)
-
-
-# -----------------------------------------------------------------------------
-# 2. Many answers at once
-
-
-class Slots:
-    """Greedy (or sampled) decoding of many answers at once on a static KV cache of `n` slots of `length`
-    tokens: a finished answer's slot takes the next prompt at once (no batch waits for its longest answer),
-    prompts are prefilled in batches, and each decoding step is one replay of a CUDA graph
-    per (rows, span) shape: a small target's step is otherwise hundreds of kernel launches for little work.
-    `span` covers the longest context in the slots (rounded up to SPAN), so attention reads what is
-    written, not the whole cache. The target's own layers run the step (any Llama-like HF model: embed,
-    rotary, decoder layers, norm); only its attention is replaced, by `slot_attention` below."""
-    SPAN, PREFILL_TOKENS = 256, 16384
-
-    def __init__(self, model, n, length):
+    def __init__(self, model, rows, length, feature_layers=()):
         check_decodable(model, length)
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
-        AttentionInterface.register("slot_decode", slot_attention)
-        AttentionMaskInterface.register("slot_decode", sdpa_mask)   # prefill keeps sdpa's causal mask
-        model.set_attn_implementation("slot_decode")
+        AttentionInterface.register("row_cache", engine_attention)
+        AttentionMaskInterface.register("row_cache", sdpa_mask)   # a plain HF forward keeps sdpa's mask
+        model.set_attn_implementation("row_cache")
         c, dev = model.config, model.device
-        self.k = [torch.zeros(n, *self.slot_shape(c, length), dtype=model.dtype, device=dev)
+        self.k = [torch.zeros(kv_shape(c, rows, length), dtype=model.dtype, device=dev)
                   for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros_like(k) for k in self.k]
-        self.model, self.n, self.length, self.graphs, self.pool = model, n, length, {}, None
-        self.ids, self.pos = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(2))
-        self.rows, self.span = torch.arange(n, device=dev), length
-
-    @staticmethod
-    def slot_shape(c, length):
-        """(kv heads, length, head dim): one slot's keys, or values, in one layer."""
-        return c.num_key_value_heads, length, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.model, self.rows, self.length, self.layers = model, rows, length, list(feature_layers)
+        dm.capture(model, self.layers)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)   # each row's first position in a step
+        self.all_rows = torch.arange(rows, device=dev)[:, None]
+        self.ids, self.graphs, self.at = {}, {}, None
 
     @staticmethod
     def fit(model, length, most=512):
-        """Slots that fit: on a GPU half the free memory goes to the cache, at most `most`."""
+        """Rows that fit: on a GPU half the free memory goes to the cache, at most `most`."""
         if model.device.type != "cuda":
             return 8
         c = model.config
-        per_slot = 2 * c.num_hidden_layers * math.prod(Slots.slot_shape(c, length)) * model.dtype.itemsize
-        return max(1, min(most, torch.cuda.mem_get_info(model.device)[0] // 2 // per_slot))
+        per_row = 2 * c.num_hidden_layers * math.prod(kv_shape(c, 1, length)) * model.dtype.itemsize
+        return max(1, min(most, torch.cuda.mem_get_info(model.device)[0] // 2 // per_row))
 
-    def update(self, k, v, layer, *args):
-        """HF attention hands over the new token's keys and values: written at each slot's position."""
-        r = self.rows[:self.step_rows]
-        self.k[layer][r, :, self.pos[:self.step_rows]] = k[:, :, 0]
-        self.v[layer][r, :, self.pos[:self.step_rows]] = v[:, :, 0]
-        return self.k[layer][:self.step_rows, :, :self.span], self.v[layer][:self.step_rows, :, :self.span]
-
-    def step(self, rows, span):
-        """Logits of the next token of slots [0, rows), whose last token is `ids` at position `pos`."""
-        m, self.step_rows, self.span = self.model.model, rows, span
-        pos = self.pos[:rows, None]
-        self.mask = torch.arange(span, device=pos.device) <= pos
-        h = m.embed_tokens(self.ids[:rows, None])
-        pe = m.rotary_emb(h, pos)
+    def forward(self, ids, rows, positions, prefill=False):
+        """Final-normed hidden states of ids (n, T) at positions (n, T) of cache rows `rows` (n, 1), and the
+        feature layers' outputs (n, T, F) or None."""
+        m = self.model.model
+        self.at, self.prefill_step = (rows, positions), prefill
+        h = m.embed_tokens(ids)
+        pe = m.rotary_emb(h, positions)
         for layer in m.layers:
-            h = layer(h, position_embeddings=pe, position_ids=pos, past_key_values=self, slots=self)
-        return self.model.lm_head(m.norm(h[:, 0])).float()
+            h = layer(h, position_embeddings=pe, position_ids=positions, engine=self)
+        return m.norm(h), (dm.target_features(self.model, self.layers) if self.layers else None)
 
-    def replay(self, rows, span):
-        if self.model.device.type != "cuda":
-            return self.step(rows, span)
-        if (rows, span) not in self.graphs:   # warm on a side stream, then capture (writes are idempotent)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                self.step(rows, span)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):   # one pool: the graphs never run at the same time
-                out = self.step(rows, span)
-            self.pool, self.graphs[rows, span] = g.pool(), (g, out)
-        g, out = self.graphs[rows, span]
-        g.replay()
-        return out
-
-    def prefill(self, slots, prompts):
-        """Write the prompts' keys and values into `slots`; the logits of each prompt's next token."""
-        lens = torch.tensor([len(p) for p in prompts])
-        ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
-        for i, p in enumerate(prompts):   # right-padded: positions count from 0 in every row
-            ids[i, :len(p)] = torch.tensor(p)
-        att = (torch.arange(ids.shape[1]) < lens[:, None]).long()
-        dev = self.model.device
-        out = self.model.model(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=True)
-        rows = torch.tensor(slots, device=dev)
-        for layer, c in enumerate(out.past_key_values.layers):
-            self.k[layer][rows, :, :ids.shape[1]] = c.keys
-            self.v[layer][rows, :, :ids.shape[1]] = c.values
-        last = out.last_hidden_state[torch.arange(len(prompts), device=dev), lens.to(dev) - 1]
-        return self.model.lm_head(last).float()
+    def attend(self, layer, q, k, v, scale):
+        rows, positions = self.at
+        self.k[layer][rows, positions] = k.transpose(1, 2)
+        self.v[layer][rows, positions] = v.transpose(1, 2)
+        if self.prefill_step:   # prompts start at position 0: their own causal attention is all there is, with the
+            g = q.shape[1] // k.shape[1]   # KV heads repeated: flash and memory-efficient SDPA take no grouped heads
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+        return kernels.row_attention(q, self.k[layer], self.v[layer], self.pos + 1, True, scale)
 
     @torch.no_grad()
-    def generate(self, requests, stops, pick, follow=lambda key, tokens: None):
-        """Decode requests (key, prompt ids, budget, chain) until none is left; pick(logits) -> token ids.
-        An answer ends at a stop id (kept) or after `budget` tokens; follow(key, tokens) then returns the
-        next request of that key (a conversation's next turn), or None. The longest chains start first
-        and keep going, so the last turns of a long conversation do not decode alone at the end."""
-        heap, seq = [], itertools.count()
-        push = lambda r: heapq.heappush(heap, (-r[3], len(r[1]), next(seq), r))
-        for r in requests:
-            push(r)
-        req, pos, gen, stops = [None] * self.n, [0] * self.n, [[] for _ in range(self.n)], set(stops)
+    def prefill(self, rows, prompts):
+        """Write the prompts (token lists, right-padded) into cache rows `rows` from position 0: the logits of
+        each prompt's next token (n, V) and the features of every position (n, longest, F) or None."""
+        dev, lens = self.model.device, torch.tensor([len(p) for p in prompts])
+        ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p)
+        h, feats = self.forward(ids.to(dev), torch.tensor(rows, device=dev)[:, None],
+                                torch.arange(ids.shape[1], device=dev)[None], prefill=True)
+        last = h[torch.arange(len(prompts), device=dev), lens.to(dev) - 1]
+        return self.model.lm_head(last).float(), feats
 
-        def emit(slots, tokens):   # a token for each slot: kept, and the slot freed when its answer ends
-            for s, t in zip(slots, tokens.tolist()):
-                gen[s].append(t)
-                if t in stops or len(gen[s]) >= req[s][2]:
-                    nxt = follow(req[s][0], gen[s])
-                    if nxt is not None:
-                        push(nxt)
-                    req[s], pos[s], gen[s] = None, 0, []
-                else:
-                    pos[s] += 1
+    @torch.no_grad()
+    def step(self, ids, pos):
+        """Logits (rows, T, V) of tokens ids (n, T) fed to rows [0, n) at their positions pos (n,) on, and
+        their features; the other rows read one position."""
+        (n, T), dev = ids.shape, self.pos.device
+        if T not in self.ids:    # a graph reads the tensors it was captured with: these stay
+            self.ids[T] = torch.zeros(self.rows, T, dtype=torch.long, device=dev), torch.arange(T, device=dev)
+        buf, offsets = self.ids[T]
+        buf[:n].copy_(ids)
+        buf[n:] = 0
+        self.pos.zero_()
+        self.pos[:n].copy_(torch.as_tensor(pos))
 
-        while True:
-            free = [s for s in range(self.n) if req[s] is None]   # refill once an eighth is free: batched prefill
-            while heap and free and (len(free) >= self.n // 8 or len(free) == self.n):
-                take = [heapq.heappop(heap)[3]]
-                longest = len(take[0][1])   # prompts are right-padded to the longest of their prefill
-                while heap and len(take) < len(free) and \
-                        (len(take) + 1) * max(longest, len(heap[0][3][1])) <= self.PREFILL_TOKENS:
-                    take.append(heapq.heappop(heap)[3])
-                    longest = max(longest, len(take[-1][1]))
-                slots, free = free[:len(take)], free[len(take):]
-                for s, r in zip(slots, take):
-                    req[s], pos[s] = r, len(r[1]) - 1   # emit() moves pos to the first new token
-                emit(slots, pick(self.prefill(slots, [r[1] for r in take])).cpu())
-            live = [s for s in range(self.n) if req[s] is not None]
-            if not live:
-                if heap:
-                    continue
-                return
-            rows = min(self.n, 1 << live[-1].bit_length())   # power-of-two row counts: few graphs
-            span = min(self.length, -(-(max(pos[s] for s in live) + 1) // self.SPAN) * self.SPAN)
-            self.ids[:rows].copy_(torch.tensor([gen[s][-1] if gen[s] else 0 for s in range(rows)]))
-            self.pos[:rows].copy_(torch.tensor(pos[:rows]))
-            emit(live, pick(self.replay(rows, span))[live].cpu())
+        def run():
+            h, feats = self.forward(buf, self.all_rows, self.pos[:, None] + offsets)
+            return self.model.lm_head(h).float(), feats
+        return replay(self.graphs, T, run, dev)
+
+
+def engine_attention(module, q, k, v, mask, scaling=None, engine=None, **kw):
+    """The engine's attention for the target's layers; without `engine` (a plain HF forward) HF's sdpa."""
+    if engine is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, **kw)
+    return engine.attend(module.layer_idx, q, k, v, scaling), None
 
 
 def check_decodable(model, length):
-    """Slots run the target's own layers with full causal attention over each context: a model of
+    """The engine runs the target's own layers with full causal attention over each context: a model of
     another shape, or with sliding-window layers that a context of `length` would reach, is refused."""
     c, base = model.config, getattr(model, "model", None)
     missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
     window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
     sliding = set(getattr(c, "layer_types", None) or []) - {"full_attention"} or (window and window < length)
     if missing or sliding:
-        raise SystemExit(f"error: generate_data.py decodes Llama-like targets with full attention; "
+        raise SystemExit(f"error: the decoding engine runs Llama-like targets with full attention; "
                          f"{type(model).__name__} " + (f"has no model.{', model.'.join(missing)}" if missing else
-                         f"has sliding-window attention within --max-length {length}"))
-
-
-def slot_attention(module, q, k, v, mask, scaling=None, slots=None, **kw):
-    """One query per slot against its cache (`slots.mask`: the positions written), grouped-query heads
-    read in place by SDPA (faster than the same attention as two batched matmuls); without `slots` (a
-    prefill) it is HF's sdpa."""
-    if slots is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, **kw)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=slots.mask[:, None, None, :],
-                                                           scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2), None
+                                                       f"has sliding-window attention within {length} tokens"))
 
 
 def picker(temperature, top_p):
-    """Greedy, or sampling at `temperature` within the `top_p` nucleus: logits (rows, V) -> token ids (rows,)."""
+    """Greedy, or sampling at `temperature` within the `top_p` nucleus: (logits (rows, V), seeds (rows,)) -> token
+    ids (rows,). A sample is the argmax of the nucleus' log-probabilities plus Gumbel noise that is a hash of
+    the row's seed and the token id: the same answer whichever rows, batch or device decode it."""
     if temperature <= 0:
-        return lambda logits: logits.argmax(-1)
+        return lambda logits, seeds: logits.argmax(-1)
 
-    def sample(logits):
-        p, idx = (logits / temperature).softmax(-1).sort(-1, descending=True)
-        p[p.cumsum(-1) - p > top_p] = 0   # keep the smallest head whose mass reaches top_p
-        return idx.gather(-1, torch.multinomial(p, 1)).squeeze(-1)
+    def sample(logits, seeds):
+        logp = (logits / temperature).log_softmax(-1)
+        p, idx = logp.exp().sort(-1, descending=True)
+        cut = p.cumsum(-1) - p > top_p      # outside the smallest head whose mass reaches top_p
+        logp.scatter_(-1, idx, torch.where(cut, -torch.inf, logp.gather(-1, idx)))
+        x = seeds[:, None] * logits.shape[-1] + torch.arange(logits.shape[-1], device=logits.device)
+        for shift, mult in ((33, -49064778989728563), (33, -4265267296055464877), (33, 1)):   # murmur3's mix
+            x = (x ^ (x >> shift)) * mult
+        u = ((x >> 38) & 0xFFFFFF).float().add_(0.5).div_(1 << 24)     # bits 38-61 (63 is 0 after the mix)
+        return (logp - (-u.log()).log()).argmax(-1)
     return sample
 
 
+# -----------------------------------------------------------------------------
+# 1. Many answers at once
+
+
+@torch.no_grad()
+def generate(engine, more, stops, pick, follow=lambda key, tokens: None):
+    """Decode requests ((group, ...) key, prompt ids, budget, chain, seed) until none is left: more() returns more
+    ([] when there are none), asked for whenever fewer wait than the engine has rows; pick(logits, seeds) -> token
+    ids, seeds[r] = the row's request seed + its token's index. An answer ends at a stop id (kept) or after
+    `budget` tokens; follow(key, tokens) then returns the next request of that key (a conversation's next turn),
+    or None. Requests are taken by key[0] (a group: a shard), then longest chain first: a group's conversations
+    finish together and its last turns do not decode alone at the end, while the next group's fill the free rows.
+    A free row takes the next prompt at once (no batch waits for its longest answer); prompts are prefilled in
+    batches. The rows' bookkeeping is tensors: a step's host work grows with the answers that end, not the rows."""
+    n, heap, order, done_more, dev = engine.rows, [], itertools.count(), False, engine.pos.device
+    push = lambda r: heapq.heappush(heap, (r[0][0], -r[3], len(r[1]), next(order), r))   # (group, chain)
+    req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
+    gen = torch.zeros(n, engine.length, dtype=torch.long)    # each row's answer so far
+    count, start, budget, seed = (torch.zeros(n, dtype=torch.long) for _ in range(4))
+    live, every = torch.zeros(n, dtype=torch.bool), torch.arange(n)
+
+    def emit(rows, tokens):   # a token for each row: kept, and the row freed when its answer ends
+        gen[rows, count[rows]] = tokens
+        count[rows] += 1
+        for s in rows[torch.isin(tokens, stop_ids) | (count[rows] >= budget[rows])].tolist():
+            nxt = follow(req[s][0], gen[s, :count[s]].tolist())
+            if nxt is not None:
+                push(nxt)
+            req[s], live[s] = None, False
+
+    while True:
+        while not done_more and len(heap) < n:
+            got = more()
+            done_more = not got
+            for r in got:
+                push(r)
+        free = (~live).nonzero()[:, 0].tolist()   # refill once an eighth is free: batched prefill
+        while heap and free and (len(free) >= n // 8 or len(free) == n):
+            take = [heapq.heappop(heap)[-1]]
+            longest = len(take[0][1])   # prompts are right-padded to the longest of their prefill
+            while heap and len(take) < len(free) and \
+                    (len(take) + 1) * max(longest, len(heap[0][-1][1])) <= engine.PREFILL_TOKENS:
+                take.append(heapq.heappop(heap)[-1])
+                longest = max(longest, len(take[-1][1]))
+            rows, free = torch.tensor(free[:len(take)]), free[len(take):]
+            for s, r in zip(rows.tolist(), take):
+                req[s] = r
+            count[rows], live[rows] = 0, True
+            start[rows] = torch.tensor([len(r[1]) for r in take])
+            budget[rows], seed[rows] = torch.tensor([r[2] for r in take]), torch.tensor([r[4] for r in take])
+            emit(rows, pick(engine.prefill(rows.tolist(), [r[1] for r in take])[0], seed[rows].to(dev)).cpu())
+        if not live.any():
+            if heap or not done_more:
+                continue
+            return
+        last = gen[every, (count - 1).clamp(min=0)]
+        logits = engine.step(torch.where(live, last, 0)[:, None], torch.where(live, start + count - 1, 0))[0][:, 0]
+        rows = live.nonzero()[:, 0]
+        emit(rows, pick(logits, (seed + count).to(dev)).cpu()[rows])
+
+
+# -----------------------------------------------------------------------------
+# 2. Speculative decoding
+
+
+class NGram:
+    """Prompt lookup, the proposer that needs no training: after each row's context, the up to block_size-1 tokens
+    that followed the latest earlier occurrence of its last 3 tokens, else of its last 2, else of its last. Each
+    row keeps an index of where each of its 1-, 2- and 3-grams last started, so a lookup costs what the round
+    added, not a scan of the context."""
+    N = 3
+
+    def __init__(self, block_size):
+        self.block_size, self.rows = block_size, {}
+
+    def prefill(self, rows, feats, lens):
+        for r in rows:
+            self.rows[r] = ([{} for _ in range(self.N)], [0] * self.N)
+
+    def propose(self, seqs, last):
+        k, drafts = self.block_size - 1, []
+        for r, tokens in enumerate(seqs):
+            index, indexed = self.rows[r]
+            draft = []
+            for n in range(self.N, 0, -1):   # index every n-gram but the context's last one, then look that up
+                for i in range(indexed[n - 1], len(tokens) - n):
+                    index[n - 1][tuple(tokens[i:i + n])] = i
+                indexed[n - 1] = max(indexed[n - 1], len(tokens) - n)
+                at = index[n - 1].get(tuple(tokens[-n:])) if not draft and len(tokens) > n else None
+                draft = tokens[at + n: at + n + k] if at is not None else draft
+            drafts.append(draft)
+        ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], device=last.device)
+        return ids, torch.tensor([len(d) for d in drafts], device=last.device)
+
+    def accept(self, n, feats, live):
+        pass
+
+
+class DrafterRows:
+    """A DFlash drafter proposing for each row of an engine: its own cache of context keys/values per row (the
+    target features of the row's committed tokens); each round one block step (a CUDA-graph replay on a GPU)
+    adds the last verify step's committed features to the cache and drafts block_size-1 tokens after the anchor
+    (the row's last token)."""
+
+    def __init__(self, drafter, rows, length):
+        c, dev, dt = drafter.config, drafter.fc.weight.device, drafter.fc.weight.dtype
+        if length > c.max_position_embeddings:
+            raise SystemExit(f"error: prompts and answers of {length} positions (a block included) exceed the "
+                             f"{c.max_position_embeddings} positions of the drafter's rotary table")
+        self.k = [torch.zeros(kv_shape(c, rows, length), dtype=dt, device=dev) for _ in drafter.layers]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.drafter, self.block_size, self.graphs = drafter, c.block_size, {}
+        F_ = len(c.target_layer_ids) * c.hidden_size
+        self.feats = torch.zeros(rows, c.block_size, F_, dtype=dt, device=dev)
+        self.ctx_len, self.n_new, self.anchor = (torch.zeros(rows, dtype=torch.long, device=dev) for _ in range(3))
+        self.rows = torch.arange(rows, device=dev)[:, None]
+        self.offsets = torch.arange(c.block_size, device=dev)
+        self.masks = torch.full((rows, c.block_size - 1), c.mask_token_id, dtype=torch.long, device=dev)
+
+    @torch.no_grad()
+    def prefill(self, rows, feats, lens):
+        """The prompts' features (n, T, F) become the context of rows `rows`, lens[i] of them valid."""
+        d, dt = self.drafter, self.feats.dtype
+        pos = torch.arange(feats.shape[1], device=feats.device)[None].expand(len(rows), -1)
+        ctx, (cos, sin) = d.context(feats.to(dt)), d.rope(pos, dt)
+        r = torch.tensor(rows, device=feats.device)[:, None]
+        for i, layer in enumerate(d.layers):
+            k, v = layer.self_attn.kv(ctx, cos, sin)
+            self.k[i][r, pos], self.v[i][r, pos] = k.transpose(1, 2), v.transpose(1, 2)
+        self.ctx_len[r[:, 0]] = torch.as_tensor(lens, device=feats.device)
+        self.n_new[r[:, 0]] = 0
+
+    @torch.no_grad()
+    def propose(self, contexts, last):
+        self.anchor[:len(last)].copy_(last)
+        k = torch.full((len(last),), self.block_size - 1, device=last.device)
+        return replay(self.graphs, "block", self.block, self.anchor.device)[:len(last)], k
+
+    def block(self):
+        d, dt, bs = self.drafter, self.feats.dtype, self.block_size
+        pos_c = self.ctx_len[:, None] + self.offsets          # the new context (n_new of them valid)
+        start = self.ctx_len + self.n_new                     # the anchor's position
+        pos_q = start[:, None] + self.offsets
+        ctx, (cos_c, sin_c), (cos_q, sin_q) = d.context(self.feats), d.rope(pos_c, dt), d.rope(pos_q, dt)
+        h = F.embedding(torch.cat([self.anchor[:, None], self.masks], 1), d.embed_weight).to(dt)
+        for i, layer in enumerate(d.layers):
+            k, v = layer.self_attn.kv(ctx, cos_c, sin_c)
+            self.k[i][self.rows, pos_c], self.v[i][self.rows, pos_c] = k.transpose(1, 2), v.transpose(1, 2)
+
+            def attend(q, k, v, i=i):   # the block joins the cache after the context; it sees all of itself
+                self.k[i][self.rows, pos_q], self.v[i][self.rows, pos_q] = k.transpose(1, 2), v.transpose(1, 2)
+                return kernels.row_attention(q, self.k[i], self.v[i], start + bs, False, q.shape[-1] ** -0.5
+                                             ).transpose(1, 2)
+            h = layer(h, None, None, cos_q, sin_q, attend)
+        return (d.norm(h)[:, 1:] @ d.lm_head_weight.t().to(h.dtype)).argmax(-1)
+
+    @torch.no_grad()
+    def accept(self, n, feats, live):
+        """The verify step committed n+1 tokens per live row (its input's first n+1): their features are the
+        next block step's new context."""
+        R = len(n)
+        self.ctx_len[:R] += self.n_new[:R]
+        self.n_new[:R] = torch.where(live, n + 1, 0)
+        self.feats[:R].copy_(feats[:R])
+
+
+@torch.no_grad()
+def speculate(engine, prompts, max_new_tokens, stops, proposer=None):
+    """Greedy decoding of each prompt (token lists) in a row of its own: [(new tokens, acceptance length of each
+    round)] per prompt. With a proposer (NGram, DrafterRows) each round one target step verifies every row's
+    proposals; without one each step commits one token. An answer ends at a stop id (kept) or after
+    max_new_tokens. Rows do not see each other: a prompt decodes as it would alone."""
+    R, dev, stops = len(prompts), engine.pos.device, set(stops)
+    seqs, rounds, live = [list(p) for p in prompts], [[] for _ in prompts], [True] * R
+    order = sorted(range(R), key=lambda i: len(prompts[i]))
+    while order:          # prefill batches of similar lengths
+        take = [order.pop(0)]
+        while order and (len(take) + 1) * len(prompts[order[0]]) <= engine.PREFILL_TOKENS:
+            take.append(order.pop(0))
+        logits, feats = engine.prefill(take, [prompts[i] for i in take])
+        for i, t in zip(take, logits.argmax(-1).tolist()):
+            seqs[i].append(t)
+            live[i] = t not in stops and max_new_tokens > 1
+        if proposer:
+            proposer.prefill(take, feats, [len(prompts[i]) for i in take])
+    while any(live):
+        last = torch.tensor([s[-1] for s in seqs], device=dev)
+        if proposer:
+            draft, k = proposer.propose(seqs, last)
+        else:
+            draft, k = torch.zeros(R, 0, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev)
+        logits, feats = engine.step(torch.cat([last[:, None], draft], 1), [len(s) - 1 for s in seqs])
+        verified = logits[:R].argmax(-1)                                        # (R, 1 + proposals)
+        n = torch.minimum((draft == verified[:, :-1]).long().cumprod(1).sum(1), k)   # the agreeing prefix
+        if proposer:
+            proposer.accept(n, feats, torch.tensor(live, device=dev))
+        bonus = verified.gather(1, n[:, None])[:, 0]
+        for i, (n_i, d_i, b_i) in enumerate(zip(n.tolist(), draft.tolist(), bonus.tolist())):
+            if not live[i]:
+                continue
+            if proposer:
+                rounds[i].append(n_i + 1)
+            for t in d_i[:n_i] + [b_i]:
+                seqs[i].append(t)
+                if t in stops or len(seqs[i]) - len(prompts[i]) >= max_new_tokens:
+                    live[i] = False
+                    break
+    return [(s[len(p):], r) for s, p, r in zip(seqs, prompts, rounds)]

@@ -135,9 +135,9 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, L, self.nh, self.hd)).transpose(1, 2)
         q = apply_rope(q, cos_q, sin_q)
-        k_blk, v_blk = self.kv(x, cos_q, sin_q)
-        k = torch.cat([k_ctx, k_blk], dim=2)
-        v = torch.cat([v_ctx, v_blk], dim=2)
+        k, v = self.kv(x, cos_q, sin_q)
+        if k_ctx is not None:      # training: the context comes with the call (decoding keeps it in its cache)
+            k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
         o = attend(q, k, v)
         return self.o_proj(o.transpose(1, 2).reshape(B, L, self.nh * self.hd))
 

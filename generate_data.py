@@ -4,7 +4,7 @@
     python generate_data.py --target Qwen/Qwen3-8B --data sharegpt.json --out data/qwen3_regen.jsonl
 
 One worker process per device takes shards of --shard-size conversations, decodes their answers together
-(decoding.Slots) and writes each shard atomically to <out>.shards/: a stopped run goes on where it was and
+(decoding.generate) and writes each shard atomically to <out>.shards/: a stopped run goes on where it was and
 gives the same file. Then <out> and <out>.manifest.json (settings, sources, counts) are written.
 """
 import argparse
@@ -38,7 +38,8 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; shard i uses seed + i")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed: with it, each answer's draws depend on its conversation and turn only")
     p.add_argument("--shard-size", type=int, default=1024, help="conversations per shard (the restart unit)")
     p.add_argument("--devices", default="", help="comma-separated (default: every visible GPU, else cpu)")
     a = p.parse_args(argv)
@@ -66,86 +67,128 @@ def weights_hash(target):
 
 
 # -----------------------------------------------------------------------------
-# one shard: regenerate turn by turn, all conversations at once in the slots
+# shards: regenerate turn by turn; a worker decodes the turns of the shards it holds together
 
-def prompt_ids(tok, regen, max_length):
-    """(chat-template ids of the context + generation prompt, None) or (None, why the turn is not answered)."""
-    roles = [m["role"] for m in regen if m["role"] != "system"]
-    if not roles or roles[-1] != "user":
-        return None, "assistant turn without a user turn before it"
-    try:
-        ids = list(tok.apply_chat_template(regen, add_generation_prompt=True)["input_ids"])
-    except Exception:  # noqa: BLE001 - a template that refuses a conversation (jinja2 raises): counted
-        return None, "chat template error"
-    return (ids, None) if len(ids) <= max_length - 1 else (None, "prompt longer than max length")
+class Shard:
+    """One shard's conversations, regenerated turn by turn: each answer greedy (or sampled) on the regenerated
+    context before it, a conversation's next turn asked for as soon as its answer is written. The result depends
+    on the shard's conversations only."""
 
+    def __init__(self, i, convs, tok, a, stops):
+        self.i, self.convs, self.tok, self.a, self.stops, self.t0 = i, convs, tok, a, set(stops), time.time()
+        self.st, self.regen, self.done = Counter(), {k: [] for k in range(len(convs))}, {}
 
-def run_shard(slots, tok, convs, a, stops):
-    """(regenerated conversations, stats) of one shard; depends on its conversations only. Each answer
-    is greedy (or sampled) on the regenerated context before it; a conversation's next turn is asked for
-    as soon as its answer is written."""
-    st, regen, done, pick = Counter(), {k: [] for k in range(len(convs))}, {}, decoding.picker(a.temperature, a.top_p)
-
-    def finish(k, why=None):   # kept up to its last regenerated answer (cut there, for `why`), or dropped
-        r = regen.pop(k)
+    def finish(self, k, why=None):   # kept up to its last regenerated answer (cut there, for `why`), or dropped
+        r = self.regen.pop(k)
         while r and r[-1]["role"] != "assistant":
             r.pop()
         if r:
-            done[k] = r
+            self.done[k] = r
         if why:
-            st[f"{'cut' if r else 'skipped'}: {why}"] += 1
+            self.st[f"{'cut' if r else 'skipped'}: {why}"] += 1
 
-    def next_turn(k):
-        msgs, r = convs[k], regen[k]
+    def next_turn(self, k):
+        """The request (key, prompt ids, budget, chain, seed) of conversation k's next answer, or None."""
+        msgs, r, a = self.convs[k], self.regen[k], self.a
         if not any(m["role"] == "assistant" for m in msgs[len(r):]):
-            return finish(k)
+            return self.finish(k)
         while msgs[len(r)]["role"] != "assistant":   # system and user turns are kept as they are
             r.append(dict(msgs[len(r)]))
-        ids, why = prompt_ids(tok, r, a.max_length)
+        ids, why = data_dflash.prompt_ids(self.tok, r, a.max_length - 1)
         if ids is None:
-            return finish(k, why)
+            return self.finish(k, why)
         chain = sum(m["role"] == "assistant" for m in msgs[len(r):])
-        return k, ids, min(a.max_new_tokens, a.max_length - len(ids)), chain
+        seed = hash_ints(a.seed, self.i, k, len(r))   # the answer's sampling noise: its own, whoever decodes it
+        return (self.i, k), ids, min(a.max_new_tokens, a.max_length - len(ids)), chain, seed
 
-    def answered(k, row):   # finished: the stop token came within --max-new-tokens and --max-length
-        finished = row[-1] in stops
+    def answered(self, k, row):   # finished: the stop token came within --max-new-tokens and --max-length
+        finished = row[-1] in self.stops
         new = row[:-1] if finished else row
-        st["generated_tokens"] += len(row)
-        if not finished and len(new) < a.max_new_tokens:   # the answer would pass max-length
-            return finish(k, "answer beyond max length")
-        st["hit_max_new_tokens"] += not finished
-        st["answers"] += 1
-        regen[k].append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()})
-        return next_turn(k)
+        self.st["generated_tokens"] += len(row)
+        if not finished and len(new) < self.a.max_new_tokens:   # the answer would pass max-length
+            return self.finish(k, "answer beyond max length")
+        self.st["hit_max_new_tokens"] += not finished
+        self.st["answers"] += 1
+        self.regen[k].append({"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True).strip()})
+        return self.next_turn(k)
 
-    first = [r for r in map(next_turn, range(len(convs))) if r is not None]
-    slots.generate(first, stops, pick, answered)
-    return [done[k] for k in sorted(done)], st
+
+def hash_ints(*xs):
+    """A deterministic 62-bit integer of a tuple of integers (Python's hash of ints is deterministic too, but
+    not documented to be stable across versions)."""
+    return int.from_bytes(hashlib.sha256(repr(xs).encode()).digest()[:8], "little") >> 2
 
 
 # -----------------------------------------------------------------------------
 # workers: one process per device, shards from a queue
 
-def worker(device, jobs, a, shards_dir, n_shards):
-    """Regenerate the shards taken from the queue `jobs` ((index, conversations); None ends) on `device`."""
+def worker(device, jobs, a, shards_dir, n_shards, t_run):
+    """Regenerate the shards taken from the queue `jobs` ((index, conversations); None ends) on `device`. The
+    next shard's turns join the rows while the last ones are still decoding, so no shard waits for the longest
+    chain of turns of the one before; each shard is written when its last answer is."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     tok = config.load_target_config(a.target)[1]
     model = config.load_model(a.target, device, config.param_dtype(device))
     stops = decoding.stop_token_ids(tok, model)
-    slots = decoding.Slots(model, decoding.Slots.fit(model, a.max_length), a.max_length)
-    for i, convs in iter(jobs.get, None):
-        if a.temperature > 0:
-            torch.manual_seed(a.seed + i)  # a restarted shard samples as it would have uninterrupted
-        t0 = time.time()
-        out, st = run_shard(slots, tok, convs, a, stops)
-        st.update(conversations=len(convs), written=len(out), seconds=time.time() - t0)
-        path = os.path.join(shards_dir, f"shard_{i:05d}")
-        data_dflash.write_json(path + ".json", st)  # counts first: the .jsonl marks the shard done
-        data_dflash.write_chat_jsonl(path + ".jsonl", out)
-        print(f"[gen] shard {i + 1}/{n_shards} on {device}: {len(convs)} conversations, {st['answers']} answers, "
-              f"{st['generated_tokens']:,} tokens in {st['seconds']:.1f} s "
-              f"({st['generated_tokens'] / st['seconds']:,.0f} tok/s)", flush=True)
+    engine = decoding.Engine(model, decoding.Engine.fit(model, a.max_length, most=1024), a.max_length)
+    print(f"[gen] {device}: {engine.rows} rows of {a.max_length} tokens", flush=True)
+    shards, no_more = {}, []
+
+    def write(sh):
+        del shards[sh.i]
+        sh.st.update(conversations=len(sh.convs), written=len(sh.done), seconds=time.time() - sh.t0,
+                     finished=time.time())
+        path = os.path.join(shards_dir, f"shard_{sh.i:05d}")
+        data_dflash.write_json(path + ".json", sh.st)  # counts first: the .jsonl marks the shard done
+        data_dflash.write_chat_jsonl(path + ".jsonl", [sh.done[k] for k in sorted(sh.done)])
+        print(f"[gen] shard {sh.i + 1}/{n_shards} on {device}: {len(sh.convs)} conversations, {sh.st['answers']} "
+              f"answers, {sh.st['generated_tokens']:,} tokens | {progress(shards_dir, n_shards, t_run)}", flush=True)
+
+    def more():   # the first turns of the next shard from the queue, [] once it is empty
+        while not no_more:
+            job = jobs.get()
+            if job is None:
+                no_more.append(True)
+                break
+            sh = shards[job[0]] = Shard(*job, tok, a, stops)
+            first = [r for r in map(sh.next_turn, range(len(sh.convs))) if r is not None]
+            if first:
+                return first
+            write(sh)
+        return []
+
+    last_line, t_start, tokens = [time.time()], time.time(), [0]
+
+    def follow(key, tokens_):
+        sh = shards[key[0]]
+        nxt = sh.answered(key[1], tokens_)
+        if nxt is None and not sh.regen:
+            write(sh)
+        tokens[0] += len(tokens_)
+        if time.time() - last_line[0] > 60:   # between shard lines: this worker's rate
+            last_line[0] = time.time()
+            print(f"[gen] {device}: {tokens[0]:,} tokens in {time.time() - t_start:.0f} s "
+                  f"({tokens[0] / (time.time() - t_start):,.0f} tok/s), shards {sorted(i + 1 for i in shards)} open",
+                  flush=True)
+        return nxt
+
+    decoding.generate(engine, more, stops, decoding.picker(a.temperature, a.top_p), follow)
+
+
+def progress(shards_dir, n_shards, t_run):
+    """All workers' progress from the shards on disk, those of this run (written since t_run) giving the rate
+    and the ETA."""
+    done = []
+    for f in sorted(os.listdir(shards_dir)):
+        if f.startswith("shard_") and f.endswith(".jsonl"):
+            with open(os.path.join(shards_dir, f[:-1])) as fh:
+                done.append(json.load(fh))
+    now = [st for st in done if st.get("finished", 0) >= t_run]
+    elapsed = time.time() - t_run
+    rate, per_shard = sum(st["generated_tokens"] for st in now) / elapsed, elapsed / max(1, len(now))
+    return (f"{len(done)}/{n_shards} shards, {rate:,.0f} tok/s this run, "
+            f"ETA {(n_shards - len(done)) * per_shard / 60:.1f} min")
 
 
 def run_workers(a, pending, shards_dir, n_shards):
@@ -156,8 +199,8 @@ def run_workers(a, pending, shards_dir, n_shards):
     for job in pending + [None] * len(a.devices):
         q.put(job)
     if len(a.devices) == 1:
-        return worker(a.devices[0], q, a, shards_dir, n_shards)
-    procs = [ctx.Process(target=worker, args=(d, q, a, shards_dir, n_shards)) for d in a.devices]
+        return worker(a.devices[0], q, a, shards_dir, n_shards, time.time())
+    procs = [ctx.Process(target=worker, args=(d, q, a, shards_dir, n_shards, time.time())) for d in a.devices]
     for p in procs:
         p.start()
     for p in procs:

@@ -85,9 +85,11 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
     assert "nothing to do" in capsys.readouterr().out
 
 
-def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(target, tmp_path):
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(target, tmp_path, temperature):
     src = chats(tmp_path / "in.jsonl")
-    args = ["--target", target, "--data", src, "--max-new-tokens", str(NEW), "--shard-size", "1", "--out"]
+    args = ["--target", target, "--data", src, "--max-new-tokens", str(NEW), "--shard-size", "1",
+            "--temperature", str(temperature), "--out"]
     cmd = [sys.executable, str(REPO / "generate_data.py"), *args]
     killed = run_cmd(broken("generate_data", "gen_kill:1", args + [str(tmp_path / "a.jsonl")]))
     assert killed.rc == -9, killed.tail()
@@ -134,37 +136,51 @@ def test_empty_input_and_a_restart_with_other_settings_are_errors(target, tmp_pa
         generate(target, src, tmp_path / "y.jsonl", "--max-length", 512)
 
 
-def test_slots_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target, tok):
-    """More prompts than slots, of other lengths and budgets: every answer equals HF greedy decoding of that
-    prompt alone, so slot reuse, right-padded prefill and per-slot positions leak nothing between answers."""
+def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target, tok):
+    """More prompts than engine rows, of other lengths and budgets: every answer equals HF greedy decoding of that
+    prompt alone, so row reuse, right-padded prefill and per-row positions leak nothing between answers."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     ref = AutoModelForCausalLM.from_pretrained(target).eval()
     stops = decoding.stop_token_ids(tok, model)
     prompts = [tok(" ".join(["word"] * n) + f" {n}")["input_ids"] for n in (3, 40, 9, 1, 25, 60, 14)]
     budgets = [5, 17, 9, 30, 2, 11, 20]
-    def decode(n_slots, pick):
-        got = {}
-        decoding.Slots(model, n_slots, 128).generate([(i, p, b, 0) for i, (p, b) in enumerate(zip(prompts, budgets))],
-                                             stops, pick, lambda i, tokens: got.update({i: tokens}))
+    def decode(n_rows, pick):
+        got, requests = {}, [[((0, i), p, b, 0, i) for i, (p, b) in enumerate(zip(prompts, budgets))]]
+        decoding.generate(decoding.Engine(model, n_rows, 128), lambda: requests.pop() if requests else [],
+                          stops, pick, lambda key, tokens: got.update({key[1]: tokens}))
         return [got[i] for i in range(len(prompts))]
-    got = decode(2, lambda logits: logits.argmax(-1))
+    got = decode(2, decoding.picker(0, 1))
     for p, b, row in zip(prompts, budgets, got):
         y = ref.generate(torch.tensor([p]), max_new_tokens=b, do_sample=False, eos_token_id=stops,
                          pad_token_id=stops[0])
         assert row == y[0, len(p):].tolist()
     assert {len(r) for r in got} != {1}, "every answer one token long: the test would prove little"
-    # sampling inside a nucleus of one token is greedy decoding
-    one = decoding.picker(0.7, 1e-6)
-    assert decode(3, one) == got
+    # sampling inside a nucleus of one token is greedy decoding; sampled answers do not depend on the rows
+    assert decode(3, decoding.picker(0.7, 1e-6)) == got
+    assert decode(2, decoding.picker(1.0, 0.9)) == decode(5, decoding.picker(1.0, 0.9)) != got
 
 
-def test_a_target_the_slots_cannot_decode_exactly_is_refused(target):
+def test_sampling_draws_from_the_nucleus_and_depends_only_on_the_seed():
+    """20,000 draws of one row (seeds 0..19999) at temperature 0.8, top-p 0.95: the shares of the nucleus'
+    3 tokens are its renormalised probabilities, the 4th (outside it) never comes; a row's draw is the same
+    alone or among others."""
+    pick = decoding.picker(0.8, 0.95)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    draws = pick(logits.expand(20000, 4), torch.arange(20000))
+    p = (logits[0] / 0.8).softmax(-1)[:3]
+    shares = torch.bincount(draws, minlength=4).float() / 20000
+    assert shares[3] == 0 and torch.allclose(shares[:3], p / p.sum(), atol=0.01), shares
+    mixed = torch.cat([logits, torch.randn(5, 4)])
+    assert pick(mixed, torch.arange(6) + 7)[0] == pick(logits, torch.tensor([7]))[0]
+
+
+def test_a_target_the_engine_cannot_decode_exactly_is_refused(target):
     """Sliding-window layers within --max-length would be attended in full: an error, not other answers."""
     from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
     mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=1, sliding_window=256))
-    with pytest.raises(SystemExit, match="sliding-window attention within --max-length 512"):
-        decoding.Slots(mistral, 2, 512)
-    decoding.Slots(mistral, 2, 256)                                  # a window no context reaches is full attention
-    decoding.Slots(AutoModelForCausalLM.from_pretrained(target), 2, 512)
+    with pytest.raises(SystemExit, match="sliding-window attention within 512 tokens"):
+        decoding.Engine(mistral, 2, 512)
+    decoding.Engine(mistral, 2, 256)                                 # a window no context reaches is full attention
+    decoding.Engine(AutoModelForCausalLM.from_pretrained(target), 2, 512)

@@ -143,6 +143,16 @@ def drafter_for(target, block_size, num_draft_layers=2, seed=1):
     return dm.DFlashDrafter(cfg).attach_target(target)
 
 
+def decode(target, prompt, n, stop_token_ids=(), drafter=None, block_size=None):
+    """The decoding engine on one prompt (1, P): its ids (1, P + new) and acceptance lengths; speculative with a
+    drafter, or with n-gram lookup when block_size is given."""
+    p, L = prompt[0].tolist(), prompt.shape[1] + n + 2 * 16
+    engine = decoding.Engine(target, 1, L, drafter.config.target_layer_ids if drafter else ())
+    proposer = decoding.DrafterRows(drafter, 1, L) if drafter else block_size and decoding.NGram(block_size)
+    out, acc = decoding.speculate(engine, [p], n, stop_token_ids, proposer or None)[0]
+    return torch.tensor([p + out]), acc
+
+
 # -----------------------------------------------------------------------------
 # fixtures
 
@@ -231,7 +241,7 @@ def trained(targets):
     target = targets["qwen3"]
     P, S, bs = 8, 96, 8
     prompt = torch.randint(0, 500, (1, P), generator=torch.Generator().manual_seed(5))
-    seq = decoding.target_greedy(target, prompt, S - P)
+    seq = decode(target, prompt, S - P)[0]
     assert seq.shape == (1, S)
     drafter = drafter_for(target, bs)
     with torch.no_grad():
@@ -569,11 +579,11 @@ def test_greedy_dflash_generate_is_lossless(targets, arch, bs):
     drafter = drafter_for(target, bs).eval()
     prompt = torch.randint(0, 500, (1, 7), generator=torch.Generator().manual_seed(9))
     n = 30
-    ref = decoding.target_greedy(target, prompt, n)
+    ref = decode(target, prompt, n)[0]
     assert ref.shape == (1, 7 + n)
     assert len(set(ref[0, 7:].tolist())) > 10                              # a non-degenerate continuation
     assert torch.equal(_hf_greedy(target, prompt, n), ref)
-    out, al = decoding.dflash_generate(drafter, target, prompt, n)
+    out, al = decode(target, prompt, n, drafter=drafter)
     assert torch.equal(out, ref)
     assert al and all(1 <= a <= bs for a in al)
     assert 1 + sum(al) >= n and 1 + sum(al[:-1]) < n                       # rounds account for the tokens
@@ -582,19 +592,48 @@ def test_greedy_dflash_generate_is_lossless(targets, arch, bs):
     gen = ref[0, 7:].tolist()
     j = next(i for i in range(12, n) if gen[i] not in gen[:i])
     stop = gen[j]
-    ref_s = decoding.target_greedy(target, prompt, n, stop_token_ids=[stop])
+    ref_s = decode(target, prompt, n, [stop])[0]
     assert ref_s.shape == (1, 7 + j + 1) and int(ref_s[0, -1]) == stop
     assert torch.equal(_hf_greedy(target, prompt, n, eos=stop), ref_s)
-    out_s, al_s = decoding.dflash_generate(drafter, target, prompt, n, stop_token_ids=[stop])
+    out_s, al_s = decode(target, prompt, n, [stop], drafter)
     assert torch.equal(out_s, ref_s)
     assert all(1 <= a <= bs for a in al_s)
+
+
+def test_a_batch_of_prompts_decodes_as_each_prompt_alone(trained):
+    """Prompts of other lengths side by side, each row advancing by its own accepted lengths: per prompt, the
+    greedy, n-gram and drafter outputs and acceptance lengths equal the one-prompt engine's (fp32), every
+    speculative output is the greedy one, and the greedy one is HF generate's. Rows include spans of the
+    training sequence (long accepted blocks) and random prompts (short ones), some ending at a stop id."""
+    t, bs, n = trained, trained.bs, 40
+    prompts = [t.seq[0, :P].tolist() for P in (8, 11, 30)] + \
+        [torch.randint(0, 500, (P,), generator=torch.Generator().manual_seed(P)).tolist() for P in (5, 17)]
+    stop = t.seq[0, 50].item()
+    L = max(map(len, prompts)) + n + 2 * bs
+    ways = [(None, ()), (lambda rows: decoding.NGram(bs), ()),
+            (lambda rows: decoding.DrafterRows(t.drafter, rows, L), t.drafter.config.target_layer_ids)]
+    results = []
+    for make, layers in ways:
+        together = decoding.speculate(decoding.Engine(t.target, len(prompts), L, layers), prompts, n, [stop],
+                                      make and make(len(prompts)))
+        engine, proposer = decoding.Engine(t.target, 1, L, layers), make and make(1)
+        alone = [decoding.speculate(engine, [p], n, [stop], proposer)[0] for p in prompts]
+        assert together == alone
+        results.append(together)
+    greedy, ngram, dflash = results
+    for p, (g, _) in zip(prompts, greedy):
+        assert g == _hf_greedy(t.target, torch.tensor([p]), n, eos=stop)[0, len(p):].tolist()
+    assert [o for o, _ in ngram] == [o for o, _ in dflash] == [g for g, _ in greedy]
+    assert any(g[-1] == stop and len(g) < n for g, _ in greedy) and any(len(g) == n for g, _ in greedy)
+    accepted = [a for _, acc in dflash for a in acc]
+    assert max(accepted) == bs and any(1 < a < bs for a in accepted) and 1 in accepted, accepted
 
 
 def test_overfit_drafter_reaches_high_acceptance(trained):
     t = trained
     S = t.seq.shape[1]
     prefix = t.seq[:, : t.P]
-    out, al = decoding.dflash_generate(t.drafter, t.target, prefix, S - t.P)
+    out, al = decode(t.target, prefix, S - t.P, drafter=t.drafter)
     assert torch.equal(out, t.seq)                                         # lossless on the training span
     mean_tau = sum(al) / len(al)
     assert all(1 <= a <= t.bs for a in al)
@@ -611,8 +650,8 @@ def test_trained_drafter_lossless_with_partial_acceptance_and_stop(trained):
     P = t.P + 3                    # rounds anchor at P + 8r: the one at S - 5 straddles the end
     prefix = t.seq[:, :P]
     n = S - P + 40
-    ref = decoding.target_greedy(t.target, prefix, n)
-    out, al = decoding.dflash_generate(t.drafter, t.target, prefix, n)
+    ref = decode(t.target, prefix, n)[0]
+    out, al = decode(t.target, prefix, n, drafter=t.drafter)
     assert torch.equal(out, ref)
     assert any(1 < a < t.bs for a in al), f"no partial acceptance exercised: {al}"
     assert max(al) == t.bs
@@ -622,8 +661,8 @@ def test_trained_drafter_lossless_with_partial_acceptance_and_stop(trained):
     gen = out[0, P:].tolist()
     j = next(i for i in range(12, S - P) if i % t.bs not in (0, 1) and gen[i] not in gen[:i])
     stop = gen[j]
-    ref_s = decoding.target_greedy(t.target, prefix, n, stop_token_ids=[stop])
-    out_s, al_s = decoding.dflash_generate(t.drafter, t.target, prefix, n, stop_token_ids=[stop])
+    ref_s = decode(t.target, prefix, n, [stop])[0]
+    out_s, al_s = decode(t.target, prefix, n, [stop], t.drafter)
     assert torch.equal(out_s, ref_s)
     assert out_s.shape[1] == P + j + 1 and int(out_s[0, -1]) == stop
     assert 1 + sum(al_s) > j + 1                                           # the last block was cut at the stop
@@ -674,7 +713,9 @@ def test_save_load_roundtrip_and_format(targets, tmp_path):
         feats = dm.target_forward(target, torch.arange(20)[None], None, d.config.target_layer_ids)
     outs = []
     for m in (d, loaded):
-        outs.append(decoding.draft_block(m, [None] * 3, feats, torch.arange(20)[None], torch.tensor(5), 20))
+        rows = decoding.DrafterRows(m, 1, 64)
+        rows.prefill([0], feats, [20])
+        outs.append(rows.propose(None, torch.tensor([5]))[0])
     assert torch.equal(outs[0], outs[1])
 
     # default save dtype (bf16): same names, bf16 tensors, loads to the bf16-rounded weights
@@ -884,8 +925,8 @@ def test_generate_refuses_positions_beyond_the_rope_table(targets):
     target = targets["qwen3"]
     drafter = drafter_for(target, 16)
     n = drafter.config.max_position_embeddings
-    with pytest.raises(ValueError, match="exceed the .* positions of the drafter's rotary table"):
-        decoding.dflash_generate(drafter, target, torch.zeros(1, 8, dtype=torch.long), max_new_tokens=n)
+    with pytest.raises(SystemExit, match="exceed the .* positions of the drafter's rotary table"):
+        decode(target, torch.zeros(1, 8, dtype=torch.long), n, drafter=drafter)
 
 
 # -----------------------------------------------------------------------------
@@ -1165,11 +1206,27 @@ def test_ngram_lookup_tau_on_a_hand_made_sequence_equals_the_hand_count():
         for a, b in table.items():
             model.lm_head.weight[b, a] = 1.0
     prompt = torch.tensor([[5, 1, 2, 6, 3, 4]])
-    ref = decoding.target_greedy(model, prompt, 10)
+    ref = decode(model, prompt, 10)[0]
     assert ref[0, 6:].tolist() == [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
-    out, rounds = decoding.ngram_generate(model, prompt, 10, block_size=4)
+    out, rounds = decode(model, prompt, 10, block_size=4)
     assert torch.equal(out, ref) and rounds == [2, 4, 4], rounds
-    assert decoding.ngram_propose([5, 1, 2, 6, 3, 4, 1], 3) == [2, 6, 3] and decoding.ngram_propose([7, 8], 3) == []
+    ngram = decoding.NGram(4)
+    ngram.prefill([0, 1], None, None)
+    ids, k = ngram.propose([[5, 1, 2, 6, 3, 4, 1], [7, 8]], torch.tensor([1, 8]))
+    assert ids[0].tolist() == [2, 6, 3] and k.tolist() == [3, 0]
+    # the index kept across rounds proposes what a scan of the whole context finds
+    def scan(tokens, k):
+        for n in (3, 2, 1):
+            at = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+            if at:
+                return tokens[at[-1] + n: at[-1] + n + k]
+        return []
+    ngram, tokens, g = decoding.NGram(6), [1], torch.Generator().manual_seed(0)
+    ngram.prefill([0], None, None)
+    for _ in range(60):
+        tokens += torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+        ids, k = ngram.propose([tokens], torch.tensor([tokens[-1]]))
+        assert ids[0, :int(k[0])].tolist() == scan(tokens, 5), tokens
 
 
 def test_eval_histogram_without_drafting_rounds():

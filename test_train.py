@@ -1117,7 +1117,7 @@ def test_every_script_answers_a_bad_input_with_one_line_naming_it(llama, tmp_pat
               f"cannot load the target '{t / 'tcut'}'"),
              (ev[:4] + [str(t / "nope.jsonl"), "--drafter", str(good)], f"prompt file not found: {t / 'nope.jsonl'}"),
              (ev + [str(good), "--device", "cuda:7"], "device cuda:7 requested but only"),
-             (["eval_dflash", "--merge", str(t / "bad.json")], f"cannot read {t / 'bad.json'}"),
+             (ev + [str(good), "--num-prompts", "0"], "--num-prompts, --max-new-tokens and --max-prompt-tokens must"),
              (["generate_data", "--target", str(t / "tcut"), "--data", prompts, "--out", str(t / "g.jsonl")],
               f"cannot load the target '{t / 'tcut'}'"),
              (["generate_data", "--target", llama, "--data", prompts, "--out", str(t / "g.jsonl"), "--shard-size", "0"],
@@ -1174,8 +1174,8 @@ def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
                  "--json", str(out3)], timeout=300)
     assert_ok(p)
     res = json.loads(out3.read_text())
-    assert res["decode_slots"] == 8 and list(res["decode_ms"]) == ["64", "128", "256"], res
-    assert "decoding step, 8 slots, span 256" in p.out
+    assert res["decode_rows"] == 8 and list(res["decode_ms"]) == ["64", "128", "256"], res
+    assert "decoding step, 8 rows below position 256" in p.out
     out2 = tmp_path / "layout.json"
     p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--pipeline-only", "--target-devices", "cpu",
                  "--drafter-devices", "cpu,cpu", "--pipeline-steps", "10", "--json", str(out2)], timeout=300)
@@ -1186,13 +1186,11 @@ def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
 
 
 def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path):
-    """eval_dflash.py end to end (tiny target, two drafters, chat prompts), with the CPU defaults
-    (5 prompts, 32 new tokens): a line per prompt, every prompt lossless, the JSON complete and
-    consistent with the printout, a table row per drafter; each drafter measures in the shared run
-    exactly what it measures alone; a time budget stops after the first prompt and reports it, marked
-    incomplete; --merge adds up runs over disjoint prompt ranges into the one run's figures and refuses
-    overlaps and other drafters; --processes 2 does that split itself; drafters of two block sizes are
-    an error."""
+    """eval_dflash.py end to end (tiny target, two drafters, chat prompts), with the CPU defaults (5 prompts
+    side by side, 32 new tokens, 1 prompt timed at batch 1): every prompt lossless, the JSON consistent with
+    the printout, a table row per method with its tau and speed-up, saying which loop and precision each comes
+    from; each drafter measures in the shared run exactly what it measures alone; drafters of two block sizes
+    are an error."""
     import collections
     import decoding
     import dflash_model as dm
@@ -1207,8 +1205,8 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
     # step_000001 is untrained; step_000002 drafts the token the target repeats most after the first prompt
     # (its layer adds nothing: each block position's logits are those of its input, the mask token), so
     # the two drafters measure differently
-    x = torch.tensor(eval_dflash.prompts_from([str(prompts)], AutoTokenizer.from_pretrained(llama), 1, 0, 1024)[0])
-    common = collections.Counter(decoding.target_greedy(target, x, 32)[0, x.shape[1]:].tolist()).most_common(1)[0][0]
+    x = eval_dflash.prompts_from([str(prompts)], AutoTokenizer.from_pretrained(llama), 1, 0, 1024)[0]
+    common = collections.Counter(decoding.speculate(decoding.Engine(target, 1, 256), [x], 32, [])[0][0]).most_common(1)[0][0]
     drafters = {}
     for seed, label, bs in ((0, "step_000001", 4), (1, "step_000002", 4), (2, "step_000003", 8)):
         cfg = dm.DFlashConfig.from_target_config(target.config, num_draft_layers=1, block_size=bs,
@@ -1224,73 +1222,40 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
     eval_py = [sys.executable, str(REPO / "eval_dflash.py")]
     one = eval_py + ["--target", llama, "--prompts", str(prompts), "--device", "cpu", "--drafter"]
     base = one + [drafters[lb] for lb in labels]
-
-    def speculators(res):
-        return [*((lb, res["dflash"][lb]) for lb in labels), ("n-gram lookup", res["ngram"])]
+    names = [*labels, "n-gram lookup"]
 
     p = run_cmd(base + ["--json", str(tmp_path / "all.json")])
     assert_ok(p)
-    res = res_all = json.loads((tmp_path / "all.json").read_text())
-    assert res["max_new_tokens"] == 32 and len(re.findall(r"\[eval\] prompt \d/5: ", p.out)) == 5, p.out
-    assert res["prompts"] == res["requested"] == 5 and res["complete"], res
-    assert res["drafters"] == {lb: drafters[lb] for lb in labels} and list(res["dflash"]) == labels, res
-    for label, r in speculators(res):                     # every speculator, one table
+    res = json.loads((tmp_path / "all.json").read_text())
+    assert res["max_new_tokens"] == 32 and res["prompts"] == 5 and list(res["drafters"]) == labels, res
+    assert "tau and losslessness: 5 prompts side by side, float32; tok/s: 1 prompts at batch 1, bfloat16, eager" \
+        in p.out, p.out
+    sp = res["speed"]
+    assert sp["prompts"] == 1 and sp["loop"] == "eager" and sp["methods"]["target greedy"]["speedup"] == 1.0, sp
+    for label in names:                                     # every method, one table
+        r, s = res["methods"][label], sp["methods"][label]
         assert r["lossless"] == 5 and r["mismatches"] == [] and sum(r["histogram"].values()) == r["rounds"] > 0
         tau = sum(int(k) * v for k, v in r["histogram"].items()) / r["rounds"]
         assert abs(tau - r["mean_tau"]) < 1e-9 and 1 <= tau <= 4
-        assert re.search(rf"^{label} +{tau:.3f} +[\d.]+ +[\d.]+x  5/5$", p.out, re.M), p.out
+        assert s["tokens"] > 0 and s["tok_s"] > 0
+        assert re.search(rf"^{label} +{tau:.3f} +5/5 +{s['tok_s']:.1f} +{s['speedup']:.2f}x$", p.out, re.M), p.out
         assert len(r["acceptance_by_position"]) == 3 and re.search(rf"^  {label} +[-\d. ]+$", p.out, re.M), p.out
-    assert [(q["prompt"], q["tokens_in"] > 0, set(q["tau"]["dflash"])) for q in res["per_prompt"]] == \
-        [(i, True, set(labels)) for i in range(5)], res["per_prompt"]
-    assert res["dflash"]["step_000002"]["mean_tau"] > res["dflash"]["step_000001"]["mean_tau"] + 0.5, res
-    assert sum(q["tokens_out"] for q in res["per_prompt"]) == res["greedy"]["tokens"]
-    assert re.search(r"tau \(so far\): step_000001 [\d.]+ \([\d.]+\), step_000002 [\d.]+ \([\d.]+\), "
-                     r"n-gram lookup [\d.]+ \([\d.]+\)", p.out), p.out
+    assert re.search(r"^target greedy +[\d.]+ +1.00x$", p.out, re.M), p.out
+    assert [(q["prompt"], q["tokens_in"] > 0, set(q["tau"])) for q in res["per_prompt"]] == \
+        [(i, True, set(names)) for i in range(5)], res["per_prompt"]
+    assert res["methods"]["step_000002"]["mean_tau"] > res["methods"]["step_000001"]["mean_tau"] + 0.5, res
+    assert sum(q["tokens_out"] for q in res["per_prompt"]) == res["tokens_out"] > 0
 
     # each drafter alone: the shared run's figures for it, prompt by prompt (greedy decoding is deterministic)
     for label in labels:
-        p = run_cmd(one + [drafters[label], "--json", str(tmp_path / f"{label}.json")])
+        p = run_cmd(one + [drafters[label], "--speed-prompts", "0", "--json", str(tmp_path / f"{label}.json")])
         assert_ok(p)
         alone = json.loads((tmp_path / f"{label}.json").read_text())
-        assert list(alone["dflash"]) == [label], alone
+        assert list(alone["drafters"]) == [label] and "speed" not in alone, alone
         for k in ("histogram", "rounds", "mean_tau", "acceptance_by_position", "lossless"):
-            assert alone["dflash"][label][k] == res_all["dflash"][label][k] and alone["ngram"][k] == res_all["ngram"][k]
-        assert [q["tau"]["dflash"][label] for q in alone["per_prompt"]] == \
-            [q["tau"]["dflash"][label] for q in res_all["per_prompt"]]
-
-    p = run_cmd(base + ["--max-minutes", "1e-9", "--json", str(tmp_path / "cut.json")])
-    assert_ok(p)
-    res = json.loads((tmp_path / "cut.json").read_text())
-    assert res["prompts"] == 1 and res["requested"] == 5 and not res["complete"], res
-    assert "time budget of 1e-09 min reached after 1 of 5 prompts" in p.out and "(incomplete: 1 of 5" in p.out
-
-    # the same 5 prompts in two runs (1 + 4), added up: the one run's rounds, histograms and per-prompt
-    # list, each rate as total tokens over total seconds
-    p = run_cmd(base + ["--skip", "1", "--num-prompts", "4", "--json", str(tmp_path / "rest.json")])
-    assert_ok(p)
-    merged = tmp_path / "merged.json"
-    p = run_cmd(eval_py + ["--merge", str(tmp_path / "rest.json"), str(tmp_path / "cut.json"), "--json", str(merged)])
-    assert_ok(p)
-    m, parts = json.loads(merged.read_text()), [json.loads((tmp_path / n).read_text()) for n in ("cut.json", "rest.json")]
-    for (_, r), (_, r_all) in zip(speculators(m), speculators(res_all)):
-        assert m["prompts"] == 5 and r["lossless"] == 5 and r["histogram"] == r_all["histogram"], m
-        assert r["rounds"] == r_all["rounds"] and abs(r["mean_tau"] - r_all["mean_tau"]) < 1e-9
-    assert m["complete"] and m["requested"] == 5 and m["per_prompt"] == res_all["per_prompt"], m
-    secs = sum(r["greedy"]["seconds"] for r in parts)
-    assert abs(m["greedy"]["tok_s"] - sum(r["greedy"]["tokens"] for r in parts) / secs) < 1e-6
-    assert "merged 2 results: prompts 1-5" in p.out and re.search(r"step_000002 .* 5/5", p.out), p.out
-    p = run_cmd(base + ["--processes", "2", "--json", str(tmp_path / "two.json")])     # the same, split in two
-    assert_ok(p)
-    two = json.loads((tmp_path / "two.json").read_text())
-    assert two["prompts"] == 5 and two["complete"] and "merged 2 results: prompts 1-5" in p.out, p.out
-    for (_, r), (_, r_all) in zip(speculators(two), speculators(res_all)):
-        for k in ("histogram", "rounds", "acceptance_by_position", "lossless"):
-            assert r[k] == r_all[k], (k, r, r_all)
-    assert two["per_prompt"] == res_all["per_prompt"] and two["drafters"] == res_all["drafters"]
-    p = run_cmd(eval_py + ["--merge", str(tmp_path / "all.json"), str(tmp_path / "rest.json")])
-    assert p.rc != 0 and "(prompts 1-5) and" in p.out and "(prompts 2-5) overlap" in p.out, p.tail()
-    p = run_cmd(eval_py + ["--merge", str(tmp_path / "cut.json"), str(tmp_path / "step_000001.json")])
-    assert p.rc != 0 and "has drafters {'step_000001'" in p.out and "not one measurement" in p.out, p.tail()
+            for name in (label, "n-gram lookup"):
+                assert alone["methods"][name][k] == res["methods"][name][k], (name, k)
+        assert [q["tau"][label] for q in alone["per_prompt"]] == [q["tau"][label] for q in res["per_prompt"]]
     p = run_cmd(base + [drafters["step_000003"]])
     assert p.rc != 0 and "block sizes differ" in p.out and "'step_000003': 8" in p.out, p.tail()
 
@@ -1396,17 +1361,3 @@ def test_a_batch_of_many_sequences_gives_the_losses_and_gradients_of_its_rows_ru
     assert torch.equal(together[1], sum(a[1] for a in alone)) and torch.equal(together[2], sum(a[2] for a in alone))
     for g, parts in zip(together[3], zip(*(a[3] for a in alone))):
         assert torch.allclose(g, sum(parts), rtol=1e-4, atol=1e-6)
-
-
-def test_the_printed_eval_command_splits_over_as_many_processes_as_the_gpu_holds(monkeypatch):
-    """On a 141 GB GPU with 16 cores: 8 processes for a 135M target, 2 for an 8B one (fp32 copies in 80% of
-    the memory), none named on a CPU."""
-    import types
-    import train_dflash as tr
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=141e9))
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    trainer = lambda dev, n: types.SimpleNamespace(tdevs=[torch.device(dev)],
-                                                   targets=[types.SimpleNamespace(parameters=lambda: [torch.empty(n, device="meta")])])
-    assert tr.eval_processes(trainer("cuda:0", 135_000_000)) == " --processes 8"
-    assert tr.eval_processes(trainer("cuda:0", 8_200_000_000)) == " --processes 2"
-    assert tr.eval_processes(trainer("cpu", 135_000_000)) == ""

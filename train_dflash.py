@@ -400,7 +400,7 @@ class Trainer:
             *([f"  tensorboard    tensorboard --logdir {cfg.tensorboard}"] if cfg.tensorboard else []),
             "  measure real acceptance:",
             f"    python eval_dflash.py --target {self.tpath} --drafter {last[-1]}/drafter --prompts {prompts}"
-            + eval_processes(self) if last else "    (no checkpoint)", "=" * 72]))
+            if last else "    (no checkpoint)", "=" * 72]))
         if self.world > 1:   # all ranks together: a group left to the interpreter's exit can abort it
             dist.barrier()
             dist.destroy_process_group()
@@ -450,17 +450,6 @@ def log_line(step, x, total_steps, cfg):
             f"{x['sync_ms']:.0f}ms | mem " + (f"{x['mem_gib']:.1f}GiB" if "mem_gib" in x else "-")
             + f" | ETA {x['eta_min']:.1f}min" + (f" | checkpoint pause {x['ckpt_pause_s']:.2f}s (not in the rates)"
                                                  if x["ckpt_pause_s"] else ""))
-
-
-def eval_processes(t):
-    """The eval's --processes for this machine: on a GPU as many fp32 copies of the target as fit in 80%
-    of its memory (a decoding process leaves a GPU mostly idle), at most 8 and one per two CPU cores."""
-    if t.tdevs[0].type != "cuda":
-        return ""
-    params = sum(p.numel() for p in t.targets[0].parameters())
-    n = min(8, (os.cpu_count() or 2) // 2, int(0.8 * torch.cuda.get_device_properties(t.tdevs[0]).total_memory
-                                                 / (4.8 * params)))
-    return f" --processes {n}" if n > 1 else ""
 
 
 # --- A step's micro-batches: anchors drawn per (seed, sample, epoch), so a resume is exact ---
