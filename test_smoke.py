@@ -2,9 +2,9 @@
 
 In file order: layer ids, the drafter config from HF target configs, the training mask (flex vs dense
 vs a naive loop, the tile-level BlockMask), compiled flex == SDPA, blocks / labels / weights / loss /
-gradient, anchor sampling, lossless greedy speculative decoding (vs target_greedy and HF generate),
-an overfit run that proves mask, labels and inference agree, save/load in the serving format, the
-compile gate, the warm-up, eval_dflash's stop ids and histogram.
+gradient, anchor sampling, the decoding engine (greedy vs HF generate, lossless speculative decoding, a
+batch of prompts as each alone), an overfit run that proves mask, labels and inference agree, save/load in
+the serving format, the compile gate, the warm-up, eval_dflash's stop ids and histogram.
 
 Compiles are expensive on this CPU (7-40 s each), so every flex test shares ONE shape set through the
 module-scoped `flex_case` fixture, and all flex calls run under torch.no_grad (grad mode is a dynamo
@@ -574,7 +574,7 @@ def _hf_greedy(target, prompt, n, eos=None):
 
 
 @pytest.mark.parametrize("arch,bs", [("qwen3", 16), ("llama", 10)])
-def test_greedy_dflash_generate_is_lossless(targets, arch, bs):
+def test_greedy_speculative_decoding_with_a_drafter_is_lossless(targets, arch, bs):
     target = targets[arch]
     drafter = drafter_for(target, bs).eval()
     prompt = torch.randint(0, 500, (1, 7), generator=torch.Generator().manual_seed(9))
