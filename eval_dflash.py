@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import compiled
 import config
 import data_dflash
 import decoding
@@ -81,11 +82,6 @@ def prompts_from(files, tokenizer, n, skip, max_tokens):
     return out[skip: skip + n]
 
 
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def proposers(drafters, bs, rows, length):
     """(name, feature layers, a fresh proposer) of each way to decode: the target alone, each drafter, n-gram lookup."""
     return [("target greedy", (), lambda: None),
@@ -100,11 +96,11 @@ def decode_all(target, drafters, prompts, n, stops, bs, device):
     rows = min(len(prompts), decoding.Engine.fit(target, length, most=len(prompts)))
     out = {}
     for name, layers, make in proposers(drafters, bs, rows, length):
-        sync(device)
+        compiled.sync_device(device)
         t0, engine, proposer, out[name] = time.time(), decoding.Engine(target, rows, length, layers), make(), []
         for i in range(0, len(prompts), rows):
             out[name] += decoding.speculate(engine, prompts[i:i + rows], n, stops, proposer)
-        sync(device)
+        compiled.sync_device(device)
         rounds = [r for _, acc in out[name] for r in acc]
         print(f"[eval] {name}: {len(prompts)} prompts in batches of {rows}, {time.time() - t0:.1f} s"
               + (f", tau {sum(rounds) / max(1, len(rounds)):.3f}" if name != "target greedy" else ""), flush=True)
@@ -118,10 +114,10 @@ def speed(target, drafters, prompts, n, stops, bs, device):
     for name, layers, make in proposers(drafters, bs, 1, length):
         engine, proposer = decoding.Engine(target, 1, length, layers), make()
         decoding.speculate(engine, prompts[:1], n, stops, proposer)
-        sync(device)
+        compiled.sync_device(device)
         t0 = time.time()
         tokens = sum(len(decoding.speculate(engine, [p], n, stops, proposer)[0][0]) for p in prompts)
-        sync(device)
+        compiled.sync_device(device)
         out[name] = (tokens, time.time() - t0)
     return out
 

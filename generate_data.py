@@ -133,7 +133,7 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
     stops = decoding.stop_token_ids(tok, model)
     engine = decoding.Engine(model, decoding.Engine.fit(model, a.max_length, most=1024), a.max_length)
     print(f"[gen] {device}: {engine.rows} rows of {a.max_length} tokens", flush=True)
-    shards, no_more = {}, []
+    shards, no_more = {}, False
 
     def write(sh):
         del shards[sh.i]
@@ -146,10 +146,11 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
               f"answers, {sh.st['generated_tokens']:,} tokens | {progress(shards_dir, n_shards, t_run)}", flush=True)
 
     def more():   # the first turns of the next shard from the queue, [] once it is empty
+        nonlocal no_more
         while not no_more:
             job = jobs.get()
             if job is None:
-                no_more.append(True)
+                no_more = True
                 break
             sh = shards[job[0]] = Shard(*job, tok, a, stops)
             first = [r for r in map(sh.next_turn, range(len(sh.convs))) if r is not None]
@@ -158,18 +159,20 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
             write(sh)
         return []
 
-    last_line, t_start, tokens = [time.time()], time.time(), [0]
+    t_start = last_line = time.time()
+    decoded = 0
 
-    def follow(key, tokens_):
+    def follow(key, tokens):
+        nonlocal last_line, decoded
         sh = shards[key[0]]
-        nxt = sh.answered(key[1], tokens_)
+        nxt = sh.answered(key[1], tokens)
         if nxt is None and not sh.regen:
             write(sh)
-        tokens[0] += len(tokens_)
-        if time.time() - last_line[0] > 60:   # between shard lines: this worker's rate
-            last_line[0] = time.time()
-            print(f"[gen] {device}: {tokens[0]:,} tokens in {time.time() - t_start:.0f} s "
-                  f"({tokens[0] / (time.time() - t_start):,.0f} tok/s), shards {sorted(i + 1 for i in shards)} open",
+        decoded += len(tokens)
+        if time.time() - last_line > 60:   # between shard lines: this worker's rate
+            last_line = time.time()
+            print(f"[gen] {device}: {decoded:,} tokens in {last_line - t_start:.0f} s "
+                  f"({decoded / (last_line - t_start):,.0f} tok/s), shards {sorted(i + 1 for i in shards)} open",
                   flush=True)
         return nxt
 
