@@ -14,6 +14,7 @@ replay: a small target's step is otherwise hundreds of kernel launches for littl
 import heapq
 import itertools
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -189,13 +190,16 @@ def picker(temperature, top_p):
 
 
 @torch.no_grad()
-def generate(engine, more, stops, pick, follow=lambda key, tokens: None):
+def generate(engine, more, stops, pick, follow=lambda ended: []):
     """Decode requests ((group, ...) key, prompt ids, budget, chain, seed) until none is left: more() returns more
     ([] when there are none), asked for whenever fewer wait than the engine has rows; pick(logits, seeds) -> token
     ids, seeds[r] = the row's request seed + its token's index. An answer ends at a stop id (kept) or after
-    `budget` tokens; follow(key, tokens) then returns the next request of that key (a conversation's next turn),
-    or None. Requests are taken by key[0] (a group: a shard), then longest chain first: a group's conversations
-    finish together and its last turns do not decode alone at the end, while the next group's fill the free rows.
+    `budget` tokens; follow([(key, tokens)] of the answers a step ended) returns the next requests of those keys
+    (a conversation's next turns). follow runs in a thread while the next step decodes (a chat template's
+    tokenizer is host work the GPU would wait for), and its requests take rows from the step after that; more()
+    runs while a step decodes too, never beside follow.
+    Requests are taken by key[0] (a group: a shard), then longest chain first: a group's conversations finish
+    together and its last turns do not decode alone at the end, while the next group's fill the free rows.
     A free row takes the next prompt at once (no batch waits for its longest answer); prompts are prefilled in
     batches. The rows' bookkeeping is tensors: a step's host work grows with the answers that end, not the rows."""
     n, heap, order, done_more, dev = engine.rows, [], itertools.count(), False, engine.pos.device
@@ -203,46 +207,57 @@ def generate(engine, more, stops, pick, follow=lambda key, tokens: None):
     req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
     gen = torch.zeros(n, engine.length, dtype=torch.long)    # each row's answer so far
     count, start, budget, seed = (torch.zeros(n, dtype=torch.long) for _ in range(4))
-    live, every = torch.zeros(n, dtype=torch.bool), torch.arange(n)
+    live, every, ended, pending = torch.zeros(n, dtype=torch.bool), torch.arange(n), [], None
 
     def emit(rows, tokens):   # a token for each row: kept, and the row freed when its answer ends
         gen[rows, count[rows]] = tokens
         count[rows] += 1
         for s in rows[torch.isin(tokens, stop_ids) | (count[rows] >= budget[rows])].tolist():
-            nxt = follow(req[s][0], gen[s, :count[s]].tolist())
-            if nxt is not None:
-                push(nxt)
+            ended.append((req[s][0], gen[s, :count[s]].tolist()))
             req[s], live[s] = None, False
 
-    while True:
+    def join():   # the requests of the last follow, and more while fewer wait than there are rows
+        nonlocal pending, done_more
+        for r in pending.result() if pending else []:
+            push(r)
+        pending = None
         while not done_more and len(heap) < n:
             got = more()
             done_more = not got
             for r in got:
                 push(r)
-        free = (~live).nonzero()[:, 0].tolist()   # refill once an eighth is free: batched prefill
-        while heap and free and (len(free) >= n // 8 or len(free) == n):
-            take = [heapq.heappop(heap)[-1]]
-            longest = len(take[0][1])   # prompts are right-padded to the longest of their prefill
-            while heap and len(take) < len(free) and \
-                    (len(take) + 1) * max(longest, len(heap[0][-1][1])) <= engine.PREFILL_TOKENS:
-                take.append(heapq.heappop(heap)[-1])
-                longest = max(longest, len(take[-1][1]))
-            rows, free = torch.tensor(free[:len(take)]), free[len(take):]
-            for s, r in zip(rows.tolist(), take):
-                req[s] = r
-            count[rows], live[rows] = 0, True
-            start[rows] = torch.tensor([len(r[1]) for r in take])
-            budget[rows], seed[rows] = torch.tensor([r[2] for r in take]), torch.tensor([r[4] for r in take])
-            emit(rows, pick(engine.prefill(rows.tolist(), [r[1] for r in take])[0], seed[rows].to(dev)).cpu())
-        if not live.any():
-            if heap or not done_more:
-                continue
-            return
-        last = gen[every, (count - 1).clamp(min=0)]
-        logits = engine.step(torch.where(live, last, 0)[:, None], torch.where(live, start + count - 1, 0))[0][:, 0]
-        rows = live.nonzero()[:, 0]
-        emit(rows, pick(logits, (seed + count).to(dev)).cpu()[rows])
+
+    with ThreadPoolExecutor(1) as pool:
+        while True:
+            free = (~live).nonzero()[:, 0].tolist()   # refill once an eighth is free: batched prefill
+            while heap and free and (len(free) >= n // 8 or len(free) == n):
+                take = [heapq.heappop(heap)[-1]]
+                longest = len(take[0][1])   # prompts are right-padded to the longest of their prefill
+                while heap and len(take) < len(free) and \
+                        (len(take) + 1) * max(longest, len(heap[0][-1][1])) <= engine.PREFILL_TOKENS:
+                    take.append(heapq.heappop(heap)[-1])
+                    longest = max(longest, len(take[-1][1]))
+                rows, free = torch.tensor(free[:len(take)]), free[len(take):]
+                for s, r in zip(rows.tolist(), take):
+                    req[s] = r
+                count[rows], live[rows] = 0, True
+                start[rows] = torch.tensor([len(r[1]) for r in take])
+                budget[rows], seed[rows] = torch.tensor([r[2] for r in take]), torch.tensor([r[4] for r in take])
+                emit(rows, pick(engine.prefill(rows.tolist(), [r[1] for r in take])[0], seed[rows].to(dev)).cpu())
+            if live.any():
+                last = gen[every, (count - 1).clamp(min=0)]
+                logits = engine.step(torch.where(live, last, 0)[:, None],
+                                     torch.where(live, start + count - 1, 0))[0][:, 0]
+                picked = pick(logits, (seed + count).to(dev))   # queued on the GPU: the host goes on meanwhile
+                join()
+                rows = live.nonzero()[:, 0]
+                emit(rows, picked.cpu()[rows])
+            elif pending or heap or not done_more:
+                join()
+            else:
+                return
+            if ended:
+                pending, ended = pool.submit(follow, ended), []
 
 
 # -----------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def prompts_from(files, tokenizer, n, skip, max_tokens):
     out = []
     for msgs in data_dflash.load_conversations(files)[0]:
         first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), 0)
-        ids = data_dflash.prompt_ids(tokenizer, msgs[:first], max_tokens)[0] if first else None
+        ids = data_dflash.prompt_ids(tokenizer, [msgs[:first]], max_tokens)[0][0] if first else None
         out += [ids] if ids else []
         if len(out) >= skip + n:
             break

@@ -87,30 +87,43 @@ class Shard:
         if why:
             self.st[f"{'cut' if r else 'skipped'}: {why}"] += 1
 
-    def next_turn(self, k):
-        """The request (key, prompt ids, budget, chain, seed) of conversation k's next answer, or None."""
-        msgs, r, a = self.convs[k], self.regen[k], self.a
-        if not any(m["role"] == "assistant" for m in msgs[len(r):]):
-            return self.finish(k)
-        while msgs[len(r)]["role"] != "assistant":   # system and user turns are kept as they are
-            r.append(dict(msgs[len(r)]))
-        ids, why = data_dflash.prompt_ids(self.tok, r, a.max_length - 1)
-        if ids is None:
-            return self.finish(k, why)
-        chain = sum(m["role"] == "assistant" for m in msgs[len(r):])
-        seed = hash_ints(a.seed, self.i, k, len(r))   # the answer's sampling noise: its own, whoever decodes it
-        return (self.i, k), ids, min(a.max_new_tokens, a.max_length - len(ids)), chain, seed
+    def next_turns(self, ks):
+        """The requests (key, prompt ids, budget, chain, seed) of the next answers of conversations ks, for those
+        that have one."""
+        asked, a = [], self.a
+        for k in ks:
+            msgs, r = self.convs[k], self.regen[k]
+            if not any(m["role"] == "assistant" for m in msgs[len(r):]):
+                self.finish(k)
+                continue
+            while msgs[len(r)]["role"] != "assistant":   # system and user turns are kept as they are
+                r.append(dict(msgs[len(r)]))
+            asked.append(k)
+        out = []
+        for k, (ids, why) in zip(asked, data_dflash.prompt_ids(self.tok, [self.regen[k] for k in asked],
+                                                               a.max_length - 1)):
+            if ids is None:
+                self.finish(k, why)
+                continue
+            r = self.regen[k]
+            chain = sum(m["role"] == "assistant" for m in self.convs[k][len(r):])
+            seed = hash_ints(a.seed, self.i, k, len(r))   # the answer's sampling noise: its own, whoever decodes it
+            out.append(((self.i, k), ids, min(a.max_new_tokens, a.max_length - len(ids)), chain, seed))
+        return out
 
-    def answered(self, k, row):   # finished: the stop token came within --max-new-tokens and --max-length
+    def answered(self, k, row):
+        """Keep conversation k's answer `row`: True if it finished (the stop token came within --max-new-tokens
+        and --max-length) or reached --max-new-tokens, and its next turn may be asked for."""
         finished = row[-1] in self.stops
         new = row[:-1] if finished else row
         self.st["generated_tokens"] += len(row)
         if not finished and len(new) < self.a.max_new_tokens:   # the answer would pass max-length
-            return self.finish(k, "answer beyond max length")
+            self.finish(k, "answer beyond max length")
+            return False
         self.st["hit_max_new_tokens"] += not finished
         self.st["answers"] += 1
         self.regen[k].append({"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True).strip()})
-        return self.next_turn(k)
+        return True
 
 
 def hash_ints(*xs):
@@ -153,7 +166,7 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
                 no_more = True
                 break
             sh = shards[job[0]] = Shard(*job, tok, a, stops)
-            first = [r for r in map(sh.next_turn, range(len(sh.convs))) if r is not None]
+            first = sh.next_turns(range(len(sh.convs)))
             if first:
                 return first
             write(sh)
@@ -162,19 +175,22 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
     t_start = last_line = time.time()
     decoded = 0
 
-    def follow(key, tokens):
+    def follow(ended):   # the next turns of the conversations whose answers ended, shard by shard
         nonlocal last_line, decoded
-        sh = shards[key[0]]
-        nxt = sh.answered(key[1], tokens)
-        if nxt is None and not sh.regen:
-            write(sh)
-        decoded += len(tokens)
+        by_shard, asked = {}, []
+        for (i, k), tokens in ended:
+            by_shard.setdefault(i, []).extend([k] if shards[i].answered(k, tokens) else [])
+            decoded += len(tokens)
+        for i, ks in by_shard.items():
+            asked += shards[i].next_turns(ks)
+            if not shards[i].regen:
+                write(shards[i])
         if time.time() - last_line > 60:   # between shard lines: this worker's rate
             last_line = time.time()
             print(f"[gen] {device}: {decoded:,} tokens in {last_line - t_start:.0f} s "
                   f"({decoded / (last_line - t_start):,.0f} tok/s), shards {sorted(i + 1 for i in shards)} open",
                   flush=True)
-        return nxt
+        return asked
 
     decoding.generate(engine, more, stops, decoding.picker(a.temperature, a.top_p), follow)
 

@@ -148,7 +148,7 @@ def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(
     def decode(n_rows, pick):
         got, requests = {}, [[((0, i), p, b, 0, i) for i, (p, b) in enumerate(zip(prompts, budgets))]]
         decoding.generate(decoding.Engine(model, n_rows, 128), lambda: requests.pop() if requests else [],
-                          stops, pick, lambda key, tokens: got.update({key[1]: tokens}))
+                          stops, pick, lambda ended: got.update({k[1]: t for k, t in ended}) or [])
         return [got[i] for i in range(len(prompts))]
     got = decode(2, decoding.picker(0, 1))
     for p, b, row in zip(prompts, budgets, got):
