@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-import dflash_model as dm
 import kernels
 
 
@@ -62,10 +61,12 @@ def kv_shape(c, rows, length):
 
 class Engine:
     """The target over a static cache of `rows` rows of `length` tokens; `feature_layers`: the decoder layers
-    whose outputs each step also returns (a drafter's input)."""
+    whose outputs each step also returns (a drafter's input). compile: each step's decoder layers run compiled
+    (regional: every layer shares the graphs of one step shape; the attention stays outside them), which fuses
+    the norms, rotary embedding and activations of a step into a few kernels."""
     PREFILL_TOKENS = 65536     # tokens per prefill batch (padding included)
 
-    def __init__(self, model, rows, length, feature_layers=()):
+    def __init__(self, model, rows, length, feature_layers=(), compile=False):
         check_decodable(model, length)
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
@@ -77,7 +78,7 @@ class Engine:
                   for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.model, self.rows, self.length, self.layers = model, rows, length, list(feature_layers)
-        dm.capture(model, self.layers)
+        self.layer_step = torch.compile(_layer_step, dynamic=False) if compile else None
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)   # each row's first position in a step
         self.all_rows = torch.arange(rows, device=dev)[:, None]
         self.ids, self.graphs, self.at = {}, {}, None
@@ -96,11 +97,12 @@ class Engine:
         feature layers' outputs (n, T, F) or None."""
         m = self.model.model
         self.at, self.prefill_step = (rows, positions), prefill
-        h = m.embed_tokens(ids)
+        h, outs = m.embed_tokens(ids), {}
         pe = m.rotary_emb(h, positions)
-        for layer in m.layers:
-            h = layer(h, position_embeddings=pe, position_ids=positions, engine=self)
-        return m.norm(h), (dm.target_features(self.model, self.layers) if self.layers else None)
+        run = self.layer_step if self.layer_step and not prefill else _layer_step   # prefill shapes vary: eager
+        for i, layer in enumerate(m.layers):
+            h = outs[i] = run(layer, h, pe, positions, self)
+        return m.norm(h), (torch.cat([outs[i] for i in self.layers], -1) if self.layers else None)
 
     def attend(self, layer, q, k, v, scale):
         rows, positions = self.at
@@ -144,6 +146,11 @@ class Engine:
         return replay(self.graphs, T, run, dev)
 
 
+def _layer_step(layer, h, pe, positions, engine):
+    return layer(h, position_embeddings=pe, position_ids=positions, engine=engine)
+
+
+@torch.compiler.disable   # a compiled layer breaks its graph here: the cache rows and the row kernel run as they are
 def engine_attention(module, q, k, v, mask, scaling=None, engine=None, **kw):
     """The engine's attention for the target's layers; without `engine` (a plain HF forward) HF's sdpa."""
     if engine is None:

@@ -144,7 +144,8 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
     tok = config.load_target_config(a.target)[1]
     model = config.load_model(a.target, device, config.param_dtype(device))
     stops = decoding.stop_token_ids(tok, model)
-    engine = decoding.Engine(model, decoding.Engine.fit(model, a.max_length, most=1024), a.max_length)
+    engine = decoding.Engine(model, decoding.Engine.fit(model, a.max_length, most=1024), a.max_length,
+                             compile=device.startswith("cuda"))
     print(f"[gen] {device}: {engine.rows} rows of {a.max_length} tokens", flush=True)
     shards, no_more = {}, False
 

@@ -161,6 +161,24 @@ def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(
     assert decode(2, decoding.picker(1.0, 0.9)) == decode(5, decoding.picker(1.0, 0.9)) != got
 
 
+def test_a_compiled_engine_decodes_as_the_eager_one(target, tok):
+    """compile=True (a GPU's regeneration): the decoder layers of each step compiled, the attention outside the
+    graphs; the same greedy answers, and the same features for a drafter, as the eager engine."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    prompts = [tok(" ".join(["word"] * n))["input_ids"] for n in (3, 20, 9)]
+    out = {}
+    for compile in (False, True):
+        engine = decoding.Engine(model, 4, 64, (0, 1), compile=compile)
+        answers = decoding.speculate(engine, prompts, 10, [])
+        logits, feats = engine.step(torch.tensor([[5], [6], [7]]), [30, 31, 32])
+        out[compile] = answers, logits[:3], feats[:3]
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    assert out[True][0] == out[False][0]
+    torch.testing.assert_close(out[True][1:], out[False][1:], atol=1e-4, rtol=1e-4)   # fused fp32 rounding
+
+
 def test_sampling_draws_from_the_nucleus_and_depends_only_on_the_seed():
     """20,000 draws of one row (seeds 0..19999) at temperature 0.8, top-p 0.95: the shares of the nucleus'
     3 tokens are its renormalised probabilities, the 4th (outside it) never comes; a row's draw is the same
