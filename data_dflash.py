@@ -324,23 +324,36 @@ def _render(tokenizer, messages, add_generation_prompt=False):
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
-def prompt_ids(tokenizer, conversations, max_tokens):
+def prompt_ids(tokenizer, conversations, max_tokens, known=()):
     """The prompts replies are decoded from (generate_data.py, eval_dflash.py): for each conversation so far, the
-    chat-template ids of it and the generation prompt, (ids, None), or (None, why the turn is not answered). The
-    renders are tokenized as one batch: a fast tokenizer encodes a batch on every core, without the GIL."""
-    out, texts = [None] * len(conversations), {}
+    chat-template ids of it and the generation prompt, (ids, None, cut), or (None, why the turn is not answered,
+    None). The renders are tokenized as one batch: a fast tokenizer encodes a batch on every core, without the GIL.
+    known[i]: the `cut` an earlier call returned for conversation i (the render up to its last special token, and
+    that part's ids), or None. When the render starts with it, only the rest is tokenized: a fast tokenizer
+    splits a text at its special tokens before anything else, so a text's ids are its parts' ids, the parts cut
+    after a special token (one with no strip or normalisation of its own)."""
+    fast = getattr(tokenizer, "is_fast", False)
+    cuts = {i: tokenizer.convert_ids_to_tokens(i) for i, t in tokenizer.added_tokens_decoder.items()
+            if fast and t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)}
+    out, texts, done = [None] * len(conversations), {}, {}
     for i, messages in enumerate(conversations):
         roles = [m["role"] for m in messages if m["role"] != "system"]
         if not roles or roles[-1] != "user":
-            out[i] = None, "assistant turn without a user turn before it"
+            out[i] = None, "assistant turn without a user turn before it", None
             continue
         try:
             texts[i] = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - a template that refuses a conversation (jinja2 raises): counted
-            out[i] = None, "chat template error"
-    ids = tokenizer(list(texts.values()), add_special_tokens=False)["input_ids"] if texts else []
-    for i, x in zip(texts, ids):
-        out[i] = (list(x), None) if len(x) <= max_tokens else (None, "prompt longer than max length")
+            out[i] = None, "chat template error", None
+            continue
+        cut = known[i] if i < len(known) else None
+        done[i] = cut if cut and texts[i].startswith(cut[0]) else ("", [])
+    parts = [texts[i][len(done[i][0]):] for i in texts]
+    for i, x in zip(texts, tokenizer(parts, add_special_tokens=False)["input_ids"] if parts else []):
+        ids, text = done[i][1] + list(x), texts[i]
+        j = next((j for j in range(len(ids) - 1, -1, -1) if ids[j] in cuts), None)   # the last cut token
+        cut = (text[:text.rindex(cuts[ids[j]]) + len(cuts[ids[j]])], ids[:j + 1]) if j is not None else None
+        out[i] = (ids, None, cut) if len(ids) <= max_tokens else (None, "prompt longer than max length", None)
     return out
 
 

@@ -77,9 +77,11 @@ class Shard:
     def __init__(self, i, convs, tok, a, stops):
         self.i, self.convs, self.tok, self.a, self.stops, self.t0 = i, convs, tok, a, set(stops), time.time()
         self.st, self.regen, self.done = Counter(), {k: [] for k in range(len(convs))}, {}
+        self.cut = {}   # per conversation: its last prompt up to a special token, and those ids (prompt_ids)
 
     def finish(self, k, why=None):   # kept up to its last regenerated answer (cut there, for `why`), or dropped
         r = self.regen.pop(k)
+        self.cut.pop(k, None)
         while r and r[-1]["role"] != "assistant":
             r.pop()
         if r:
@@ -100,8 +102,9 @@ class Shard:
                 r.append(dict(msgs[len(r)]))
             asked.append(k)
         out = []
-        for k, (ids, why) in zip(asked, data_dflash.prompt_ids(self.tok, [self.regen[k] for k in asked],
-                                                               a.max_length - 1)):
+        prompts = data_dflash.prompt_ids(self.tok, [self.regen[k] for k in asked], a.max_length - 1,
+                                         [self.cut.get(k) for k in asked])
+        for k, (ids, why, self.cut[k]) in zip(asked, prompts):
             if ids is None:
                 self.finish(k, why)
                 continue

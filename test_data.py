@@ -195,6 +195,29 @@ def test_template_that_marks_only_the_last_reply_masks_every_reply():
 COUNTING_TEMPLATE = "{{- messages|length }} turns\n" + QWEN_TEMPLATE
 
 
+def test_prompt_ids_of_a_conversations_next_turn_tokenize_only_what_follows_its_last_special_token(smollm):
+    """generate_data.py asks for a conversation's prompts turn after turn, each time with the `cut` of the
+    turn before: the ids equal a whole tokenization of the render, on the embedded default's first 300
+    conversations (SmolLM2's tokenizer), and on a template that renders the turns before differently each time
+    (a turn count in its header: the cut is no prefix then, and the whole render is tokenized)."""
+    tok = smollm["tok"]
+    convs = D.load_conversations([smollm["data_jsonl"]])[0][:300]
+    cases = [(tok, c) for c in convs] + [(_tiny_tokenizer(COUNTING_TEMPLATE), CONV + CONV[2:])]
+    turns = cut_turns = 0
+    for t, conv in cases:
+        cut = None
+        for i in [i for i, m in enumerate(conv) if m["role"] == "assistant"]:
+            whole = list(t.apply_chat_template(conv[:i], add_generation_prompt=True)["input_ids"])
+            ids, why, next_cut = D.prompt_ids(t, [conv[:i]], 10 ** 6, [cut])[0]
+            assert why is None and ids == whole
+            if cut is not None:
+                assert next_cut[0].startswith(cut[0]) == (t is tok)
+                cut_turns += t is tok
+            turns, cut = turns + 1, next_cut
+            assert cut[1] == whole[:len(cut[1])] and t.added_tokens_decoder[cut[1][-1]].special
+    assert cut_turns > 200, (turns, cut_turns)
+
+
 def test_inconsistent_template_is_a_clear_error_or_a_counted_skip(tmp_path):
     tok = _tiny_tokenizer(COUNTING_TEMPLATE)
     with pytest.raises(D.ChatTemplateError, match="not prefix-consistent.*4 turns"):
