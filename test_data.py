@@ -197,11 +197,11 @@ COUNTING_TEMPLATE = "{{- messages|length }} turns\n" + QWEN_TEMPLATE
 
 def test_prompt_ids_of_a_conversations_next_turn_tokenize_only_what_follows_its_last_special_token(smollm):
     """generate_data.py asks for a conversation's prompts turn after turn, each time with the `cut` of the
-    turn before: the ids equal a whole tokenization of the render, on the embedded default's first 300
+    turn before: the ids equal a whole tokenization of the render, on the embedded default's first 100
     conversations (SmolLM2's tokenizer), and on a template that renders the turns before differently each time
     (a turn count in its header: the cut is no prefix then, and the whole render is tokenized)."""
     tok = smollm["tok"]
-    convs = D.load_conversations([smollm["data_jsonl"]])[0][:300]
+    convs = D.load_conversations([smollm["data_jsonl"]])[0][:100]
     cases = [(tok, c) for c in convs] + [(_tiny_tokenizer(COUNTING_TEMPLATE), CONV + CONV[2:])]
     turns = cut_turns = 0
     for t, conv in cases:
@@ -215,7 +215,7 @@ def test_prompt_ids_of_a_conversations_next_turn_tokenize_only_what_follows_its_
                 cut_turns += t is tok
             turns, cut = turns + 1, next_cut
             assert cut[1] == whole[:len(cut[1])] and t.added_tokens_decoder[cut[1][-1]].special
-    assert cut_turns > 200, (turns, cut_turns)
+    assert cut_turns > 50, (turns, cut_turns)
 
 
 def test_inconsistent_template_is_a_clear_error_or_a_counted_skip(tmp_path):
