@@ -50,10 +50,9 @@ def _cut_off(error, buf):
 
 
 def iter_json_array(path, info=None, chunk_chars=1 << 20):
-    """Yield the records of a top-level JSON list, also of one cut off mid-record (json.load fails), each decoded
-    from a buffer that grows only while a record runs past it. Malformed records (a stray quote, a missing comma)
-    and ones with bytes that are not UTF-8 are skipped; a dict `info` gets the counts "tail_bytes" (after the last
-    whole record), "malformed", "invalid_utf8"."""
+    """Yield the records of a top-level JSON list, also of one cut off mid-record (json.load fails), decoded from a
+    buffer that grows only while a record runs past it. Malformed records and ones with bytes that are not UTF-8 are
+    skipped; a dict `info` gets "tail_bytes" (after the last whole record), "malformed" and "invalid_utf8" counts."""
     counts = {} if info is None else info
     counts.update(tail_bytes=0, malformed=0, invalid_utf8=0)
     # surrogateescape: bytes that are not UTF-8 (a character the file's end cuts too) do not raise; utf-8-sig: a BOM
@@ -84,10 +83,9 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20):
 
 
 def _resume_at(buf, start, eof):
-    """Where reading goes on after a malformed record: the first '{' from `start` on after a comma that starts a run
-    of whole records up to the list's closing ']', another bad record or the end of what is read. A turn's '{' in the
-    bad record is passed over: its run ends at the turn list's ']', which the record's '}' follows. None: no record
-    starts in buf (read more)."""
+    """Where reading goes on after a malformed record: the first '{' from `start` on after a comma that starts a run of
+    whole records up to the list's closing ']', a bad record or the end of what is read (a turn's '{' in the bad one
+    starts a run that ends at its turn list's ']', before the record's '}'). None: no record starts in buf yet."""
     for m in _RECORD_START.finditer(buf, start):
         first = p = m.end() - 1
         while not buf.startswith("]", p):  # along the run of whole records from `first`
@@ -432,10 +430,9 @@ def _rows_of(column):
 
 def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_supervised=None,
                   log=print, max_conversations=0, heldout=0) -> dict:
-    """{"input_ids", "loss_mask", "stats", "heldout"}: the tokenised samples, cached in cache_dir. heldout > 0
-    keeps the last min(heldout, usable // 10) readable conversations out of training, returned as message lists;
-    max_conversations > 0 then tokenises only the first that many of the rest (a quick CPU run should not pay for
-    tokenising the whole corpus)."""
+    """{"input_ids", "loss_mask", "stats", "heldout"}: the tokenised samples, cached in cache_dir. heldout > 0 keeps the
+    last min(heldout, usable // 10) readable conversations out of training (returned as message lists); then
+    max_conversations > 0 tokenises only the first that many of the rest (a quick CPU run skips the whole corpus)."""
     import datasets
     datasets.disable_progress_bars()
     files = tuple(map(identity, [files] if isinstance(files, str) else files))  # datasets shards over a list
@@ -459,8 +456,8 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
     meta = json.loads(column("meta")[-1].as_py())  # the last row; the others are the samples
     ids, mask = _rows_of(column("input_ids"))[:-1], _rows_of(column("loss_mask"))[:-1]
     heldout, first_error, skipped = meta.pop("heldout"), meta.pop("first_error"), meta["skipped"]
-    stats = {**meta, "samples": len(ids), "tokens": sum(map(len, ids)), "supervised_tokens": sum(int(m.sum()) for m
-             in mask), "max_length": max_length, "min_supervised": min_sup, "heldout": len(heldout)}
+    stats = dict(meta, samples=len(ids), tokens=sum(map(len, ids)), supervised_tokens=sum(int(m.sum()) for m in mask),
+                 max_length=max_length, min_supervised=min_sup, heldout=len(heldout))
     if first_error:
         n = sum(v for k, v in skipped.items() if k.startswith("chat template"))
         log(f"data: WARNING: {n} conversation(s) skipped by the chat template, the first because: {first_error}")
