@@ -1,22 +1,11 @@
-"""The compile race, measured: threads calling one compiled function at their own shapes on a cold cache,
-without the gate, through it, or after a serial warm-up (python diagnose.py --race-test).
-
-Every thread calls the function at its own shape, so each thread's first call compiles while the others call:
+"""The compile race, measured (python diagnose.py --race-test): threads call one compiled function on a cold cache,
+each at its own shape, so each thread's first call compiles while the others call:
   nogate  the compiled function called directly
   gate    through compiled.GATE before the warm-up: every compiled call exclusive
   warm    every shape compiled serially first, then GATE.mark_warm(): shared calls, no compiles
 Each mode runs in a child process with an empty compile cache. Who raises the FX flag is recorded with its
-stack (Tracer.trace patched), and grouped by site.
-"""
-import functools
-import json
-import os
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-import traceback
+stack (Tracer.trace patched), and grouped by site."""
+import functools, json, os, subprocess, sys, tempfile, threading, time, traceback
 from collections import Counter
 
 import torch
@@ -25,103 +14,73 @@ from environment import HERE, _fx_flag, _fx_flag_thread_local, natural_race_expe
 
 FX_ERROR = "Detected that you are using FX to symbolically trace"
 MODES = ("nogate", "gate", "warm")
-
-
-def record_fx_raises():
-    """A list that from now on gets (thread, stack) at every rise of the FX flag in this process. Tracer.trace
-    raises it, and make_fx's tracer reaches it through super() at call time: patching the class catches all."""
-    events, orig = [], torch.fx.Tracer.trace
-
-    @functools.wraps(orig)
-    def trace(tracer, *args, **kwargs):
-        if not _fx_flag():   # up already: a nested trace, not a rise
-            events.append((threading.current_thread().name, traceback.extract_stack()[:-1]))
-        return orig(tracer, *args, **kwargs)
-    torch.fx.Tracer.trace = trace
-    return events
-
-
 # Frames between "who wants a graph" and Tracer.trace: fx itself, decorators and context managers.
 PLUMBING = ("torch/fx/", "torch/_compile.py", "torch/_dynamo/eval_frame.py", "torch/utils/_contextlib.py", "<stdlib>/")
+# Folder prefixes cut from a frame's file name (site-packages, the project, the stdlib); the last matches any.
 FRAME_ROOTS = [(os.path.dirname(os.path.dirname(torch.__file__)) + os.sep, ""), (HERE + os.sep, ""),
-               (os.path.dirname(os.__file__) + os.sep, "<stdlib>/")]
+               (os.path.dirname(os.__file__) + os.sep, "<stdlib>/"), ("", "")]
 
 
 def _group_raises(events):
-    """One dict per distinct site that raised the flag, most frequent first: the threads, the tracing
-    frame, who asked for the graph, and the innermost frame outside torch."""
+    """One dict per distinct site that raised the flag, most frequent first: the threads, the tracing frame, who
+    asked for the graph, and the innermost frame outside torch."""
     groups = {}
     for thread, stack in events:
-        frames = []
-        for f in stack[::-1]:     # innermost first, without the site-packages, project or stdlib folder
-            root, label = next(((r, lab) for r, lab in FRAME_ROOTS if f.filename.startswith(r)), ("", ""))
-            frames.append(f"{label}{f.filename[len(root):]}:{f.lineno} in {f.name}")
+        frames = [next(label + f.filename[len(root):] for root, label in FRAME_ROOTS if f.filename.startswith(root))
+                  + f":{f.lineno} in {f.name}" for f in stack[::-1]]   # innermost first
         key = (frames[0], next((f for f in frames if not f.startswith(PLUMBING)), None),
                next((f for f in frames if not f.startswith(("torch/", "<stdlib>"))), None))
-        gr = groups.setdefault(key, {"count": 0, "threads": Counter(), "tracing_frame": key[0],
-                                     "requested_by": key[1], "user_frame": key[2]})
-        gr["count"] += 1
-        gr["threads"][thread] += 1
-    return sorted(groups.values(), key=lambda gr: -gr["count"])
-
-
-def _exercise_inputs(kind, dev, n):
-    """Per thread: (label, args). flex: the drafter's attention; tiny: a pointwise function."""
-    from torch.nn.attention.flex_attention import create_block_mask
-    if kind == "tiny":
-        return [(f"n{64 * i}", (torch.randn(64 * i, device=dev),)) for i in range(1, n + 1)]
-    # flex works on 128 x 128 tiles; small shapes on CPU, where the compile dominates anyway
-    B, H, D, L1 = (1, 4, 64, 128) if dev.type == "cpu" else (1, 8, 128, 1024)
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    out = []
-    for L in range(L1, L1 * (n + 1), L1):
-        q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=dtype) for _ in range(3))
-        # eager create_block_mask uses vmap, never make_fx: it does not raise the FX flag
-        bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B, None, L, L, device=dev)
-        out.append((f"L{L}", (q, k, v, bm)))
-    return out
+        groups.setdefault(key, []).append(thread)
+    return sorted(({"count": len(ts), "threads": Counter(ts), "tracing_frame": key[0], "requested_by": key[1],
+                    "user_frame": key[2]} for key, ts in groups.items()), key=lambda gr: -gr["count"])
 
 
 def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cpu"):
-    """The threaded exercise in this process: meaningful only in a fresh one with a cold cache (_run_child)."""
+    """The threaded exercise in this process: meaningful only in a fresh one with a cold cache (run_child)."""
     import compiled
+    from torch.nn.attention.flex_attention import create_block_mask
     thread_local = _fx_flag_thread_local()   # no other thread yet: safe
     gate, dev = compiled.GATE, torch.device(device)
     gate.set_recompile_limit(max(8, threads + 2))
-    inputs = {f"worker-{i}-{label}": args for i, (label, args) in enumerate(_exercise_inputs(kind, dev, threads))}
+    # Each thread's (label, args). tiny: a pointwise function. flex: the drafter's attention (q, k, v, a causal mask)
+    # on 128 x 128 tiles, small on CPU, where the compile dominates anyway; eager create_block_mask uses vmap, never
+    # make_fx: it does not raise the FX flag.
+    if kind == "tiny":
+        inputs = [(f"n{64 * i}", (torch.randn(64 * i, device=dev),)) for i in range(1, threads + 1)]
+    else:
+        B, H, D, L1, dtype = (1, 4, 64, 128, torch.float32) if dev.type == "cpu" else (1, 8, 128, 1024, torch.bfloat16)
+        inputs = [(f"L{L}", (*(torch.randn(B, H, L, D, device=dev, dtype=dtype) for _ in range(3)),
+                             create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B, None, L, L, device=dev)))
+                  for L in range(L1, L1 * (threads + 1), L1)]
+    inputs = {f"worker-{i}-{label}": args for i, (label, args) in enumerate(inputs)}
     stats = {n: dict(name=n, shape=list(args[0].shape), calls=0, fx_errors=0, other_errors=0, exposed_calls=0)
              for n, args in inputs.items()}
-    samples, called = [], set()
+    samples, called, barrier = [], set(), threading.Barrier(threads)
+    compiled_fn = compiled.compiled_flex if kind == "flex" else torch.compile(
+        lambda x: torch.sin(x) * 2 + torch.cos(x), dynamic=False, fullgraph=True)
 
-    def exposed(fn):   # a call that STARTS while the flag is up is the one that fails (compiled.py's torch notes)
-        def call(*args):
-            if _fx_flag() and (s := stats.get(threading.current_thread().name)):
-                s["exposed_calls"] += 1
-            return fn(*args)
-        return call
-    if kind == "flex":
-        fn, name = exposed(compiled.compiled_flex), "flex"
-    else:
-        fn = exposed(torch.compile(lambda x: torch.sin(x) * 2 + torch.cos(x), dynamic=False, fullgraph=True))
-        name = "tiny"
-    # nogate: the compiled function called directly
-    one_call = fn if mode == "nogate" else lambda x, *a: gate.run(name, x.device, tuple(x.shape) + tuple(
-        a[0].shape if a else ()), fn, x, *a)
-    barrier = threading.Barrier(threads)
+    def fn(*args):   # a call that STARTS while the flag is up is the one that fails (compiled.py's torch notes)
+        if _fx_flag() and (s := stats.get(threading.current_thread().name)):
+            s["exposed_calls"] += 1
+        return compiled_fn(*args)
 
     @torch.no_grad()
+    def one_call(x, *a):   # nogate: the compiled function called directly
+        shape = tuple(x.shape) + tuple(a[0].shape if a else ())
+        return fn(x, *a) if mode == "nogate" else gate.run(kind, x.device, shape, fn, x, *a)
+
     def worker(me, args):
         gate.configure_thread()   # dynamo's config is per thread (compiled.py's torch notes)
         barrier.wait()
-        start = time.time()
-        # until --seconds are up and every thread has made its first (compiling) call: the others'
-        # compiles are the windows (a thread starved for 10 more minutes gives up)
+        start, s = time.time(), stats[me]
+        # until --seconds are up and every thread has made its first (compiling) call: the others' compiles are
+        # the windows (a thread starved for 10 more minutes gives up)
         while time.time() < start + seconds or (len(called) < threads and time.time() < start + seconds + 600):
             try:
                 one_call(*args)
-                stats[me]["calls"] += 1
+                s["calls"] += 1
             except Exception as e:   # counted, and the thread carries on: how often does it happen?
-                stats[me]["fx_errors" if FX_ERROR in str(e) else "other_errors"] += 1
+                s["fx_errors" if FX_ERROR in str(e) else "other_errors"] += 1
                 if len(samples) < 5:
                     samples.append(f"{me}: {type(e).__name__}: {str(e)[:300]}")
             called.add(me)
@@ -129,26 +88,34 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         run_s = time.time() - start
-        stats[me].update(run_s=round(run_s, 3), calls_per_s=round(stats[me]["calls"] / run_s, 1))
+        s.update(run_s=round(run_s, 3), calls_per_s=round(s["calls"] / run_s, 1))
 
-    events = record_fx_raises()
+    # Every rise of the FX flag, with its thread and stack. Tracer.trace raises it, and make_fx's tracer reaches it
+    # through super() at call time: patching the class catches all.
+    events, trace = [], torch.fx.Tracer.trace
+
+    @functools.wraps(trace)
+    def recording_trace(tracer, *args, **kwargs):
+        if not _fx_flag():   # up already: a nested trace, not a rise
+            events.append((threading.current_thread().name, traceback.extract_stack()[:-1]))
+        return trace(tracer, *args, **kwargs)
+    torch.fx.Tracer.trace = recording_trace
     if mode == "warm":   # what warmup.py does: every shape, one at a time, before the threads start
-        with torch.no_grad():
-            for args in inputs.values():
-                one_call(*args)
+        for args in inputs.values():
+            one_call(*args)
         gate.mark_warm()
     workers = [threading.Thread(target=worker, args=(n, args), name=n) for n, args in inputs.items()]
     for t in workers:
         t.start()
     for t in workers:
         t.join()
+    per, rates = list(stats.values()), [s["calls_per_s"] for s in stats.values()]
     return {"mode": mode, "exercise": kind, "device": str(dev), "threads": threads, "seconds": seconds,
             "torch": torch.__version__, "torch_git": torch.version.git_version,
             "flex_fx_flag_thread_local": thread_local, "natural_race_expected": natural_race_expected(thread_local),
-            **{k: sum(s[k] for s in stats.values()) for k in ("fx_errors", "other_errors", "exposed_calls")},
-            "calls_per_s_per_thread": [s["calls_per_s"] for s in stats.values()],
-            "calls_per_s_total": round(sum(s["calls_per_s"] for s in stats.values()), 1),
-            "per_thread": list(stats.values()), "error_samples": samples, "gate_stats": dict(gate.stats),
+            **{k: sum(s[k] for s in per) for k in ("fx_errors", "other_errors", "exposed_calls")},
+            "calls_per_s_per_thread": rates, "calls_per_s_total": round(sum(rates), 1),
+            "per_thread": per, "error_samples": samples, "gate_stats": dict(gate.stats),
             "flag_raises": len(events), "flag_up_after_run": _fx_flag(), "raises": _group_raises(events)}
 
 
@@ -156,11 +123,11 @@ def run_child(spec):
     """One mode of the exercise in a child process with an empty compile cache: its result."""
     print(f"[diagnose] mode {spec['mode']}: {spec['threads']} threads, {spec['kind']} on {spec['device']}, "
           f"{spec['seconds']:g} s, cold cache (compiles take a while)...", file=sys.stderr, flush=True)
+    code = ("import json, sys, compile_race\n"
+            "print(json.dumps(compile_race.run_exercise(**json.loads(sys.argv[1])), default=str))")
     with tempfile.TemporaryDirectory(prefix="dflash_diag_") as tmp:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
-        code = ("import json, sys, compile_race\n"
-                "print(json.dumps(compile_race.run_exercise(**json.loads(sys.argv[1])), default=str))")
         try:
             r = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], cwd=HERE, env=env, capture_output=True,
                                text=True, timeout=spec["seconds"] + 1800)
@@ -174,16 +141,13 @@ def run_child(spec):
 def format_race_table(results):
     head = (f"{'mode':<7} {'FX err':>6} {'other':>5} {'exposed':>7}  {'calls per thread':<22} "
             f"{'calls/s per thread':<24} {'total/s':>8}")
-    lines = [head, "-" * len(head)]
-    ok = [r for r in results if not r.get("failed")]
+    lines, ok = [head, "-" * len(head)], [r for r in results if not r.get("failed")]
     for r in results:
-        if r.get("failed"):
-            lines.append(f"{r['mode']:<7} FAILED: {r['failed']}")
-            continue
         col = lambda key: " / ".join(str(p[key]) for p in r["per_thread"])
-        lines.append(f"{r['mode']:<7} {r['fx_errors']:>6} {r['other_errors']:>5} {r['exposed_calls']:>7}  "
-                     f"{col('calls'):<22} {col('calls_per_s'):<24} {r['calls_per_s_total']:>8g}")
-        lines += [f"        error: {s}" for s in r["error_samples"][:3]]
+        lines += [f"{r['mode']:<7} FAILED: {r['failed']}"] if r.get("failed") else [
+            f"{r['mode']:<7} {r['fx_errors']:>6} {r['other_errors']:>5} {r['exposed_calls']:>7}  {col('calls'):<22} "
+            f"{col('calls_per_s'):<24} {r['calls_per_s_total']:>8g}",
+            *(f"        error: {s}" for s in r["error_samples"][:3])]
     for r in ok[:1]:   # what every mode shares
         lines += ["", f"torch {r['torch']} (git {str(r['torch_git'])[:12]}), {r['exercise']} on {r['device']}; "
                   f"natural race expected: {r['natural_race_expected']}",

@@ -6,29 +6,29 @@
         threads compiling at once, without and with the gate: errors, calls/s, who raises the FX flag
     --json prints one JSON object instead; --cache-dir describes another compile cache.
 
-The race (compiled.py's notes on torch versions): while one thread compiles, a compiled call in another
-fails or runs uncompiled; compiled.GATE keeps compiles exclusive, and --race-test measures calls without
-and with it (compile_race.py, imported for --race-test only).
-"""
-import argparse
-import functools
-import json
-import sys
+The race (compiled.py's notes on torch versions): while one thread compiles, a compiled call in another fails or
+runs uncompiled; compiled.GATE keeps compiles exclusive. compile_race.py measures it, imported for --race-test only."""
+import argparse, json, os, sys
 
 import torch
 
 from environment import (collect_env, diff_env, format_packages, format_report, installed_packages,
-                         load_checkpoint_env, natural_race_expected, _fx_flag_thread_local)
+                         natural_race_expected, _fx_flag_thread_local)
 
 
 def _against(folder, cache_dir):
     """(JSON object, text) of what changed since the checkpoint in folder."""
-    old = load_checkpoint_env(folder)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    if not os.path.isfile(path := os.path.join(folder, "env.json")):
+        raise FileNotFoundError(f"{folder} has no env.json (not a checkpoint folder written by train_dflash.py)")
+    with open(path) as f:
+        old = json.load(f)
     # the cache that run used, unless another one is named
     diffs = diff_env(old, collect_env(cache_dir or (old.get("compile_cache") or {}).get("path")))
     during, t_old = old.get("changed_during_run") or [], old["time_unix"]
     newer = [r for r in installed_packages() if r[2] > t_old]
-    show, w = functools.partial(json.dumps, default=str), max([len(k) for k, _, _ in diffs] + [10])
+    show, w = lambda x: json.dumps(x, default=str), max([len(k) for k, _, _ in diffs] + [10])
     text = [f"Changes since {folder} (its env.json: the environment of the run that wrote it, recorded "
             f"{old.get('time')} on {old.get('hostname')}):"]
     text += [f"  {k:<{w}}  {show(o)}  ->  {show(n)}" for k, o, n in diffs] or ["  no field differs"]
@@ -52,17 +52,16 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu", help="default: %(default)s")
     ap.add_argument("--cache-dir", help="compile cache to describe (default: the checkpoint's, or the current one)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    a = ap.parse_args(argv)
-    emit = lambda obj, text: print(json.dumps(obj, indent=1, default=str) if a.json else text)
+    a, rc = ap.parse_args(argv), 0
     if a.race_test:
         import compile_race
         if bad := set(a.modes.split(",")) - set(compile_race.MODES):
             ap.error(f"unknown mode(s) {sorted(bad)}: use {', '.join(compile_race.MODES)}")
         results = [compile_race.run_child(dict(kind=a.exercise, mode=m, threads=a.threads, seconds=a.seconds,
                                                 device=a.device)) for m in a.modes.split(",")]
-        emit({"command": "race-test", "device": a.device, "modes": results}, compile_race.format_race_table(results))
-        return 1 if any(r.get("failed") for r in results) else 0
-    if a.against:
+        obj = {"command": "race-test", "device": a.device, "modes": results}
+        text, rc = compile_race.format_race_table(results), int(any(r.get("failed") for r in results))
+    elif a.against:
         try:
             obj, text = _against(a.against, a.cache_dir)
         except (OSError, ValueError) as e:   # no such folder, no env.json, or not JSON
@@ -70,15 +69,15 @@ def main(argv=None):
                 print(json.dumps({"error": str(e)}))
             print(f"error: {e}", file=sys.stderr)
             return 2
-        emit(obj, text)
-        return 0
-    env = collect_env(a.cache_dir)
-    env["flex_fx_flag_thread_local"] = _fx_flag_thread_local()   # this process runs no other thread: safe here
-    env["natural_race_expected"] = natural_race_expected(env["flex_fx_flag_thread_local"])
-    recent = installed_packages()[:15]
-    emit({"env": env, "recent_packages": [{"name": n, "version": v, "mtime": t} for n, v, t in recent]},
-         format_report(env) + "\n" + format_packages(recent, "15 most recently installed/modified packages:"))
-    return 0
+    else:
+        env = collect_env(a.cache_dir)
+        env["flex_fx_flag_thread_local"] = _fx_flag_thread_local()   # this process runs no other thread: safe here
+        env["natural_race_expected"] = natural_race_expected(env["flex_fx_flag_thread_local"])
+        recent = installed_packages()[:15]
+        obj = {"env": env, "recent_packages": [{"name": n, "version": v, "mtime": t} for n, v, t in recent]}
+        text = format_report(env) + "\n" + format_packages(recent, "15 most recently installed/modified packages:")
+    print(json.dumps(obj, indent=1, default=str) if a.json else text)
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,46 +1,31 @@
-"""What a DFlash training run runs on, and what changed since a checkpoint.
-
-train_dflash.py writes collect_env() into every checkpoint (env.json) and format_report() at the top of every
-log; diagnose.py prints them and compares with a checkpoint (--against); compiled.use_compile_cache writes
-CACHE_INFO_FILE into the compile cache it fills.
-"""
-import datetime
-import getpass
-import hashlib
-import importlib.metadata
-import json
-import os
-import platform
-import re
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
+"""What a DFlash training run runs on, and what changed since a checkpoint: train_dflash.py writes collect_env() into
+every checkpoint (env.json) and format_report() atop every log; diagnose.py prints them and compares with a checkpoint
+(--against); compiled.use_compile_cache writes CACHE_INFO_FILE into the compile cache it fills."""
+import datetime, getpass, hashlib, importlib.metadata, json, os, platform, re, shutil, socket, subprocess, sys, tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE_INFO_FILE = "dflash_cache_info.json"   # which build filled the compile cache
-# Recorded variables: these prefixes, and names outside them that change speed or numerics (TF32,
-# cuBLAS workspace, stream count, a preloaded or differently found library, code on the import path).
+# Recorded variables: these prefixes, and other names that change speed or numerics (TF32, cuBLAS workspace,
+# stream count, a preloaded or differently found library, code on the import path).
 ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TORCHDYNAMO_", "TRITON_", "CUDA_VISIBLE_DEVICES", "NCCL_",
                 "PYTORCH_", "OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "HF_")
 ENV_NAMES = {"LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "NVIDIA_TF32_OVERRIDE",
              "CUBLAS_WORKSPACE_CONFIG", "CUDA_MODULE_LOADING", "MKL_NUM_THREADS"}
-# env.json and the logs get shared: a credential (HF_TOKEN, ...) is recorded as set, never by value.
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")   # logs get shared: recorded as <set>
 LIBRARIES = ("transformers", "datasets", "numpy", "safetensors")   # versions recorded besides torch and triton
 NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total")
 
 
 # --- 1. The environment ----------------------------------------------------------------------------------
 def collect_env(cache_dir=None):
-    """Everything that decides whether a run reproduces: versions, GPUs, variables, compile cache, code.
-    Never raises (a part that fails records its error: a fingerprint with a hole beats a crashed
-    checkpoint) and starts no compile and no python: the trainer calls it at every start and save."""
+    """Everything that decides whether a run reproduces: versions, GPUs, variables, compile cache, code. Never raises
+    (a failing part records its error: a fingerprint with a hole beats a crashed checkpoint) and starts no compile
+    and no python: the trainer calls it at every start and save."""
     now = datetime.datetime.now().astimezone()
     env = {"time": now.isoformat(timespec="seconds"), "time_unix": now.timestamp()}
     parts = {"hostname": socket.gethostname, "platform": platform.platform, "cpu_count": os.cpu_count,
@@ -59,9 +44,8 @@ def collect_env(cache_dir=None):
 
 
 def _versions():
-    def installed(*dists):   # the first found on sys.path, without importing it: "absent" is an answer
-        return next((x.version for d in dists for x in importlib.metadata.distributions(name=d)), "absent")
-
+    # a distribution's version without importing it, the first found on sys.path: "absent" is an answer
+    installed = lambda *ds: next((x.version for d in ds for x in importlib.metadata.distributions(name=d)), "absent")
     try:
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     except Exception as e:   # a cuDNN that does not match torch raises here: that is the finding
@@ -94,23 +78,19 @@ def _gpus():
     lines = [line.strip() for line in r.stdout.splitlines() if line.strip()]
     if r.returncode == 0 and lines and all(line.count(",") == len(NVIDIA_SMI_FIELDS) - 1 for line in lines):
         return g | {"nvidia_smi": lines, "driver": lines[0].split(",")[2].strip()}
-    # nvidia-smi's own message (driver/library mismatch, no device) is the diagnosis: kept, truncated
-    first = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[0][:200]
-    why = f"exit {r.returncode}" if r.returncode else "unexpected output"
-    return g | {"nvidia_smi": [f"error: {why}: {first}"]}
+    first = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[0][:200]   # its message: the diagnosis
+    return g | {"nvidia_smi": [f"error: {f'exit {r.returncode}' if r.returncode else 'unexpected output'}: {first}"]}
 
 
 def _env_vars():
     env = {k: ("<set>" if any(m in k.upper() for m in SECRET_MARKERS) else v)
            for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
-    # importing torch._dynamo exports inductor's default cache dir into this variable: nobody chose it
     if os.path.abspath(env.get("TORCHINDUCTOR_CACHE_DIR", "-")) == _default_cache_dir():
-        del env["TORCHINDUCTOR_CACHE_DIR"]
+        del env["TORCHINDUCTOR_CACHE_DIR"]   # importing torch._dynamo exports inductor's default here: nobody chose it
     return env
 
 
-def _default_cache_dir():
-    # inductor's rule, without importing inductor (seconds, and it exports the variable)
+def _default_cache_dir():   # inductor's rule, without importing inductor (seconds, and it exports the variable)
     try:
         user = getpass.getuser()
     except Exception:   # a container's uid without a passwd entry
@@ -119,23 +99,18 @@ def _default_cache_dir():
 
 
 def _cache_state(cache_dir=None):
-    path, source = cache_dir, "argument"
-    if not cache_dir:
-        chosen = _env_vars().get("TORCHINDUCTOR_CACHE_DIR")   # as recorded: inductor's own export is no choice
-        path, source = (chosen, "TORCHINDUCTOR_CACHE_DIR") if chosen else (_default_cache_dir(), "inductor default")
+    chosen = cache_dir or _env_vars().get("TORCHINDUCTOR_CACHE_DIR")   # as recorded: inductor's export is no choice
+    source = "argument" if cache_dir else "TORCHINDUCTOR_CACHE_DIR" if chosen else "inductor default"
+    path = chosen or _default_cache_dir()
     c = {"path": os.path.abspath(path), "source": source, "exists": os.path.isdir(path), "info": None}
-    sizes, mtimes = [], []
-    for root, _, files in os.walk(c["path"]):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except OSError:
-                continue   # inductor renames and removes files while we walk
-            sizes.append(st.st_size)
-            if not name.endswith(".lock"):   # some filelock versions truncate a lock file (new mtime) at each lock
-                mtimes.append(st.st_mtime)
-    c.update(size_bytes=sum(sizes), file_count=len(sizes), oldest_mtime=min(mtimes, default=None),
-             newest_mtime=max(mtimes, default=None))
+    files = []
+    for root, _, names in os.walk(c["path"]):
+        for name in names:
+            with suppress(OSError):   # inductor renames and removes files while we walk
+                files.append((name, os.lstat(os.path.join(root, name))))
+    mtimes = [st.st_mtime for name, st in files if not name.endswith(".lock")]   # filelock may touch it at each lock
+    c.update(size_bytes=sum(st.st_size for _, st in files), file_count=len(files),
+             oldest_mtime=min(mtimes, default=None), newest_mtime=max(mtimes, default=None))
     if os.path.isfile(info := os.path.join(c["path"], CACHE_INFO_FILE)):
         try:
             with open(info) as f:
@@ -146,8 +121,8 @@ def _cache_state(cache_dir=None):
 
 
 def _git_state(path=HERE):
-    """Commit, dirty files, a hash of the uncommitted diff, untracked names. A git command that fails
-    leaves its fields None and says why in "error": a failure must not read as a clean tree."""
+    """Commit, dirty files, a hash of the uncommitted diff, untracked names. A git command that fails leaves its
+    fields None and says why in "error": a failure must not read as a clean tree."""
     g = {"dir": path, "commit": None, "dirty": None, "dirty_files": [], "diff_sha256": None,
          "untracked_files": None, "untracked_count": None}
     errors = []
@@ -166,8 +141,7 @@ def _git_state(path=HERE):
         if (status := git("status", "--porcelain", "--untracked-files=no")) is not None:
             files = [line[3:] for line in status.decode(errors="replace").splitlines() if line.strip()]
             g["dirty"], g["dirty_files"] = bool(files), files[:20]
-        # names alone miss a further edit of a file that is already dirty: hash the diff itself (binary
-        # too; no external diff or textconv, which a user's git config can switch on)
+        # names miss a further edit of a dirty file: hash the diff (binary too; no ext-diff/textconv from git config)
         if (diff := git("diff", "HEAD", "--binary", "--no-ext-diff", "--no-textconv", "--no-color")) is not None:
             g["diff_sha256"] = hashlib.sha256(diff).hexdigest()
         # untracked and not ignored: a new module the code may import (out/ and logs are ignored)
@@ -181,20 +155,17 @@ def _git_state(path=HERE):
 
 def installed_packages():
     """[(name, version, mtime of its dist-info folder, which pip creates at each install)], newest first."""
-    rows, seen = [], set()
+    rows = {}
     for d in importlib.metadata.distributions():
-        name, path = d.metadata["Name"], d._path
-        if not name or name.lower() in seen:
-            continue   # shadowed by the same package earlier on sys.path, which is the one in use
-        if f"{os.sep}_vendor{os.sep}" in str(path):
-            continue   # bundled inside another package (setuptools' _vendor joins sys.path once imported)
-        seen.add(name.lower())
-        rows.append((name, d.version, os.path.getmtime(path)))
-    return sorted(rows, key=lambda r: -r[2])
+        # skipped: one shadowed by the same package earlier on sys.path (that one is in use), and a copy bundled
+        # inside another package (setuptools' _vendor joins sys.path once imported)
+        if (name := d.metadata["Name"]) and name.lower() not in rows and f"{os.sep}_vendor{os.sep}" not in str(d._path):
+            rows[name.lower()] = (name, d.version, os.path.getmtime(d._path))
+    return sorted(rows.values(), key=lambda r: -r[2])
 
 
 def natural_race_expected(fx_flag_thread_local=None):
-    # does the cold-cache compile race show by itself? By the thread probe where it ran, else by version
+    """Does the cold-cache compile race show by itself? By the thread probe where it ran, else by version."""
     version = tuple(int(x) for x in torch.__version__.split(".")[:2])
     if fx_flag_thread_local or (fx_flag_thread_local is None and version >= (2, 14)):
         return "no: the FX-tracing flag is per thread"
@@ -205,16 +176,15 @@ def natural_race_expected(fx_flag_thread_local=None):
 
 
 # --- 2. What changed, and the report -------------------------------------------------------------------
-# Fields that change on every call or grow in any healthy run, and the trainer's own note
-# changed_during_run (shown apart): a row for them says nothing.
+# Fields that change on every call or grow in any healthy run, and the trainer's own note changed_during_run
+# (shown apart): a row for them says nothing.
 IGNORED = {"time", "time_unix", "changed_during_run", "compile_cache.size_bytes", "compile_cache.file_count",
            "compile_cache.oldest_mtime", "compile_cache.newest_mtime"}
 MISSING = "(missing)"
-# compiled.use_compile_cache() sets these in the trainer's process from the cache path, which is compared
-# on its own: in a checkpoint's env.json and not in a shell is no change.
+# compiled.use_compile_cache() sets these in the trainer's process from the cache path, which is compared on its
+# own: in a checkpoint's env.json and not in a shell is no change. It only defaults TRAINER_DEFAULT_VARS: absent on
+# one side and the default on the other is no change, while a user's own value (a cache off) is one.
 TRAINER_SET_VARS = {"env_vars.TORCHINDUCTOR_CACHE_DIR", "env_vars.TRITON_CACHE_DIR"}
-# It only defaults these: absent on one side and the default on the other is no change, while a user's
-# own value (the FX graph or autograd cache off) takes effect and is one.
 TRAINER_DEFAULT_VARS = {"env_vars.TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "env_vars.TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
@@ -227,9 +197,8 @@ def diff_env(old, new):
     rows = []
     for k in sorted(fo | fn):
         a, b = fo.get(k, MISSING), fn.get(k, MISSING)
-        if a == b or k in IGNORED or (k in TRAINER_SET_VARS and same_cache):
-            continue
-        if k in TRAINER_DEFAULT_VARS and {a, b} == {MISSING, TRAINER_DEFAULT_VARS[k]}:
+        if (a == b or k in IGNORED or (k in TRAINER_SET_VARS and same_cache)
+                or (k in TRAINER_DEFAULT_VARS and {a, b} == {MISSING, TRAINER_DEFAULT_VARS[k]})):
             continue
         if None in (a, b) and MISSING in (a, b) and any(x.startswith(k + ".") for x in fo | fn):
             continue   # None on one side, a dict on the other (the cache info appeared): its keys say it
@@ -247,11 +216,9 @@ def diff_env(old, new):
     return rows
 
 
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():   # an empty dict leaves no key: {} and absent are the same state
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+def _flatten(d, prefix=""):   # an empty dict leaves no key: {} and absent are the same state
+    return {key: x for k, v in d.items()
+            for key, x in (_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
 
 
 def _fmt_time(t):
@@ -273,10 +240,8 @@ def format_report(env):
     else:
         lines.append(f"  GPUs: none visible to torch (CUDA available: {g.get('cuda_available')})"
                      + (f"; nvidia-smi: {g['nvidia_smi']}" if g.get("nvidia_smi") else ""))
-    if p.get("dirty"):
-        dirty = f"DIRTY: {', '.join(p['dirty_files'])} (diff sha256 {str(p.get('diff_sha256'))[:12]})"
-    else:
-        dirty = "dirty: unknown" if p.get("dirty") is None else "clean"
+    dirty = ("dirty: unknown" if p.get("dirty") is None else "clean" if not p["dirty"] else
+             f"DIRTY: {', '.join(p['dirty_files'])} (diff sha256 {str(p.get('diff_sha256'))[:12]})")
     lines.append(f"  project {p.get('dir')}  commit {p.get('commit')}  {dirty}")
     if p.get("error"):
         lines.append(f"    git error: {p['error']}")
@@ -307,19 +272,9 @@ def format_packages(rows, title):
     return "\n".join([title] + ([f"  {_fmt_time(t)}  {n} {ver}" for n, ver, t in rows] or ["  (none)"]))
 
 
-def load_checkpoint_env(folder):
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    if not os.path.isfile(path := os.path.join(folder, "env.json")):
-        raise FileNotFoundError(f"{folder} has no env.json (not a checkpoint folder written by train_dflash.py)")
-    with open(path) as f:
-        return json.load(f)
-
-
-# --- 3. The thread probe: it raises the FX flag for real, so it runs only where no other thread runs
-# compiled code: the command line, the race exercise's child.
-def _fx_flag():
-    # this thread's view; read directly where it is a module global: is_fx_tracing() logs a warning
+# --- 3. The thread probe: it raises the FX flag for real, so it runs only where no other thread runs compiled
+# code: the command line, the race exercise's child.
+def _fx_flag():   # this thread's view; read directly where it is a module global: is_fx_tracing() logs a warning
     flag = getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", None)
     return flag if isinstance(flag, bool) else bool(torch.fx._symbolic_trace.is_fx_tracing())
 
