@@ -7,9 +7,9 @@
         env.json      the environment the run started in (diagnose.py --against compares with it)
         DONE          written last: the files and their sizes
 
-A checkpoint is written into step_N.tmp and renamed into place, so a crash leaves the previous ones
-intact; one whose files do not match its DONE list, whose state.pt does not load, or whose optimiser
-state does not give its saved digest is damaged, and a resume takes the newest intact one instead.
+A checkpoint is written into step_N.tmp and renamed into place, so a crash leaves the previous ones intact.
+One whose files do not match its DONE list, whose state.pt does not load, or whose optimiser state does not
+give its saved digest is damaged; a resume takes the newest intact one instead.
 """
 import hashlib
 import json
@@ -22,15 +22,12 @@ import torch
 
 import dflash_model as dm
 
-OPT_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
 
 def list_checkpoints(out_dir):
     """Complete checkpoints (DONE written), oldest first."""
-    if not os.path.isdir(out_dir):
-        return []
-    return sorted(os.path.join(out_dir, d) for d in os.listdir(out_dir) if d.startswith("step_")
-                  and not d.endswith(".tmp") and os.path.exists(os.path.join(out_dir, d, "DONE")))
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted(os.path.join(out_dir, d) for d in names if d.startswith("step_") and not d.endswith(".tmp")
+                  and os.path.exists(os.path.join(out_dir, d, "DONE")))
 
 
 def damage(path):
@@ -46,24 +43,22 @@ def damage(path):
             return f"{name} is missing"
         if os.path.getsize(full) != size:
             return f"{name} has {os.path.getsize(full)} bytes, {size} were written"
-    return None
 
 
 def load_newest(out_dir, log):
-    """(path, state) of the newest intact checkpoint in out_dir, (None, None) if there is none; every
-    damaged one newer than it is named. All of them damaged is an error."""
+    """(path, state) of the newest intact checkpoint in out_dir, (None, None) if there is none; each damaged
+    one newer than it is named. All of them damaged is an error."""
     ckpts = list_checkpoints(out_dir)
     for path in reversed(ckpts):
         why = damage(path)
         if why is None:
             try:
                 state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
-                if optimizer_digest(state["optimizer"]) != state["resume_fingerprint"]:
-                    why = "its optimiser state does not match the digest saved with it (edited or corrupted)"
+                if optimizer_digest(state["optimizer"]) == state["resume_fingerprint"]:
+                    return path, state
+                why = "its optimiser state does not match the digest saved with it (edited or corrupted)"
             except Exception as e:           # noqa: BLE001 - any unreadable state.pt is a damaged checkpoint
                 why = f"state.pt does not load: {type(e).__name__}: {e}"
-        if why is None:
-            return path, state
         log(f"[resume] WARNING: {path} is damaged: {why}; trying the checkpoint before it")
     if ckpts:
         raise SystemExit(f"error: every checkpoint in {out_dir} is damaged (see above): nothing to resume from")
@@ -71,21 +66,18 @@ def load_newest(out_dir, log):
 
 
 class Checkpointer:
-    """save() snapshots the state into reused host buffers, here in the step loop (a pause of a fraction of a
-    second), and a background thread writes the files while training goes on (at Qwen3-8B size a checkpoint
-    is ~14 GB: tens of seconds of disk). One write at a time: a save waits for the previous write and says so,
-    so that a slow disk is not taken for a slow GPU. A failed write stops the run; its partial folder is removed."""
+    """save() snapshots the state into reused host buffers in the step loop (a fraction of a second); a background
+    thread writes the files while training goes on (Qwen3-8B's ~14 GB take tens of seconds). One write at a time: a
+    save waits for the last and says so (a slow disk is not a slow GPU). A failed write stops the run."""
 
     def __init__(self, run, out_dir, keep_last, log):
         self.run, self.out_dir, self.keep_last, self.log = run, out_dir, keep_last, log
-        self.pool = HostPool()
-        self.writer, self.lock, self.closed = None, threading.Lock(), False
+        self.pool, self.writer, self.lock, self.closed = HostPool(), None, threading.Lock(), False
 
     def save(self, step, state, drafter, env_fn):
-        """Snapshot `state` (torch.save'd) and the drafter's state_dict (saved in the serving format), and
-        write them with env_fn()'s env.json in the background. Returns the seconds the step loop paused."""
-        busy = self.writer is not None and self.writer.is_alive()
-        t0 = time.time()
+        """Snapshot `state` (torch.save'd) and the drafter's state_dict (saved in the serving format), and write
+        them with env_fn()'s env.json in the background. Returns the seconds the step loop paused."""
+        busy, t0 = self.writer is not None and self.writer.is_alive(), time.time()
         waited_for = self.wait()
         if busy and not self.run.stop.is_set():
             self.log(f"[ckpt] step {step}: waited {time.time() - t0:.1f}s for the write of checkpoint {waited_for} "
@@ -93,7 +85,7 @@ class Checkpointer:
                      "wait is in this interval's rates; raise --ckpt-interval or write to a faster disk)")
         self.run.check()               # no new snapshot once the run is stopping
         t0 = time.time()
-        self.pool.start()              # (the last write is done: its buffers are free)
+        self.pool.start()              # the last write is done: its buffers are free
         state, serving = to_host(state, {}, self.pool), to_host(drafter.state_dict(), {}, self.pool)
         self.pool.finish()             # the asynchronous device -> host copies have landed
         with self.lock:
@@ -106,8 +98,7 @@ class Checkpointer:
         return time.time() - t0
 
     def _write(self, step, state, serving, drafter, env_fn):
-        t0 = time.time()
-        final = os.path.join(self.out_dir, f"step_{step:06d}")
+        t0, final = time.time(), os.path.join(self.out_dir, f"step_{step:06d}")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -137,13 +128,12 @@ class Checkpointer:
         """Block until the checkpoint being written (if any) is on disk; its step, or None."""
         with self.lock:
             writer = self.writer
-        if writer is None:
-            return None
-        writer.join()
-        with self.lock:
-            if self.writer is writer:
-                self.writer = None
-        return writer.step
+        if writer is not None:
+            writer.join()
+            with self.lock:
+                if self.writer is writer:
+                    self.writer = None
+        return writer.step if writer else None
 
     def close(self):
         """No write starts after this; the one under way finishes (a snapshot from before a failure is still good)."""
@@ -153,44 +143,37 @@ class Checkpointer:
 
 
 # --- Host snapshots -------------------------------------------------------------------------------
-
-
 def to_host(obj, memo, pool):
-    """obj (dicts, lists, tuples) with every tensor COPIED into host buffers of `pool` (call its finish()
-    before reading them) - a CPU tensor too: the copy must not change when training goes on - once per
-    tensor object (memo: id -> copy), so that tensors shared in obj stay shared and torch.save writes them once."""
+    """obj (dicts, lists, tuples) with every tensor COPIED into `pool` (read after its finish()), a CPU one too, as
+    training goes on changing them. Once per tensor (memo: id -> copy): shared ones stay shared, saved once."""
     if isinstance(obj, dict):
         return {k: to_host(v, memo, pool) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_host(v, memo, pool) for v in obj)
     if not isinstance(obj, torch.Tensor):
         return obj
-    if id(obj) not in memo:        # the original is kept with its copy: its id stays its own meanwhile
+    if id(obj) not in memo:        # the original is kept with its copy, so its id is not reused meanwhile
         memo[id(obj)] = (obj, pool.copy(obj.detach()))
     return memo[id(obj)][1]
 
 
 class HostPool:
-    """Host snapshot buffers, reused from one checkpoint to the next (handed out in order; one of another shape
-    or dtype is replaced). Pinned where CUDA is, so a GPU copy runs asynchronously at bus speed, where a copy
-    into fresh pageable memory pauses the step loop for seconds. They hold a checkpoint's size of host RAM
-    (pinned: more, torch's pinned allocator rounds each up to a power of 2)."""
+    """Host snapshot buffers reused from one checkpoint to the next, in order (one of another shape or dtype is
+    replaced): a checkpoint's size of RAM. Pinned for a GPU tensor, so its copy runs asynchronously at bus speed (fresh
+    pageable memory would pause the step loop for seconds); torch rounds each pinned one up to a power of 2."""
 
     def __init__(self):
         self.bufs, self.i, self.devices = [], 0, set()
 
     def start(self):
-        self.i = 0
-        self.devices.clear()
+        self.i, self.devices = 0, set()
         return self
 
     def copy(self, t):
-        pin = t.is_cuda
-        if self.i == len(self.bufs):
-            self.bufs.append(None)
-        b = self.bufs[self.i]
+        pin, b = t.is_cuda, self.bufs[self.i] if self.i < len(self.bufs) else None
         if b is None or b.shape != t.shape or b.dtype != t.dtype or b.is_pinned() != pin:
-            b = self.bufs[self.i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            b = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            self.bufs[self.i:self.i + 1] = [b]          # replaces buffer i, or appends it
         self.i += 1
         if pin:
             self.devices.add(t.device)
@@ -202,12 +185,9 @@ class HostPool:
 
 
 # --- Fingerprints: bit-exact comparison of tensors, cheap enough for every log interval -----------
-
-
 def fingerprint(tensors):
-    """Per tensor, the int64 sum (wrapping) of its bytes read as 8-byte words, on the tensors' device:
-    bit-identical tensors give equal entries, differing ones almost surely not (unlike a float sum,
-    +e and -e or -0.0 and 0.0 do not cancel). Whole words: torch's int64 sum runs near memory bandwidth."""
+    """Per tensor, the wrapping int64 sum of its bytes as 8-byte words (near memory bandwidth), on its device: equal
+    for bit-identical tensors, almost surely not otherwise (unlike a float sum, +e and -e or -0.0 and 0.0 differ)."""
     sums = []
     for t in tensors:
         b = as_bytes(t)
@@ -222,8 +202,7 @@ def fingerprint(tensors):
 
 
 def digest(fp):
-    """A fingerprint() as 16 hex digits. Integer sums do not depend on the order of addition, so the
-    same bytes give the same digest on any device."""
+    """A fingerprint() as 16 hex digits, the same on any device (integer sums do not depend on the order)."""
     return hashlib.sha256(fp.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
@@ -233,6 +212,5 @@ def as_bytes(t):
 
 
 def optimizer_digest(opt_state):
-    """digest() of what a resume restores byte for byte: a MasterAdamW state_dict's fp32 masters and
-    both moments (the bf16 weights are derived from the masters)."""
-    return digest(fingerprint([t for k in OPT_KEYS for t in opt_state[k]]))
+    """digest() of what a resume restores bit for bit: MasterAdamW's fp32 masters and moments (the weights follow)."""
+    return digest(fingerprint([t for k in ("master", "exp_avg", "exp_avg_sq") for t in opt_state[k]]))

@@ -1,8 +1,5 @@
-"""What a training run is built from: its options (one dataclass, the command line generated from it),
-the devices, the shape plan, and the target and drafter as the trainer and the warm-up build them.
-
-    python train_dflash.py --help            # every option, its default and one line on it
-"""
+"""A training run's options (one dataclass; the command line is generated from it, see --help), its devices and
+shape plan, and the target and drafter as the trainer and the warm-up build them."""
 import argparse
 import dataclasses
 import difflib
@@ -18,10 +15,9 @@ import dflash_model as dm
 
 
 def opt(default, help):
-    """A config field with its --help line."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+    """A config field with its --help line (a list default is copied for each instance)."""
+    kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
+    return field(**kw, metadata={"help": help})
 
 
 @dataclass
@@ -76,101 +72,77 @@ class TrainConfig:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that answers a bad command line with one line naming the problem, not the usage text."""
-
     def error(self, message):
         raise SystemExit(f"error: {message} (see --help)")
 
 
-def parser():
-    p = ArgumentParser(description="Train a DFlash drafter (python train_dflash.py --help).", allow_abbrev=False,
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(TrainConfig):
-        name, default = "--" + f.name.replace("_", "-"), f.default_factory() if f.type is list else f.default
-        if f.type is bool:
-            p.add_argument(name, action="store_true", help=f.metadata["help"])
-        elif f.type is list:
-            p.add_argument(name, nargs="+", default=default, metavar="FILE", help=f.metadata["help"])
-        else:
-            p.add_argument(name, type=f.type, default=default, help=f.metadata["help"])
-    return p
-
-
 def parse_args(argv):
-    """TrainConfig from the command line: unknown or mistyped options are errors, with the closest names."""
-    p = parser()
+    """TrainConfig from the command line; unknown, mistyped or bad options are one-line errors (with the closest
+    names for an unknown one)."""
+    p = ArgumentParser(description="Train a DFlash drafter (python train_dflash.py --help).", allow_abbrev=False,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        kw = (dict(action="store_true") if f.type is bool else
+              dict(nargs="+", default=f.default_factory(), metavar="FILE") if f.type is list else
+              dict(type=f.type, default=f.default))
+        p.add_argument("--" + f.name.replace("_", "-"), help=f.metadata["help"], **kw)
     args, extra = p.parse_known_args(argv)
     if extra:
-        known = [a for action in p._actions for a in action.option_strings]
         arg = extra[0]
         if not arg.startswith("-"):
             raise SystemExit(f"error: unexpected argument {arg!r} (options are --name value)")
+        known = [a for action in p._actions for a in action.option_strings]
         close = difflib.get_close_matches(arg.split("=")[0], known, n=3, cutoff=0.6)
         raise SystemExit(f"error: unknown option {arg}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
     cfg = TrainConfig(**vars(args))
-    validate(cfg)
-    # the defaults that follow from other options, resolved once (logged and checkpointed as resolved)
-    cfg.gamma = cfg.gamma or default_gamma(cfg.block_size)
-    cfg.compile_cache = cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache")
-    return cfg
-
-
-def validate(cfg):
-    errs = []
-    if cfg.attn not in ("auto", "flex", "sdpa"):
-        errs.append(f"--attn must be auto|flex|sdpa, got {cfg.attn}")
-    if cfg.on_unwarmed not in ("error", "compile"):
-        errs.append(f"--on-unwarmed must be error|compile, got {cfg.on_unwarmed}")
-    if cfg.block_size < 2 or cfg.num_anchors < 1 or cfg.max_length < 2 * cfg.block_size:
-        errs.append("need --block-size >= 2, --num-anchors >= 1, --max-length >= 2 x block size")
-    if min(cfg.grad_accum, cfg.keep_last, cfg.log_interval, cfg.ckpt_interval, cfg.queue_depth) < 1:
-        errs.append("--grad-accum, --keep-last, --log-interval, --ckpt-interval, --queue-depth must be >= 1")
-    if not cfg.clip > 0:        # the clip factor clip/norm: 0 freezes the weights, < 0 steps uphill
-        errs.append(f"--clip must be > 0, got {cfg.clip}")
-    if not cfg.lr > 0 or cfg.weight_decay < 0 or cfg.epochs <= 0 or cfg.max_steps < 0 or cfg.max_minutes < 0:
-        errs.append("need --lr > 0, --weight-decay >= 0, --epochs > 0, --max-steps >= 0, --max-minutes >= 0")
-    if not 0 <= cfg.warmup_frac < 1 or cfg.heldout < 0:
-        errs.append("need 0 <= --warmup-frac < 1 and --heldout >= 0")
+    bs = cfg.block_size     # every bad option next, in one line, before any slow set-up
+    errs = [msg for bad, msg in [
+        (cfg.attn not in ("auto", "flex", "sdpa"), f"--attn must be auto|flex|sdpa, got {cfg.attn}"),
+        (cfg.on_unwarmed not in ("error", "compile"), f"--on-unwarmed must be error|compile, got {cfg.on_unwarmed}"),
+        (bs < 2 or cfg.num_anchors < 1 or cfg.max_length < 2 * bs,
+         "need --block-size >= 2, --num-anchors >= 1, --max-length >= 2 x block size"),
+        (min(cfg.grad_accum, cfg.keep_last, cfg.log_interval, cfg.ckpt_interval, cfg.queue_depth) < 1,
+         "--grad-accum, --keep-last, --log-interval, --ckpt-interval, --queue-depth must be >= 1"),
+        # the step is scaled by clip/norm: 0 freezes the weights, < 0 steps uphill
+        (not cfg.clip > 0, f"--clip must be > 0, got {cfg.clip}"),
+        (not cfg.lr > 0 or cfg.weight_decay < 0 or cfg.epochs <= 0 or cfg.max_steps < 0 or cfg.max_minutes < 0,
+         "need --lr > 0, --weight-decay >= 0, --epochs > 0, --max-steps >= 0, --max-minutes >= 0"),
+        (not 0 <= cfg.warmup_frac < 1 or cfg.heldout < 0, "need 0 <= --warmup-frac < 1 and --heldout >= 0")] if bad]
     if cfg.buckets:
         try:
-            b = [int(x) for x in cfg.buckets.split(",")]
+            if not all(2 * bs <= int(x) <= cfg.max_length for x in cfg.buckets.split(",")):
+                errs.append(f"--buckets must lie in [2 x block size, max_length] = [{2 * bs}, {cfg.max_length}], "
+                            f"got {cfg.buckets}")
         except ValueError:
-            b = None
             errs.append(f"--buckets must be comma-separated integers, got {cfg.buckets!r}")
-        if b and not all(2 * cfg.block_size <= x <= cfg.max_length for x in b):
-            errs.append(f"--buckets must lie in [2 x block size, max_length] = [{2 * cfg.block_size}, "
-                        f"{cfg.max_length}], got {cfg.buckets}")
     if cfg.tensorboard:
         try:
-            import torch.utils.tensorboard  # noqa: F401
+            __import__("torch.utils.tensorboard")
         except ImportError as e:
             errs.append(f"--tensorboard needs the tensorboard package: pip install tensorboard ({e})")
-    for name in cfg.data:      # before any slow set-up: a typo is a one-line error at once
+    for name in cfg.data:
         local = data_dflash.names_a_file(name) and not name.startswith("synthetic:")
         if local and not os.path.isfile(os.path.expanduser(name)):
             errs.append(f"data file not found: {name}")
     if errs:
         raise SystemExit("error: " + "; ".join(errs))
-
-
-def default_gamma(block_size):
-    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7 / 16))
+    # the defaults that follow from other options, resolved once (logged and checkpointed as resolved)
+    cfg.gamma = cfg.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(bs, max(1.0, bs * 7 / 16))
+    cfg.compile_cache = cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache")
+    return cfg
 
 
 # --- Devices and shapes ---------------------------------------------------------------------------
-
-
 def resolve_devices(cfg):
-    """(target devices, drafter devices). auto: the original 5 target + 3 drafter split scaled to the
-    node; one GPU does both; no GPU: cpu. cuda:local = cuda:LOCAL_RANK (one torchrun process per GPU)."""
-    def parse(s):
-        s = s.replace("local", os.environ.get("LOCAL_RANK", "0"))
+    """(target devices, drafter devices). auto: the original 5 target + 3 drafter split scaled to the node; one
+    GPU does both; no GPU: cpu. cuda:local = cuda:LOCAL_RANK (one torchrun process per GPU)."""
+    def parse(s, auto):
+        s = auto if s == "auto" else s.replace("local", os.environ.get("LOCAL_RANK", "0"))
         return [torch.device(d.strip()) for d in s.split(",") if d.strip()]
     n = torch.cuda.device_count()
-    nd = max(1, round(n * 3 / 8))
-    auto = {0: (["cpu"], ["cpu"]), 1: (["cuda:0"], ["cuda:0"])}.get(
-        n, ([f"cuda:{i}" for i in range(n - nd)], [f"cuda:{i}" for i in range(n - nd, n)]))
-    tdev = [torch.device(d) for d in auto[0]] if cfg.target_devices == "auto" else parse(cfg.target_devices)
-    ddev = [torch.device(d) for d in auto[1]] if cfg.drafter_devices == "auto" else parse(cfg.drafter_devices)
+    gpus, nd = [f"cuda:{i}" for i in range(n)], max(1, round(n * 3 / 8))
+    auto = (",".join(gpus[:n - nd]), ",".join(gpus[n - nd:])) if n > 1 else ("cuda:0",) * 2 if n else ("cpu",) * 2
+    tdev, ddev = parse(cfg.target_devices, auto[0]), parse(cfg.drafter_devices, auto[1])
     check_devices(tdev + ddev)
     if not tdev or not ddev:
         raise SystemExit("error: need at least one target and one drafter device")
@@ -190,8 +162,7 @@ def resolve_attn(cfg, drafter_devs):
         raise SystemExit("error: --attn flex cannot train on CPU (FlexAttention has no CPU backward); use --attn sdpa")
     attn = cfg.attn if cfg.attn != "auto" else "flex" if drafter_devs[0].type == "cuda" else "sdpa"
     if attn == "flex" and len(set(map(str, drafter_devs))) < len(drafter_devs):
-        # two replicas' threads would run the same entries of one compiled function's dynamo cache at once,
-        # which can report a spurious recompile (the gate then stops the run)
+        # two replicas' threads would run one dynamo cache's entries at once: a spurious recompile (the gate stops)
         raise SystemExit(f"error: --drafter-devices {','.join(map(str, drafter_devs))} lists a GPU twice: give "
                          "each drafter replica a GPU of its own")
     return attn
@@ -203,32 +174,28 @@ def param_dtype(dev):
 
 
 def bucket_list(cfg):
-    if not cfg.buckets:
-        return data_dflash.default_buckets(cfg.max_length)
-    return sorted({int(x) for x in cfg.buckets.split(",")} | {cfg.max_length})
+    return sorted({int(x) for x in cfg.buckets.split(",")} | {cfg.max_length}) if cfg.buckets else \
+        data_dflash.default_buckets(cfg.max_length)
 
 
 def anchors_for(cfg, S, block_size):
-    """Anchors per sequence of bucket S: num_anchors, capped by the S - block + 1 positions a block can
-    start at, rounded up so that anchors x block is a multiple of flex's 128-row tiles."""
+    """Anchors per sequence of bucket S: num_anchors, capped by the S - block + 1 positions a block can start
+    at, rounded up so that anchors x block is a multiple of flex's 128-row tiles."""
     m = 128 // math.gcd(block_size, 128)
     return max(m, math.ceil(min(cfg.num_anchors, S - block_size + 1) / m) * m)
 
 
-# An automatic micro-batch on a GPU holds at least this much drafter work (tens of ms of a Hopper GPU): the
-# per-step costs (kernel launches, the optimiser pass, the gradient sum) stay small next to it, while a small
-# data set still gets many optimiser steps.
+# An automatic micro-batch on a GPU holds at least this much drafter work (tens of ms of a Hopper GPU), so the
+# per-step costs (launches, optimiser, gradient sum) stay small next to it while a small data set still gets many steps.
 STEP_FLOPS = 25e12
 
 
 def batch_size_for(cfg, dcfg, S, memory=0):
-    """Rows per micro-batch of bucket S. Every bucket's batch holds about the same number of blocks, so
-    every step costs the drafter about the same: those of tokens_per_batch // max_length full-length
-    sequences, at most tokens_per_batch // S rows. Auto (--tokens-per-batch 0): one full-length sequence's
-    blocks; on a GPU (`memory` = bytes free for a batch) at least STEP_FLOPS of work, within `memory`."""
-    bs = dcfg.block_size
-    A, tokens = anchors_for(cfg, S, bs), cfg.tokens_per_batch or cfg.max_length
-    blocks = max(1, tokens // cfg.max_length) * anchors_for(cfg, cfg.max_length, bs)
+    """Rows per micro-batch of bucket S. Every bucket's batch holds about the same blocks, so every step costs the
+    drafter about the same: those of tokens_per_batch // max_length full-length sequences, at most tokens_per_batch
+    // S rows. Auto (0): one full-length sequence's blocks, on a GPU at least STEP_FLOPS of work within `memory`."""
+    A, tokens = anchors_for(cfg, S, dcfg.block_size), cfg.tokens_per_batch or cfg.max_length
+    blocks = max(1, tokens // cfg.max_length) * anchors_for(cfg, cfg.max_length, dcfg.block_size)
     rows = min(tokens // S, blocks // A)
     if not cfg.tokens_per_batch and memory:
         blocks = max(blocks, STEP_FLOPS / dm.matmul_flops(dcfg, 0, 1))
@@ -237,9 +204,8 @@ def batch_size_for(cfg, dcfg, S, memory=0):
 
 
 def activation_bytes(c, S, A):
-    """Bytes one sequence's drafter forward keeps for its backward, over-estimated twofold: per block
-    token and layer 4H + 3 q + 2 kv + 3 I bf16 values, per context token its features, ctx and keys/values,
-    and the LM-head gradient rows."""
+    """Bytes one sequence's drafter forward keeps for its backward, over-estimated twofold: per block token and
+    layer 4H + 3q + 2kv + 3I bf16 values, per context token its features, ctx and keys/values, the LM-head grad."""
     qd, kvd, H = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size
     per_block_token = c.num_draft_layers * (4 * H + 3 * qd + 2 * kvd + 3 * c.intermediate_size) + H
     per_context_token = (len(c.target_layer_ids) + 1) * H + c.num_draft_layers * 2 * kvd
@@ -247,10 +213,9 @@ def activation_bytes(c, S, A):
 
 
 def batch_memory(dcfg, tcfg, tdevs, ddevs):
-    """Bytes a drafter GPU gives one micro-batch: half of its memory left after the drafter's weights, fp32
-    masters, moments and gradients (18 bytes a parameter), its embedding and LM head, and a target sharing
-    the device (bf16). 0 on a CPU: there the batch size does not follow the memory. A function of the
-    configs and the GPU model, not of the memory free now: a restart plans the same shapes."""
+    """Bytes a drafter GPU gives one micro-batch (0 on a CPU): half of what is left after the drafter's weights, fp32
+    masters, moments and grads (18 B a parameter), embedding and LM head, and a target sharing the device (bf16).
+    From the configs and the GPU model, not the memory free now, so a restart plans the same shapes."""
     from transformers import AutoModelForCausalLM
     if ddevs[0].type != "cuda":
         return 0
@@ -268,8 +233,6 @@ def shape_plan(cfg, dcfg, memory=0):
 
 
 # --- Target and drafter ---------------------------------------------------------------------------
-
-
 def target_and_data(cfg):
     """(target path, data files): --target and --data, or the embedded default's, prepared once in the cache."""
     if cfg.target:
@@ -292,26 +255,23 @@ def load_target_config(path):
 
 
 def choose_mask_token_id(tokenizer, vocab_size):
-    """A token whose frozen embedding fills masked block positions (recorded in the saved config):
-    an existing <|MASK|>; else a spare embedding row past the tokenizer (Qwen3's case); else a special
-    token that the chat template and normal text never produce."""
+    """The token whose frozen embedding fills masked block positions: an existing <|MASK|>; else a spare embedding
+    row past the tokenizer (Qwen3's case); else a special token the chat template and normal text never produce."""
     vocab = tokenizer.get_vocab()
     if "<|MASK|>" in vocab:
         return vocab["<|MASK|>"]
     if len(tokenizer) < vocab_size:
         return len(tokenizer)
     used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    template = tokenizer.chat_template or ""
     for tok in getattr(tokenizer, "all_special_tokens", []) + sorted(getattr(tokenizer, "added_tokens_encoder", {})):
         tid = vocab.get(tok)
-        if tid is not None and tid not in used and tok not in template:
+        if tid is not None and tid not in used and tok not in (tokenizer.chat_template or ""):
             return tid
     raise ValueError("no spare or unused special token to use as the mask token; pass --mask-token-id")
 
 
 def make_drafter_config(cfg, tcfg, tok):
-    """The drafter's DFlashConfig for this target config and tokenizer (None: random target, whose
-    last vocabulary row is the mask token)."""
+    """The drafter's DFlashConfig for this target (tok None: a random target, its last row is the mask token)."""
     vocab = getattr(tcfg, "text_config", tcfg).vocab_size
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else (
         vocab - 1 if tok is None else choose_mask_token_id(tok, vocab))
@@ -325,9 +285,8 @@ def make_drafter_config(cfg, tcfg, tok):
 
 
 def new_drafter(dcfg, emb, head, dev, seed):
-    """One drafter replica on `dev` reading the target's embedding and LM head (copied there; a tensor
-    already there is kept, so a tied pair stays one storage). Compiled graphs key on these tensors'
-    dtype, layout and aliasing, so the warm-up builds its drafters with this too."""
+    """One drafter replica on `dev` reading the target's embedding and LM head (copied there unless already there, so
+    a tied pair stays one storage). The warm-up uses it too: compiled graphs key on their dtype, layout and aliasing."""
     torch.manual_seed(seed)
     with torch.device(dev):        # initialised where it runs: 1B parameters take seconds on a CPU
         dr = dm.DFlashDrafter(dcfg, embed_weight=torch.empty(0))
@@ -349,30 +308,21 @@ def load_model(path, device, dtype):
 
 
 def load_target(path, device, dtype, layer_ids, log=print, random_weights=False):
-    """The target for training, cut after the deepest captured layer (later layers and the final norm do
-    not touch the features), with hooks that keep the captured layers' outputs (dm.capture). random_weights,
-    or a random:<config.json> path: its shape with seeded random weights (benchmarks, and warmup.py,
-    whose compiles read shapes, never values)."""
+    """The target for training, cut after the deepest captured layer (later ones and the final norm do not touch the
+    features), hooked to keep the captured layers' outputs (dm.capture). random_weights or a random:<config.json>
+    path: seeded random weights of its shape (benchmarks; warmup.py, whose compiles read shapes, never values)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     if random_weights or path.startswith("random:"):
         tcfg = load_target_config(path)[0] if path.startswith("random:") else AutoConfig.from_pretrained(path)
-        # the same weights on every target device and run: a batch's features must not depend on its thread
-        torch.manual_seed(0)
+        torch.manual_seed(0)       # the same weights on every device and run: features must not depend on the thread
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype).eval().requires_grad_(False)
         source = f"random weights of {path.removeprefix('random:')}'s shape"
     else:
         model, source = load_model(path, device, dtype), path
-    n_keep = cut_after(model.model, layer_ids)
-    dm.capture(model, layer_ids)
-    log(f"[target] {source} on {device}: kept {n_keep}/{model.config.num_hidden_layers} layers, no LM head")
-    return model
-
-
-def cut_after(base, layer_ids):
-    """Keep layers 0..max(layer_ids) of a transformers base model; the number kept."""
-    n_keep = max(layer_ids) + 1
+    base, n_keep = model.model, max(layer_ids) + 1
     if n_keep < len(base.layers):
-        base.layers = base.layers[:n_keep]
-        base.norm = torch.nn.Identity()
-    return len(base.layers)
+        base.layers, base.norm = base.layers[:n_keep], torch.nn.Identity()
+    dm.capture(model, layer_ids)
+    log(f"[target] {source} on {device}: kept {len(base.layers)}/{model.config.num_hidden_layers} layers, no LM head")
+    return model
