@@ -5,7 +5,15 @@ each at its own shape, so each thread's first call compiles while the others cal
   warm    every shape compiled serially first, then GATE.mark_warm(): shared calls, no compiles
 Each mode runs in a child process with an empty compile cache. Who raises the FX flag is recorded with its
 stack (Tracer.trace patched), and grouped by site."""
-import functools, json, os, subprocess, sys, tempfile, threading, time, traceback
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
 from collections import Counter
 
 import torch

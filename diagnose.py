@@ -8,7 +8,10 @@
 
 The race (compiled.py's notes on torch versions): while one thread compiles, a compiled call in another fails or
 runs uncompiled; compiled.GATE keeps compiles exclusive. compile_race.py measures it, imported for --race-test only."""
-import argparse, json, os, sys
+import argparse
+import json
+import os
+import sys
 
 import torch
 

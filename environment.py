@@ -1,7 +1,19 @@
 """What a DFlash training run runs on, and what changed since a checkpoint: train_dflash.py writes collect_env() into
 every checkpoint (env.json) and format_report() atop every log; diagnose.py prints them and compares with a checkpoint
 (--against); compiled.use_compile_cache writes CACHE_INFO_FILE into the compile cache it fills."""
-import datetime, getpass, hashlib, importlib.metadata, json, os, platform, re, shutil, socket, subprocess, sys, tempfile
+import datetime
+import getpass
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
