@@ -1260,4 +1260,7 @@ if __name__ == "__main__":
     import sys
     files = sorted(str(p) for p in pathlib.Path(__file__).resolve().parent.glob("test_*.py"))
     workers = ["-n", "2"] if importlib.util.find_spec("xdist") else []
+    # one intra-op thread per worker: two workers and their scripts share the cores, and torch's threads
+    # spinning on an oversubscribed core slow a worker's own tests many times over
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(pytest.main(["-q", *workers, *files, *sys.argv[1:]]))
