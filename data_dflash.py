@@ -339,11 +339,7 @@ def _assistant_spans(tokenizer, messages, text, max_chars=None):
             # content + end-of-turn token: the whitespace after that token is never generated (decoding stops at it)
             spans.append((len(before), len(before) + len(upto[len(before):].rstrip())))
             continue
-        # the end-of-turn token (<|im_end|>, <|eot_id|>, </s>): what the template writes right after a probe reply
-        probe = "Zq7Xw3Vk"
-        rest = _render(tokenizer, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": probe}])
-        rest = rest[rest.index(probe) + len(probe):].split() if probe in rest else []
-        content, eot = m["content"].strip(), rest[0] if rest else ""
+        content, eot = m["content"].strip(), _end_of_turn(tokenizer)
         k = text.find(content, len(before))
         if not content or not eot or k < 0 or eot in text[len(before):k]:  # not within this turn
             raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i + 1}]", upto, text))
@@ -351,6 +347,15 @@ def _assistant_spans(tokenizer, messages, text, max_chars=None):
         after = len(text) - len(text[end:].lstrip())  # whitespace the template keeps before the marker
         spans.append((len(before), after + len(eot) if text.startswith(eot, after) else end))
     return spans
+
+
+def _end_of_turn(tokenizer):
+    """What the template writes right after a reply's content (<|im_end|>, <|eot_id|>, </s>; '' if nothing): the
+    token that ends a generated turn, which the drafter learns to predict too."""
+    probe = "Zq7Xw3Vk"
+    text = _render(tokenizer, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": probe}])
+    rest = text[text.index(probe) + len(probe):].split() if probe in text else []
+    return rest[0] if rest else ""
 
 
 def _template_message(tokenizer, what, short, long):

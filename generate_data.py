@@ -104,10 +104,11 @@ class Shard:
         out = []
         prompts = data_dflash.prompt_ids(self.tok, [self.regen[k] for k in asked], a.max_length - 1,
                                          [self.cut.get(k) for k in asked])
-        for k, (ids, why, self.cut[k]) in zip(asked, prompts):
+        for k, (ids, why, cut) in zip(asked, prompts):
             if ids is None:
                 self.finish(k, why)
                 continue
+            self.cut[k] = cut
             r = self.regen[k]
             chain = sum(m["role"] == "assistant" for m in self.convs[k][len(r):])
             seed = hash_ints(a.seed, self.i, k, len(r))   # the answer's sampling noise: its own, whoever decodes it
