@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+from torch.nn.attention import sdpa_kernel
 
 import kernels
 
@@ -51,6 +53,11 @@ def replay(graphs, key, fn, device):
     g, out = graphs[key]
     g.replay()
     return out
+
+
+# Prefill's shapes change with every batch; cuDNN's attention (sdpa's first choice on recent GPUs) plans each new
+# shape anew, which costs more than the attention itself, so prefill takes the kernels that need no plan.
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def kv_shape(c, rows, length):
@@ -111,7 +118,8 @@ class Engine:
         if self.prefill_step:   # prompts start at position 0: their own causal attention is all there is, with the
             g = q.shape[1] // k.shape[1]   # KV heads repeated: flash and memory-efficient SDPA take no grouped heads
             k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+            with sdpa_kernel(PREFILL_SDPA):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
         return kernels.row_attention(q, self.k[layer], self.v[layer], self.pos + 1, True, scale)
 
     @torch.no_grad()
