@@ -72,6 +72,7 @@ class Engine:
     (regional: every layer shares the graphs of one step shape; the attention stays outside them), which fuses
     the norms, rotary embedding and activations of a step into a few kernels."""
     PREFILL_TOKENS = 65536     # tokens per prefill batch (padding included)
+    CALL_TOKENS = 2048         # a prefill batch's fixed cost, in padded tokens
 
     def __init__(self, model, rows, length, feature_layers=(), compile=False):
         check_decodable(model, length)
@@ -124,16 +125,44 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, rows, prompts):
-        """Write the prompts (token lists, right-padded) into cache rows `rows` from position 0: the logits of
-        each prompt's next token (n, V) and the features of every position (n, longest, F) or None."""
-        dev, lens = self.model.device, torch.tensor([len(p) for p in prompts])
-        ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p)
-        h, feats = self.forward(ids.to(dev), torch.tensor(rows, device=dev)[:, None],
-                                torch.arange(ids.shape[1], device=dev)[None], prefill=True)
-        last = h[torch.arange(len(prompts), device=dev), lens.to(dev) - 1]
-        return self.model.lm_head(last).float(), feats
+        """Write the prompts (token lists) into cache rows `rows` from position 0: the logits of each prompt's next
+        token (n, V) and the features of every position (n, longest, F; past a prompt's end, anything) or None."""
+        dev, logits, feats = self.model.device, None, None
+        for take in self.batches([len(p) for p in prompts]):
+            lens, L = torch.tensor([len(prompts[i]) for i in take]), len(prompts[take[0]])
+            ids = torch.zeros(len(take), L, dtype=torch.long)
+            for j, i in enumerate(take):
+                ids[j, :lens[j]] = torch.tensor(prompts[i])
+            h, f = self.forward(ids.to(dev), torch.tensor([rows[i] for i in take], device=dev)[:, None],
+                                torch.arange(L, device=dev)[None], prefill=True)
+            at = torch.tensor(take, device=dev)
+            out = self.model.lm_head(h[torch.arange(len(take), device=dev), lens.to(dev) - 1]).float()
+            logits = out.new_empty(len(prompts), out.shape[1]) if logits is None else logits
+            logits[at] = out
+            if f is not None:   # the first batch holds the longest prompt
+                feats = f.new_zeros(len(prompts), L, f.shape[2]) if feats is None else feats
+                feats[at, :L] = f
+        return logits, feats
+
+    @classmethod
+    def batches(cls, lens):
+        """Prompt indices in right-padded batches, longest first: the split of the length order with the fewest
+        padded tokens, each batch counting CALL_TOKENS more (its kernel launches), none over PREFILL_TOKENS
+        unless it is one prompt."""
+        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        L = [lens[i] for i in order]
+        cost, start = [0] + [math.inf] * len(L), [0] * (len(L) + 1)
+        for j in range(1, len(L) + 1):     # the best split of the first j: its last batch is L[i:j], padded to L[i]
+            for i in range(j - 1, -1, -1):
+                if i < j - 1 and (j - i) * L[i] > cls.PREFILL_TOKENS:
+                    break
+                if cost[i] + (j - i) * L[i] + cls.CALL_TOKENS < cost[j]:
+                    cost[j], start[j] = cost[i] + (j - i) * L[i] + cls.CALL_TOKENS, i
+        out, j = [], len(L)
+        while j:
+            out.append(order[start[j]:j])
+            j = start[j]
+        return out[::-1]
 
     @torch.no_grad()
     def step(self, ids, pos):
@@ -215,8 +244,8 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
     runs while a step decodes too, never beside follow.
     Requests are taken by key[0] (a group: a shard), then longest chain first: a group's conversations finish
     together and its last turns do not decode alone at the end, while the next group's fill the free rows.
-    A free row takes the next prompt at once (no batch waits for its longest answer); prompts are prefilled in
-    batches. The rows' bookkeeping is tensors: a step's host work grows with the answers that end, not the rows."""
+    Free rows take the next prompts once an eighth of the rows are free (no batch waits for its longest answer),
+    prefilled together (Engine.prefill batches them by length). The rows' bookkeeping is tensors: a step's host work grows with the answers that end, not the rows."""
     n, heap, order, done_more, dev = engine.rows, [], itertools.count(), False, engine.pos.device
     push = lambda r: heapq.heappush(heap, (r[0][0], -r[3], len(r[1]), next(order), r))   # (group, chain)
     req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
@@ -245,14 +274,9 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
     with ThreadPoolExecutor(1) as pool:
         while True:
             free = (~live).nonzero()[:, 0].tolist()   # refill once an eighth is free: batched prefill
-            while heap and free and (len(free) >= n // 8 or len(free) == n):
-                take = [heapq.heappop(heap)[-1]]
-                longest = len(take[0][1])   # prompts are right-padded to the longest of their prefill
-                while heap and len(take) < len(free) and \
-                        (len(take) + 1) * max(longest, len(heap[0][-1][1])) <= engine.PREFILL_TOKENS:
-                    take.append(heapq.heappop(heap)[-1])
-                    longest = max(longest, len(take[-1][1]))
-                rows, free = torch.tensor(free[:len(take)]), free[len(take):]
+            if heap and free and (len(free) >= n // 8 or len(free) == n):
+                take = [heapq.heappop(heap)[-1] for _ in range(min(len(free), len(heap)))]
+                rows = torch.tensor(free[:len(take)])
                 for s, r in zip(rows.tolist(), take):
                     req[s] = r
                 count[rows], live[rows] = 0, True

@@ -136,9 +136,10 @@ def test_empty_input_and_a_restart_with_other_settings_are_errors(target, tmp_pa
         generate(target, src, tmp_path / "y.jsonl", "--max-length", 512)
 
 
-def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target, tok):
+def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target, tok, monkeypatch):
     """More prompts than engine rows, of other lengths and budgets: every answer equals HF greedy decoding of that
-    prompt alone, so row reuse, right-padded prefill and per-row positions leak nothing between answers."""
+    prompt alone, so row reuse, right-padded prefill (in one batch or split by length) and per-row positions leak
+    nothing between answers."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     ref = AutoModelForCausalLM.from_pretrained(target).eval()
@@ -159,6 +160,28 @@ def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(
     # sampling inside a nucleus of one token is greedy decoding; sampled answers do not depend on the rows
     assert decode(3, decoding.picker(0.7, 1e-6)) == got
     assert decode(2, decoding.picker(1.0, 0.9)) == decode(5, decoding.picker(1.0, 0.9)) != got
+    monkeypatch.setattr(decoding.Engine, "CALL_TOKENS", 0)   # no cost to a batch: prompts of one length each
+    assert len(decoding.Engine.batches([len(p) for p in prompts[:5]])) == 5
+    assert decode(5, decoding.picker(0, 1)) == got
+
+
+def test_prefill_batches_hold_every_prompt_once_longest_first_at_the_least_cost():
+    """Engine.batches: a split of the prompts in length order, no batch over PREFILL_TOKENS padded (but a lone
+    prompt), whose padded tokens + CALL_TOKENS a batch cost no more than filling each batch to the budget, or
+    than batches of one."""
+    lens = torch.randint(1, 3000, (300,), generator=torch.Generator().manual_seed(0)).tolist() + [70000, 5]
+    got = decoding.Engine.batches(lens)
+    order = [i for b in got for i in b]
+    assert sorted(order) == list(range(len(lens))) and [lens[i] for i in order] == sorted(lens, reverse=True)
+    assert all(len(b) == 1 or len(b) * lens[b[0]] <= decoding.Engine.PREFILL_TOKENS for b in got)
+    cost = lambda bs: sum(len(b) * lens[b[0]] + decoding.Engine.CALL_TOKENS for b in bs)
+    filled = []
+    for i in order:   # each batch filled while the next prompt fits the budget
+        if filled and (len(filled[-1]) + 1) * lens[filled[-1][0]] <= decoding.Engine.PREFILL_TOKENS:
+            filled[-1].append(i)
+        else:
+            filled.append([i])
+    assert cost(got) <= min(cost(filled), cost([[i] for i in order])) and len(filled) < len(got) < len(lens)
 
 
 def test_a_compiled_engine_decodes_as_the_eager_one(target, tok):
