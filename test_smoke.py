@@ -600,11 +600,12 @@ def test_greedy_speculative_decoding_with_a_drafter_is_lossless(targets, arch, b
     assert all(1 <= a <= bs for a in al_s)
 
 
-def test_a_batch_of_prompts_decodes_as_each_prompt_alone(trained):
+def test_a_batch_of_prompts_decodes_as_each_prompt_alone(trained, monkeypatch):
     """Prompts of other lengths side by side, each row advancing by its own accepted lengths: per prompt, the
-    greedy, n-gram and drafter outputs and acceptance lengths equal the one-prompt engine's (fp32), every
-    speculative output is the greedy one, and the greedy one is HF generate's. Rows include spans of the
-    training sequence (long accepted blocks) and random prompts (short ones), some ending at a stop id."""
+    greedy, n-gram and drafter outputs and acceptance lengths equal the one-prompt engine's (fp32), prefilled
+    in one batch or in one batch per length, every speculative output is the greedy one, and the greedy one
+    is HF generate's. Rows include spans of the training sequence (long accepted blocks) and random prompts
+    (short ones), some ending at a stop id."""
     t, bs, n = trained, trained.bs, 40
     prompts = [t.seq[0, :P].tolist() for P in (8, 11, 30)] + \
         [torch.randint(0, 500, (P,), generator=torch.Generator().manual_seed(P)).tolist() for P in (5, 17)]
@@ -614,12 +615,16 @@ def test_a_batch_of_prompts_decodes_as_each_prompt_alone(trained):
             (lambda rows: decoding.DrafterRows(t.drafter, rows, L), t.drafter.config.target_layer_ids)]
     results = []
     for make, layers in ways:
-        together = decoding.speculate(decoding.Engine(t.target, len(prompts), L, layers), prompts, n, [stop],
+        def together():
+            return decoding.speculate(decoding.Engine(t.target, len(prompts), L, layers), prompts, n, [stop],
                                       make and make(len(prompts)))
         engine, proposer = decoding.Engine(t.target, 1, L, layers), make and make(1)
         alone = [decoding.speculate(engine, [p], n, [stop], proposer)[0] for p in prompts]
-        assert together == alone
-        results.append(together)
+        assert together() == alone
+        with monkeypatch.context() as m:
+            m.setattr(decoding.Engine, "CALL_TOKENS", 0)    # a prefill batch costs nothing: one per length
+            assert together() == alone
+        results.append(alone)
     greedy, ngram, dflash = results
     for p, (g, _) in zip(prompts, greedy):
         assert g == _hf_greedy(t.target, torch.tensor([p]), n, eos=stop)[0, len(p):].tolist()
