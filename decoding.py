@@ -245,7 +245,8 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
     Requests are taken by key[0] (a group: a shard), then longest chain first: a group's conversations finish
     together and its last turns do not decode alone at the end, while the next group's fill the free rows.
     Free rows take the next prompts once an eighth of the rows are free (no batch waits for its longest answer),
-    prefilled together (Engine.prefill batches them by length). The rows' bookkeeping is tensors: a step's host work grows with the answers that end, not the rows."""
+    prefilled together (Engine.prefill batches them by length). The rows' bookkeeping is tensors: a step's host
+    work grows with the answers that end, not the rows."""
     n, heap, order, done_more, dev = engine.rows, [], itertools.count(), False, engine.pos.device
     push = lambda r: heapq.heappush(heap, (r[0][0], -r[3], len(r[1]), next(order), r))   # (group, chain)
     req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
