@@ -413,17 +413,12 @@ def speculate(engine, prompts, max_new_tokens, stops, proposer=None):
     max_new_tokens. Rows do not see each other: a prompt decodes as it would alone."""
     R, dev, stops = len(prompts), engine.pos.device, set(stops)
     seqs, rounds, live = [list(p) for p in prompts], [[] for _ in prompts], [True] * R
-    order = sorted(range(R), key=lambda i: len(prompts[i]))
-    while order:          # prefill batches of similar lengths
-        take = [order.pop(0)]
-        while order and (len(take) + 1) * len(prompts[order[0]]) <= engine.PREFILL_TOKENS:
-            take.append(order.pop(0))
-        logits, feats = engine.prefill(take, [prompts[i] for i in take])
-        for i, t in zip(take, logits.argmax(-1).tolist()):
-            seqs[i].append(t)
-            live[i] = t not in stops and max_new_tokens > 1
-        if proposer:
-            proposer.prefill(take, feats, [len(prompts[i]) for i in take])
+    logits, feats = engine.prefill(list(range(R)), prompts)     # in batches of similar lengths
+    for i, t in enumerate(logits.argmax(-1).tolist()):
+        seqs[i].append(t)
+        live[i] = t not in stops and max_new_tokens > 1
+    if proposer:
+        proposer.prefill(list(range(R)), feats, [len(p) for p in prompts])
     while any(live):
         last = torch.tensor([s[-1] for s in seqs], device=dev)
         if proposer:
