@@ -177,8 +177,9 @@ class Engine:
         self.pos.zero_()
         self.pos[:n].copy_(torch.as_tensor(pos))
 
-        def run():
-            h, feats = self.forward(buf, self.all_rows, self.pos[:, None] + offsets)
+        def run():   # a compile that cannot happen (dynamo's recompile limit) raises: never eager layers unnoticed
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                h, feats = self.forward(buf, self.all_rows, self.pos[:, None] + offsets)
             return self.model.lm_head(h).float(), feats
         return replay(self.graphs, T, run, dev)
 

@@ -184,9 +184,10 @@ def test_prefill_batches_hold_every_prompt_once_longest_first_at_the_least_cost(
     assert cost(got) <= min(cost(filled), cost([[i] for i in order])) and len(filled) < len(got) < len(lens)
 
 
-def test_a_compiled_engine_decodes_as_the_eager_one(target, tok):
+def test_a_compiled_engine_decodes_as_the_eager_one(target, tok, monkeypatch):
     """compile=True (a GPU's regeneration): the decoder layers of each step compiled, the attention outside the
-    graphs; the same greedy answers, and the same features for a drafter, as the eager engine."""
+    graphs; the same greedy answers, and the same features for a drafter, as the eager engine. A step shape
+    past dynamo's recompile limit is an error, not a step of eager layers."""
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(target).eval()
@@ -200,6 +201,9 @@ def test_a_compiled_engine_decodes_as_the_eager_one(target, tok):
     assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert out[True][0] == out[False][0]
     torch.testing.assert_close(out[True][1:], out[False][1:], atol=1e-4, rtol=1e-4)   # fused fp32 rounding
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)   # one step shape (T=1) is compiled already
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        engine.step(torch.tensor([[5, 6]]), [40])
 
 
 def test_sampling_draws_from_the_nucleus_and_depends_only_on_the_seed():
