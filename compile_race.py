@@ -1,10 +1,9 @@
 """The compile race, measured (python diagnose.py --race-test): threads call one compiled function on a cold cache,
-each at its own shape, so each thread's first call compiles while the others call:
+each at its own shape, so each thread's first call compiles while the others call, in a child process per mode:
   nogate  the compiled function called directly
   gate    through compiled.GATE before the warm-up: every compiled call exclusive
   warm    every shape compiled serially first, then GATE.mark_warm(): shared calls, no compiles
-Each mode runs in a child process with an empty compile cache. Who raises the FX flag is recorded with its
-stack (Tracer.trace patched), and grouped by site."""
+Who raises the FX flag is recorded with its stack (Tracer.trace patched), grouped by site."""
 import functools
 import json
 import os
@@ -24,14 +23,14 @@ FX_ERROR = "Detected that you are using FX to symbolically trace"
 MODES = ("nogate", "gate", "warm")
 # Frames between "who wants a graph" and Tracer.trace: fx itself, decorators and context managers.
 PLUMBING = ("torch/fx/", "torch/_compile.py", "torch/_dynamo/eval_frame.py", "torch/utils/_contextlib.py", "<stdlib>/")
-# Folder prefixes cut from a frame's file name (site-packages, the project, the stdlib); the last matches any.
+# Folder prefixes cut from a frame's file name: site-packages, the project, the stdlib, and any.
 FRAME_ROOTS = [(os.path.dirname(os.path.dirname(torch.__file__)) + os.sep, ""), (HERE + os.sep, ""),
                (os.path.dirname(os.__file__) + os.sep, "<stdlib>/"), ("", "")]
 
 
 def _group_raises(events):
-    """One dict per distinct site that raised the flag, most frequent first: the threads, the tracing frame, who
-    asked for the graph, and the innermost frame outside torch."""
+    """Per site that raised the flag, most frequent first: its threads, the tracing frame, who asked for the graph,
+    and the innermost frame outside torch."""
     groups = {}
     for thread, stack in events:
         frames = [next(label + f.filename[len(root):] for root, label in FRAME_ROOTS if f.filename.startswith(root))
@@ -50,9 +49,8 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
     thread_local = _fx_flag_thread_local()   # no other thread yet: safe
     gate, dev = compiled.GATE, torch.device(device)
     gate.set_recompile_limit(max(8, threads + 2))
-    # Each thread's (label, args). tiny: a pointwise function. flex: the drafter's attention (q, k, v, a causal mask)
-    # on 128 x 128 tiles, small on CPU, where the compile dominates anyway; eager create_block_mask uses vmap, never
-    # make_fx: it does not raise the FX flag.
+    # Each thread's (label, args). flex: the drafter's attention, small on CPU where the compile dominates anyway;
+    # eager create_block_mask uses vmap, not make_fx: it does not raise the FX flag.
     if kind == "tiny":
         inputs = [(f"n{64 * i}", (torch.randn(64 * i, device=dev),)) for i in range(1, threads + 1)]
     else:
@@ -81,8 +79,7 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
         gate.configure_thread()   # dynamo's config is per thread (compiled.py's torch notes)
         barrier.wait()
         start, s = time.time(), stats[me]
-        # until --seconds are up and every thread has made its first (compiling) call: the others' compiles are
-        # the windows (a thread starved for 10 more minutes gives up)
+        # until --seconds are up and every thread has made its first (compiling) call (or 10 more minutes)
         while time.time() < start + seconds or (len(called) < threads and time.time() < start + seconds + 600):
             try:
                 one_call(*args)
@@ -98,8 +95,7 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
         run_s = time.time() - start
         s.update(run_s=round(run_s, 3), calls_per_s=round(s["calls"] / run_s, 1))
 
-    # Every rise of the FX flag, with its thread and stack. Tracer.trace raises it, and make_fx's tracer reaches it
-    # through super() at call time: patching the class catches all.
+    # Every rise of the FX flag, with its thread and stack: make_fx's tracer reaches Tracer.trace through super().
     events, trace = [], torch.fx.Tracer.trace
 
     @functools.wraps(trace)

@@ -1,5 +1,5 @@
-"""A training run's options (one dataclass; the command line is generated from it, see --help), its devices and
-shape plan, and the target and drafter as the trainer and the warm-up build them."""
+"""A training run's options (one dataclass that generates the command line), its devices and shape plan, and the
+target and drafter as the trainer and the warm-up build them."""
 import argparse
 import dataclasses
 import difflib
@@ -77,8 +77,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    """TrainConfig from the command line; unknown, mistyped or bad options are one-line errors (with the closest
-    names for an unknown one)."""
+    """TrainConfig from the command line; a bad option is a one-line error (an unknown one with the closest names)."""
     p = ArgumentParser(description="Train a DFlash drafter (python train_dflash.py --help).", allow_abbrev=False,
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
@@ -120,10 +119,8 @@ def parse_args(argv):
             __import__("torch.utils.tensorboard")
         except ImportError as e:
             errs.append(f"--tensorboard needs the tensorboard package: pip install tensorboard ({e})")
-    for name in cfg.data:
-        local = data_dflash.names_a_file(name) and not name.startswith("synthetic:")
-        if local and not os.path.isfile(os.path.expanduser(name)):
-            errs.append(f"data file not found: {name}")
+    errs += [f"data file not found: {name}" for name in cfg.data if data_dflash.names_a_file(name)
+             and not name.startswith("synthetic:") and not os.path.isfile(os.path.expanduser(name))]
     if errs:
         raise SystemExit("error: " + "; ".join(errs))
     # the defaults that follow from other options, resolved once (logged and checkpointed as resolved)
@@ -134,8 +131,7 @@ def parse_args(argv):
 
 # --- Devices and shapes ---------------------------------------------------------------------------
 def resolve_devices(cfg):
-    """(target devices, drafter devices). auto: the original 5 target + 3 drafter split scaled to the node; one
-    GPU does both; no GPU: cpu. cuda:local = cuda:LOCAL_RANK (one torchrun process per GPU)."""
+    """(target devices, drafter devices), as --target-devices and --drafter-devices say (auto: 5/8 and 3/8)."""
     def parse(s, auto):
         s = auto if s == "auto" else s.replace("local", os.environ.get("LOCAL_RANK", "0"))
         return [torch.device(d.strip()) for d in s.split(",") if d.strip()]
@@ -150,7 +146,7 @@ def resolve_devices(cfg):
 
 
 def check_devices(devices):
-    """Every device exists here; else the one-line error (every script's)."""
+    """Every device exists here; else every script's one-line error."""
     n = torch.cuda.device_count()
     for d in map(torch.device, devices):
         if d.type == "cuda" and (d.index or 0) >= n:
@@ -179,21 +175,19 @@ def bucket_list(cfg):
 
 
 def anchors_for(cfg, S, block_size):
-    """Anchors per sequence of bucket S: num_anchors, capped by the S - block + 1 positions a block can start
-    at, rounded up so that anchors x block is a multiple of flex's 128-row tiles."""
+    """num_anchors, capped by the S - block + 1 start positions, rounded up to fill flex's 128-row tiles."""
     m = 128 // math.gcd(block_size, 128)
     return max(m, math.ceil(min(cfg.num_anchors, S - block_size + 1) / m) * m)
 
 
-# An automatic micro-batch on a GPU holds at least this much drafter work (tens of ms of a Hopper GPU), so the
-# per-step costs (launches, optimiser, gradient sum) stay small next to it while a small data set still gets many steps.
+# An automatic micro-batch on a GPU holds at least this much drafter work: the per-step costs (launches, optimiser,
+# gradient sum) stay small next to it while a small data set still gets many steps.
 STEP_FLOPS = 25e12
 
 
 def batch_size_for(cfg, dcfg, S, memory=0):
-    """Rows per micro-batch of bucket S. Every bucket's batch holds about the same blocks, so every step costs the
-    drafter about the same: those of tokens_per_batch // max_length full-length sequences, at most tokens_per_batch
-    // S rows. Auto (0): one full-length sequence's blocks, on a GPU at least STEP_FLOPS of work within `memory`."""
+    """Rows per micro-batch of bucket S, at most tokens_per_batch // S: the blocks of tokens_per_batch // max_length
+    full-length sequences (auto: one, on a GPU at least STEP_FLOPS of work within `memory`): steps cost the same."""
     A, tokens = anchors_for(cfg, S, dcfg.block_size), cfg.tokens_per_batch or cfg.max_length
     blocks = max(1, tokens // cfg.max_length) * anchors_for(cfg, cfg.max_length, dcfg.block_size)
     rows = min(tokens // S, blocks // A)
@@ -213,9 +207,8 @@ def activation_bytes(c, S, A):
 
 
 def batch_memory(dcfg, tcfg, tdevs, ddevs):
-    """Bytes a drafter GPU gives one micro-batch (0 on a CPU): half of what is left after the drafter's weights, fp32
-    masters, moments and grads (18 B a parameter), embedding and LM head, and a target sharing the device (bf16).
-    From the configs and the GPU model, not the memory free now, so a restart plans the same shapes."""
+    """Bytes a drafter GPU gives one micro-batch (0 on a CPU): half of what its total memory leaves after the drafter
+    (18 B a parameter), embedding, LM head and a target on it; not the free memory, so a restart plans the same."""
     from transformers import AutoModelForCausalLM
     if ddevs[0].type != "cuda":
         return 0
@@ -255,8 +248,7 @@ def load_target_config(path):
 
 
 def choose_mask_token_id(tokenizer, vocab_size):
-    """The token whose frozen embedding fills masked block positions: an existing <|MASK|>; else a spare embedding
-    row past the tokenizer (Qwen3's case); else a special token the chat template and normal text never produce."""
+    """The mask token: an existing <|MASK|>, else a spare embedding row (Qwen3's), else an unused special token."""
     vocab = tokenizer.get_vocab()
     if "<|MASK|>" in vocab:
         return vocab["<|MASK|>"]
@@ -271,13 +263,12 @@ def choose_mask_token_id(tokenizer, vocab_size):
 
 
 def make_drafter_config(cfg, tcfg, tok):
-    """The drafter's DFlashConfig for this target (tok None: a random target, its last row is the mask token)."""
+    """The drafter's DFlashConfig for this target (tok None: a random target; its last row is the mask token)."""
     vocab = getattr(tcfg, "text_config", tcfg).vocab_size
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else (
         vocab - 1 if tok is None else choose_mask_token_id(tok, vocab))
     ids = [int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids else None
-    dcfg = dm.DFlashConfig.from_target_config(tcfg, cfg.num_draft_layers, cfg.block_size, mask_id,
-                                              target_layer_ids=ids)
+    dcfg = dm.DFlashConfig.from_target_config(tcfg, cfg.num_draft_layers, cfg.block_size, mask_id, target_layer_ids=ids)
     if cfg.max_length > dcfg.max_position_embeddings:
         raise SystemExit(f"error: --max-length {cfg.max_length} exceeds the target's max_position_embeddings "
                          f"({dcfg.max_position_embeddings})")
@@ -285,8 +276,8 @@ def make_drafter_config(cfg, tcfg, tok):
 
 
 def new_drafter(dcfg, emb, head, dev, seed):
-    """One drafter replica on `dev` reading the target's embedding and LM head (copied there unless already there, so
-    a tied pair stays one storage). The warm-up uses it too: compiled graphs key on their dtype, layout and aliasing."""
+    """A drafter replica on `dev` reading the target's embedding and LM head (a tied pair stays one storage); the
+    warm-up builds its drafters here too, as compiled graphs key on dtype, layout and aliasing."""
     torch.manual_seed(seed)
     with torch.device(dev):        # initialised where it runs: 1B parameters take seconds on a CPU
         dr = dm.DFlashDrafter(dcfg, embed_weight=torch.empty(0))
@@ -308,9 +299,8 @@ def load_model(path, device, dtype):
 
 
 def load_target(path, device, dtype, layer_ids, log=print, random_weights=False):
-    """The target for training, cut after the deepest captured layer (later ones and the final norm do not touch the
-    features), hooked to keep the captured layers' outputs (dm.capture). random_weights or a random:<config.json>
-    path: seeded random weights of its shape (benchmarks; warmup.py, whose compiles read shapes, never values)."""
+    """The target cut after the deepest captured layer, hooked to keep the captured outputs (dm.capture).
+    random_weights or random:<config.json>: seeded random weights of its shape (benchmarks, warmup.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     if random_weights or path.startswith("random:"):
         tcfg = load_target_config(path)[0] if path.startswith("random:") else AutoConfig.from_pretrained(path)

@@ -4,7 +4,6 @@
     python diagnose.py --against out/step_000690  what changed since that checkpoint's env.json
     python diagnose.py --race-test [--threads 3 --seconds 20 --modes nogate,gate,warm --exercise tiny]
         threads compiling at once, without and with the gate: errors, calls/s, who raises the FX flag
-    --json prints one JSON object instead; --cache-dir describes another compile cache.
 
 The race (compiled.py's notes on torch versions): while one thread compiles, a compiled call in another fails or
 runs uncompiled; compiled.GATE keeps compiles exclusive. compile_race.py measures it, imported for --race-test only."""
@@ -20,17 +19,15 @@ from environment import (collect_env, diff_env, format_packages, format_report, 
 
 
 def _against(folder, cache_dir):
-    """(JSON object, text) of what changed since the checkpoint in folder."""
+    """(JSON object, text) of what changed since the checkpoint in folder, in the cache that run used by default."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     if not os.path.isfile(path := os.path.join(folder, "env.json")):
         raise FileNotFoundError(f"{folder} has no env.json (not a checkpoint folder written by train_dflash.py)")
     with open(path) as f:
         old = json.load(f)
-    # the cache that run used, unless another one is named
     diffs = diff_env(old, collect_env(cache_dir or (old.get("compile_cache") or {}).get("path")))
-    during, t_old = old.get("changed_during_run") or [], old["time_unix"]
-    newer = [r for r in installed_packages() if r[2] > t_old]
+    during, newer = old.get("changed_during_run") or [], [r for r in installed_packages() if r[2] > old["time_unix"]]
     show, w = lambda x: json.dumps(x, default=str), max([len(k) for k, _, _ in diffs] + [10])
     text = [f"Changes since {folder} (its env.json: the environment of the run that wrote it, recorded "
             f"{old.get('time')} on {old.get('hostname')}):"]

@@ -1,6 +1,5 @@
 """What a DFlash training run runs on, and what changed since a checkpoint: train_dflash.py writes collect_env() into
-every checkpoint (env.json) and format_report() atop every log; diagnose.py prints them and compares with a checkpoint
-(--against); compiled.use_compile_cache writes CACHE_INFO_FILE into the compile cache it fills."""
+every checkpoint (env.json) and format_report() atop every log; diagnose.py prints them and compares (--against)."""
 import datetime
 import getpass
 import hashlib
@@ -21,9 +20,8 @@ from contextlib import suppress
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CACHE_INFO_FILE = "dflash_cache_info.json"   # which build filled the compile cache
-# Recorded variables: these prefixes, and other names that change speed or numerics (TF32, cuBLAS workspace,
-# stream count, a preloaded or differently found library, code on the import path).
+CACHE_INFO_FILE = "dflash_cache_info.json"   # compiled.use_compile_cache records there which build fills the cache
+# Recorded variables: these prefixes and names change speed or numerics (TF32, cuBLAS, streams, libraries, code).
 ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TORCHDYNAMO_", "TRITON_", "CUDA_VISIBLE_DEVICES", "NCCL_",
                 "PYTORCH_", "OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "HF_")
 ENV_NAMES = {"LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "NVIDIA_TF32_OVERRIDE",
@@ -33,11 +31,9 @@ LIBRARIES = ("transformers", "datasets", "numpy", "safetensors")   # versions re
 NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total")
 
 
-# --- 1. The environment ----------------------------------------------------------------------------------
 def collect_env(cache_dir=None):
-    """Everything that decides whether a run reproduces: versions, GPUs, variables, compile cache, code. Never raises
-    (a failing part records its error: a fingerprint with a hole beats a crashed checkpoint) and starts no compile
-    and no python: the trainer calls it at every start and save."""
+    """Everything that decides whether a run reproduces. Never raises (a failing part records its error: a hole beats
+    a crashed checkpoint) and starts no compile and no python: the trainer calls it at every start and save."""
     now = datetime.datetime.now().astimezone()
     env = {"time": now.isoformat(timespec="seconds"), "time_unix": now.timestamp()}
     parts = {"hostname": socket.gethostname, "platform": platform.platform, "cpu_count": os.cpu_count,
@@ -139,7 +135,7 @@ def _git_state(path=HERE):
          "untracked_files": None, "untracked_count": None}
     errors = []
 
-    def git(*args):   # stdout as bytes (the diff is hashed as it is); None, and the reason in errors, on failure
+    def git(*args):   # stdout as bytes (the diff is hashed as it is); on failure None, and the reason in errors
         try:
             return subprocess.run(["git", "-C", path, *args], capture_output=True, timeout=30, check=True).stdout
         except subprocess.CalledProcessError as e:
@@ -169,8 +165,7 @@ def installed_packages():
     """[(name, version, mtime of its dist-info folder, which pip creates at each install)], newest first."""
     rows = {}
     for d in importlib.metadata.distributions():
-        # skipped: one shadowed by the same package earlier on sys.path (that one is in use), and a copy bundled
-        # inside another package (setuptools' _vendor joins sys.path once imported)
+        # skipped: a package shadowed by one earlier on sys.path, and copies in setuptools' _vendor once imported
         if (name := d.metadata["Name"]) and name.lower() not in rows and f"{os.sep}_vendor{os.sep}" not in str(d._path):
             rows[name.lower()] = (name, d.version, os.path.getmtime(d._path))
     return sorted(rows.values(), key=lambda r: -r[2])
@@ -187,15 +182,13 @@ def natural_race_expected(fx_flag_thread_local=None):
     return "yes: a compile in one thread makes compiled calls in other threads fail"
 
 
-# --- 2. What changed, and the report -------------------------------------------------------------------
-# Fields that change on every call or grow in any healthy run, and the trainer's own note changed_during_run
-# (shown apart): a row for them says nothing.
+# --- What changed, and the report. IGNORED: fields that change on every call or grow in any healthy run, and the
+# trainer's note changed_during_run (shown apart).
 IGNORED = {"time", "time_unix", "changed_during_run", "compile_cache.size_bytes", "compile_cache.file_count",
            "compile_cache.oldest_mtime", "compile_cache.newest_mtime"}
 MISSING = "(missing)"
-# compiled.use_compile_cache() sets these in the trainer's process from the cache path, which is compared on its
-# own: in a checkpoint's env.json and not in a shell is no change. It only defaults TRAINER_DEFAULT_VARS: absent on
-# one side and the default on the other is no change, while a user's own value (a cache off) is one.
+# compiled.use_compile_cache() sets the first from the cache path (compared on its own) and only defaults the second:
+# absent against the trainer's value is no change, a user's own value (a cache off) is one.
 TRAINER_SET_VARS = {"env_vars.TORCHINDUCTOR_CACHE_DIR", "env_vars.TRITON_CACHE_DIR"}
 TRAINER_DEFAULT_VARS = {"env_vars.TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "env_vars.TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
@@ -215,8 +208,7 @@ def diff_env(old, new):
         if None in (a, b) and MISSING in (a, b) and any(x.startswith(k + ".") for x in fo | fn):
             continue   # None on one side, a dict on the other (the cache info appeared): its keys say it
         rows.append((k, a, b))
-    # A healthy cache only gains files: an oldest file newer than the checkpoint's says it was rebuilt (cold
-    # compiles again: the race window), fewer files that some were removed.
+    # A healthy cache only gains files: a newer oldest file says it was rebuilt (cold compiles: the race window).
     oc, nc = old.get("compile_cache") or {}, new.get("compile_cache") or {}
     if same_cache and oc.get("exists") and nc.get("exists") and oc.get("oldest_mtime"):
         if (nc.get("oldest_mtime") or 0) > oc["oldest_mtime"]:
@@ -284,8 +276,7 @@ def format_packages(rows, title):
     return "\n".join([title] + ([f"  {_fmt_time(t)}  {n} {ver}" for n, ver, t in rows] or ["  (none)"]))
 
 
-# --- 3. The thread probe: it raises the FX flag for real, so it runs only where no other thread runs compiled
-# code: the command line, the race exercise's child.
+# --- The thread probe raises the FX flag for real: it runs only where no other thread runs compiled code.
 def _fx_flag():   # this thread's view; read directly where it is a module global: is_fx_tracing() logs a warning
     flag = getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", None)
     return flag if isinstance(flag, bool) else bool(torch.fx._symbolic_trace.is_fx_tracing())
