@@ -234,6 +234,11 @@ def target_and_data(cfg):
     return target, cfg.data or [data]
 
 
+def first_line(e):
+    """An exception's first message line, or its type where the message is empty."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def load_target_config(path):
     """(config, tokenizer). random:<config.json>: a config for random weights, and no tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
@@ -244,7 +249,7 @@ def load_target_config(path):
             return AutoConfig.for_model(d.pop("model_type"), **d), None
         return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:    # no such folder or hub name, a file that is no config
-        raise SystemExit(f"error: cannot load the target {path!r}: {str(e).splitlines()[0]}") from None
+        raise SystemExit(f"error: cannot load the target {path!r}: {first_line(e)}") from None
 
 
 def choose_mask_token_id(tokenizer, vocab_size):
@@ -293,7 +298,7 @@ def load_model(path, device, dtype):
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except Exception as e:    # no such folder or hub name, missing or cut weights: name it, in one line
-        why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        why = f"{type(e).__name__}: {first_line(e)}"
         raise SystemExit(f"error: cannot load the target {path!r}: {why}") from None
     return model.to(device).eval().requires_grad_(False)
 

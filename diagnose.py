@@ -26,6 +26,8 @@ def _against(folder, cache_dir):
         raise FileNotFoundError(f"{folder} has no env.json (not a checkpoint folder written by train_dflash.py)")
     with open(path) as f:
         old = json.load(f)
+    if not isinstance(old, dict) or "time_unix" not in old:
+        raise ValueError(f"{path} is not an env.json written by train_dflash.py (no time_unix)")
     diffs = diff_env(old, collect_env(cache_dir or (old.get("compile_cache") or {}).get("path")))
     during, newer = old.get("changed_during_run") or [], [r for r in installed_packages() if r[2] > old["time_unix"]]
     show, w = lambda x: json.dumps(x, default=str), max([len(k) for k, _, _ in diffs] + [10])
