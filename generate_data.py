@@ -3,9 +3,9 @@
     python generate_data.py --out data/regen.jsonl                       # the embedded default
     python generate_data.py --target Qwen/Qwen3-8B --data sharegpt.json --out data/qwen3_regen.jsonl
 
-One worker process per device takes shards of --shard-size conversations, decodes their answers together
-(decoding.generate) and writes each shard atomically to <out>.shards/: a stopped run goes on where it was and
-gives the same file. Then <out> and <out>.manifest.json (settings, sources, counts) are written.
+A worker process per device decodes shards of --shard-size conversations together (decoding.generate), writing
+each to <out>.shards/: a stopped run goes on where it was and gives the same file. Then <out> and
+<out>.manifest.json (settings, sources, counts) are written.
 """
 import argparse
 import hashlib
@@ -23,6 +23,7 @@ import config
 import data_dflash
 import decoding
 
+# with the target and the sources, what decides the result (the batch size does not, for greedy decoding)
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples")
 
 
@@ -66,18 +67,15 @@ def weights_hash(target):
     return h.hexdigest()
 
 
-# -----------------------------------------------------------------------------
-# shards: regenerate turn by turn; a worker decodes the turns of the shards it holds together
+# ---- shards: regenerate turn by turn; a worker decodes the turns of the shards it holds together
 
 class Shard:
-    """One shard's conversations, regenerated turn by turn: each answer greedy (or sampled) on the regenerated
-    context before it, a conversation's next turn asked for as soon as its answer is written. The result depends
-    on the shard's conversations only."""
+    """One shard's conversations, regenerated turn by turn: each answer greedy (or sampled) on the regenerated context
+    before it, the next turn asked for once it is written. The result depends on the shard's conversations only."""
 
     def __init__(self, i, convs, tok, a, stops):
         self.i, self.convs, self.tok, self.a, self.stops, self.t0 = i, convs, tok, a, set(stops), time.time()
-        self.st, self.regen, self.done = Counter(), {k: [] for k in range(len(convs))}, {}
-        self.cut = {}   # per conversation: its last prompt up to a special token, and those ids (prompt_ids)
+        self.st, self.regen, self.cut, self.done = Counter(), {k: [] for k in range(len(convs))}, {}, {}
 
     def finish(self, k, why=None):   # kept up to its last regenerated answer (cut there, for `why`), or dropped
         r = self.regen.pop(k)
@@ -90,9 +88,8 @@ class Shard:
             self.st[f"{'cut' if r else 'skipped'}: {why}"] += 1
 
     def next_turns(self, ks):
-        """The requests (key, prompt ids, budget, chain, seed) of the next answers of conversations ks, for those
-        that have one."""
-        asked, a = [], self.a
+        """The requests (key, prompt ids, budget, chain, seed) of the next answers of conversations ks that have one."""
+        asked, out, a = [], [], self.a
         for k in ks:
             msgs, r = self.convs[k], self.regen[k]
             if not any(m["role"] == "assistant" for m in msgs[len(r):]):
@@ -101,7 +98,6 @@ class Shard:
             while msgs[len(r)]["role"] != "assistant":   # system and user turns are kept as they are
                 r.append(dict(msgs[len(r)]))
             asked.append(k)
-        out = []
         prompts = data_dflash.prompt_ids(self.tok, [self.regen[k] for k in asked], a.max_length - 1,
                                          [self.cut.get(k) for k in asked])
         for k, (ids, why, cut) in zip(asked, prompts):
@@ -116,8 +112,8 @@ class Shard:
         return out
 
     def answered(self, k, row):
-        """Keep conversation k's answer `row`: True if it finished (the stop token came within --max-new-tokens
-        and --max-length) or reached --max-new-tokens, and its next turn may be asked for."""
+        """Keep conversation k's answer `row`: True if it finished (a stop token) or reached --max-new-tokens, so its
+        next turn may be asked for; False if it would pass --max-length."""
         finished = row[-1] in self.stops
         new = row[:-1] if finished else row
         self.st["generated_tokens"] += len(row)
@@ -131,18 +127,15 @@ class Shard:
 
 
 def hash_ints(*xs):
-    """A deterministic 62-bit integer of a tuple of integers (Python's hash of ints is deterministic too, but
-    not documented to be stable across versions)."""
+    """A 62-bit integer of integers, stable across Python versions (hash() is not documented to be)."""
     return int.from_bytes(hashlib.sha256(repr(xs).encode()).digest()[:8], "little") >> 2
 
 
-# -----------------------------------------------------------------------------
-# workers: one process per device, shards from a queue
+# ---- workers: one process per device, shards from a queue
 
 def worker(device, jobs, a, shards_dir, n_shards, t_run):
-    """Regenerate the shards taken from the queue `jobs` ((index, conversations); None ends) on `device`. The
-    next shard's turns join the rows while the last ones are still decoding, so no shard waits for the longest
-    chain of turns of the one before; each shard is written when its last answer is."""
+    """Regenerate the shards of the queue `jobs` ((index, conversations); None ends) on `device`. The next shard's
+    turns join the rows while the last ones still decode, so no shard waits for the longest chain of the one before."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     tok = config.load_target_config(a.target)[1]
@@ -151,7 +144,7 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
     engine = decoding.Engine(model, decoding.Engine.fit(model, a.max_length, most=1024), a.max_length,
                              compile=device.startswith("cuda"))
     print(f"[gen] {device}: {engine.rows} rows of {a.max_length} tokens", flush=True)
-    shards, no_more = {}, False
+    shards, no_more, decoded = {}, False, 0
 
     def write(sh):
         del shards[sh.i]
@@ -171,14 +164,12 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
                 no_more = True
                 break
             sh = shards[job[0]] = Shard(*job, tok, a, stops)
-            first = sh.next_turns(range(len(sh.convs)))
-            if first:
+            if first := sh.next_turns(range(len(sh.convs))):
                 return first
             write(sh)
         return []
 
     t_start = last_line = time.time()
-    decoded = 0
 
     def follow(ended):   # the next turns of the conversations whose answers ended, shard by shard
         nonlocal last_line, decoded
@@ -201,8 +192,7 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
 
 
 def progress(shards_dir, n_shards, t_run):
-    """All workers' progress from the shards on disk, those of this run (written since t_run) giving the rate
-    and the ETA."""
+    """All workers' progress from the shards on disk; those written since t_run give the rate and the ETA."""
     done = []
     for f in sorted(os.listdir(shards_dir)):
         if f.startswith("shard_") and f.endswith(".jsonl"):
@@ -216,8 +206,8 @@ def progress(shards_dir, n_shards, t_run):
 
 
 def run_workers(a, pending, shards_dir, n_shards):
-    """One process per device (not threads: each decodes token by token with host work between CUDA-graph
-    replays, which threads would serialise on the GIL); one device works in this process."""
+    """One process per device (threads would serialise the host work between CUDA-graph replays on the GIL); one
+    device works in this process."""
     ctx = torch.multiprocessing.get_context("spawn")
     q = queue.Queue() if len(a.devices) == 1 else ctx.Queue()
     for job in pending + [None] * len(a.devices):
@@ -233,15 +223,7 @@ def run_workers(a, pending, shards_dir, n_shards):
         raise SystemExit(f"error: the worker on {', '.join(bad)} failed; run again to go on from the shards done")
 
 
-# -----------------------------------------------------------------------------
-# main: settings, shards, then the output and its manifest
-
-def settings_of(a):
-    """What decides the result (the batch size does not, for greedy decoding)."""
-    return {"target": a.target, "target_sha256": weights_hash(a.target),
-            "sources": [dict(zip(("path", "size", "mtime_ns"), data_dflash.identity(f))) for f in a.data],
-            **{k: getattr(a, k) for k in SETTINGS}}
-
+# ---- main: settings, shards, then the output and its manifest
 
 def same_settings(path, settings):
     """False if `path` does not exist, True if it holds `settings`, else an error."""
@@ -262,7 +244,10 @@ def main(argv=None):
         a.data = a.data or [data_jsonl]
     if missing := [f for f in a.data if not os.path.isfile(f)]:
         raise SystemExit(f"error: data file not found: {', '.join(missing)}")
-    settings, manifest, shards_dir = settings_of(a), a.out + ".manifest.json", a.out + ".shards"
+    settings = {"target": a.target, "target_sha256": weights_hash(a.target),   # what decides the result
+                "sources": [dict(zip(("path", "size", "mtime_ns"), data_dflash.identity(f))) for f in a.data],
+                **{k: getattr(a, k) for k in SETTINGS}}
+    manifest, shards_dir = a.out + ".manifest.json", a.out + ".shards"
     if os.path.isfile(a.out) and same_settings(manifest, settings):
         print(f"[gen] {a.out} is done ({manifest}): nothing to do")
         return 0

