@@ -2,7 +2,6 @@
 regenerates the assistant turns of small chat files. Faults are injected by the tests (test_train.break_)."""
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch
 import data_dflash as D
 import decoding
 import generate_data as G
-from test_train import REPO, _save_tiny, broken, embedded, run_cmd, tok  # noqa: F401 - fixtures
+from test_train import _save_tiny, broken, embedded, run_cmd, tok  # noqa: F401 - fixtures
 
 NEW = 12  # new tokens per answer: a tiny random model rarely stops by itself
 
@@ -86,18 +85,19 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
 
 
 @pytest.mark.parametrize("temperature", [0, 0.8])
-def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(target, tmp_path, temperature):
+def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(target, tmp_path, temperature, capsys):
+    """A SIGKILL after the first shard (a process of its own), then the restart and an uninterrupted run (in
+    this process: the same code without a second start-up)."""
     src = chats(tmp_path / "in.jsonl")
     args = ["--target", target, "--data", src, "--max-new-tokens", str(NEW), "--shard-size", "1",
             "--temperature", str(temperature), "--out"]
-    cmd = [sys.executable, str(REPO / "generate_data.py"), *args]
     killed = run_cmd(broken("generate_data", "gen_kill:1", args + [str(tmp_path / "a.jsonl")]))
     assert killed.rc == -9, killed.tail()
     assert os.listdir(tmp_path / "a.jsonl.shards") and not os.path.exists(tmp_path / "a.jsonl")
-    again = run_cmd(cmd + [str(tmp_path / "a.jsonl")])
-    assert again.rc == 0 and "1 done before" in again.out, again.tail()
-    whole = run_cmd(cmd + [str(tmp_path / "b.jsonl")])
-    assert whole.rc == 0, whole.tail()
+    capsys.readouterr()
+    assert G.main(args + [str(tmp_path / "a.jsonl")]) == 0
+    assert "1 done before" in capsys.readouterr().out
+    assert G.main(args + [str(tmp_path / "b.jsonl")]) == 0
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
 
 
