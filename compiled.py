@@ -1,20 +1,15 @@
-"""The compile machinery, read top to bottom:
-  1. the gate         - the one entry point of every compiled call in the process
-  2. compiled calls   - the drafter's flex trunk and its backward, the target's decoder layers
-  3. the cache        - a persistent inductor/triton folder, and which build filled it
-  4. the warm-up      - every (device, shape) compiled one at a time, checked, then the gate marked warm
-  5. timers           - device sync, autocast, timed rounds, the matmul peak, the layout advisor's timings
+"""The compile machinery: 1. the gate every compiled call passes, 2. the compiled calls (the drafter's flex trunk
+and its backward, the target's decoder layers), 3. the persistent compile cache, 4. the warm-up, 5. timers.
 
 What torch does, by version (the one place this is written down):
-  * torch.fx keeps a process-global "FX tracing" flag up while make_fx traces, which every compile that misses
-    the AOTAutograd cache does (per thread only from torch 2.14). A compiled call that another thread starts
-    meanwhile fails ("Detected that you are using FX to symbolically trace a dynamo-optimized function") or,
-    with error_on_nested_fx_trace=False, runs uncompiled: flex attention then takes its dense path, silently.
-    torch 2.12 and 2.13 hide the flag from other threads while anything compiles; 2.11 does not.
+  * Every compile that misses the AOTAutograd cache raises a process-global "FX tracing" flag (per thread from
+    torch 2.14): a compiled call another thread starts meanwhile fails ("Detected that you are using FX to
+    symbolically trace a dynamo-optimized function") or, with error_on_nested_fx_trace=False, runs uncompiled
+    (flex: its dense path, silently). 2.12 and 2.13 hide the flag from other threads while anything compiles.
   * dynamo's config is per thread from torch 2.12: every thread passing the gate sets it and reads it back.
-  * Two threads running the same entry of one code object's dynamo cache at once can see a spurious recompile
-    ("runtime guards failed even though they passed"): each target gets a code object of its own, and each
-    compiled drafter replica a GPU of its own (config.resolve_attn).
+  * Two threads running one entry of a code object's dynamo cache at once can see a spurious recompile ("runtime
+    guards failed even though they passed"): a code object per target, a GPU per compiled drafter replica
+    (config.resolve_attn).
   * CPU inductor (torch 2.13) miscompiles a chain of boolean masks and flex tiles cut short: the DFlash mask is
     two comparisons, and flex shapes are multiples of 128.
 """
@@ -38,10 +33,9 @@ from environment import CACHE_INFO_FILE
 
 
 # -----------------------------------------------------------------------------
-# 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every
-# (name, device, shape) the run uses; then warmed keys share it under dynamo's "fail_on_recompile" stance, so no
-# compile can start behind its back. An unwarmed key is an error, or (on_unwarmed="compile") compiles holding
-# the gate exclusively, with a notice.
+# 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every key the
+# run uses; then warmed keys share it under dynamo's "fail_on_recompile" stance, so nothing compiles behind its
+# back. An unwarmed key is an error, or (on_unwarmed="compile") compiles holding the gate exclusively.
 
 
 class UnwarmedShapeError(RuntimeError):
@@ -170,18 +164,16 @@ GATE = CompileGate()
 
 
 def require_compiled(what):
-    # Inside a compiled region dynamo folds this check away; if the code ever runs eagerly (dynamo disabled),
-    # it raises instead of quietly running flex's dense math path (B x H x Q x KV scores).
+    # dynamo folds this away when it compiles; run eagerly (dynamo disabled), flex would take its dense path silently
     if not torch.compiler.is_dynamo_compiling():
         raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x H x Q x KV "
                            "scores). Every flex call must go through the compiled functions and GATE.")
 
 
 def flex(q, k, v, block_mask):
-    # Each key/value head is repeated for its query heads before the kernel: flex's backward gives every
-    # (key tile, kv head) one program looping over the group's query heads, and nearly every query sees the
-    # first context tiles, so those few programs set the kernel's tail; one program per query head shortens
-    # it. The repeat's gradient sums the group's: the same math.
+    # kv heads repeated for their query heads: flex's backward gives each (key tile, kv head) one program looping
+    # over the group's query heads, and nearly every query sees the first context tiles, so those few programs
+    # set the kernel's tail. The repeat's gradient sums the group's: the same math.
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]                      # query head h uses kv head h // group
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -212,12 +204,12 @@ def flex_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
 
 
 def trunk(attn):
-    """The drafter trunk of --attn: flex (compiled, gated) or sdpa (the dense mask, eager)."""
+    """The drafter trunk of --attn: flex (compiled, gated) or sdpa (dense mask, eager)."""
     return flex_trunk if attn == "flex" else dm.dense_trunk
 
 
 def backward(loss, device, shape, attn):
-    """loss.backward(); with flex through the gate: the compiled backward compiles lazily on its first call."""
+    """loss.backward(); with flex through the gate (the compiled backward compiles on its first call)."""
     if attn == "flex":
         GATE.run("drafter_bwd", device, shape, loss.backward)
     else:
@@ -232,19 +224,17 @@ _TARGET_NUMBERS = itertools.count()
 
 
 def compile_target_layers(target):
-    """Compile the target's decoder layers (regional: its layers share one graph per input shape, so a
-    34-layer target compiles like one layer), called through GATE, with a code object per target (see the
-    top). transformers passes no mask when no row is padded and a mask otherwise: two graphs per shape,
-    both warmed (warm_target)."""
+    """Compile the target's decoder layers, called through GATE: regional (its layers share one graph per input
+    shape), with a code object per target (see the top). transformers passes a mask only when a row is padded:
+    two graphs per shape, both warmed (warm_target)."""
     code = _layer_forward.__code__.replace(co_name=f"target_layers_{next(_TARGET_NUMBERS)}")
     fn = torch.compile(types.FunctionType(code, globals()), dynamic=False, fullgraph=True)
+
+    def gated(layer, hidden_states, *args, **kwargs):
+        return GATE.run("target_layer", hidden_states.device, tuple(hidden_states.shape), fn, layer,
+                        hidden_states, *args, **kwargs)
     for layer in target.model.layers:
-        layer.forward = functools.partial(_gated_layer, fn, layer)
-
-
-def _gated_layer(fn, layer, hidden_states, *args, **kwargs):
-    return GATE.run("target_layer", hidden_states.device, tuple(hidden_states.shape), fn, layer,
-                    hidden_states, *args, **kwargs)
+        layer.forward = functools.partial(gated, layer)
 
 
 # -----------------------------------------------------------------------------
@@ -252,8 +242,8 @@ def _gated_layer(fn, layer, hidden_states, *args, **kwargs):
 
 
 def use_compile_cache(cache_dir, log=print):
-    """Point inductor and triton at a persistent cache, and record which build fills it: a cache filled
-    by another torch/triton/CUDA build or GPU misses every entry (a cold start), which is said here."""
+    """Point inductor and triton at a persistent cache and record which build fills it: one filled by another
+    torch/triton/CUDA build or GPU misses every entry (a cold start), which is said here."""
     cache_dir = os.path.abspath(cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
     os.environ.update(TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
@@ -270,12 +260,11 @@ def use_compile_cache(cache_dir, log=print):
                 old = json.load(f)
         except (OSError, ValueError) as e:     # only the notice depends on it: say so, go on
             old = {"unreadable": f"{type(e).__name__}: {e}"}
-    same_build = old is not None and {k: old.get(k) for k in build} == build
-    if old is not None and not same_build:
-        log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
-            "its entries will not match (expect cold compiles)")
-    if not same_build:
-        # torchrun ranks share the cache: each writes its own temporary file and renames it (no half files)
+    if old is None or {k: old.get(k) for k in build} != build:
+        if old is not None:
+            log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
+                "its entries will not match (expect cold compiles)")
+        # torchrun ranks share the cache: write_json writes a temporary file and renames it (no half files)
         data_dflash.write_json(info_path, {**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return cache_dir
 
@@ -291,8 +280,8 @@ def _cache_counters():
 
 
 def warm_shape(drafter, shape, gamma, attn):
-    """One forward + backward of the exact training computation at `shape` = (B, S, A); the drafter's
-    gradients are left as they were (absent ones absent, a flat buffer's views zeroed)."""
+    """One forward + backward of the training computation at `shape` = (B, S, A); the drafter's gradients are
+    left as they were (absent ones absent, a flat buffer's views zeroed)."""
     B, S, A = shape
     c, dev = drafter.config, drafter.fc.weight.device
     feats = torch.randn(B, S, len(c.target_layer_ids) * c.hidden_size, device=dev, dtype=config.param_dtype(dev))
@@ -310,10 +299,9 @@ def warm_shape(drafter, shape, gamma, attn):
 
 
 def warm_target(target, B, S, layer_ids):
-    """Compile the target's layers at (B, S), once with no row padded and once with one (transformers
-    passes a mask only then: two graphs), and check the compiled features against eager ones of the same
-    batch. Returns the larger relative error. bf16 rounds the two paths apart by about 1e-2 over 34 random
-    layers; a wrong mask or layer is off by order 1, so 0.1 is the bound (fp32: 1e-4)."""
+    """Compile the target's layers at (B, S) with no row padded and with one (two graphs), and check the compiled
+    features against eager ones: returns the larger relative error. bf16 rounding parts the two paths far less
+    than a wrong mask or layer (off by order 1) does, hence the bound 0.1 (fp32: 1e-4)."""
     dev, dtype = next(target.parameters()).device, next(target.parameters()).dtype
     ids = torch.randint(0, target.config.vocab_size, (B, S), device=dev)
     tol, errs = (1e-4 if dtype == torch.float32 else 0.1), []
@@ -334,11 +322,10 @@ def warm_target(target, B, S, layer_ids):
 
 
 def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targets=()):
-    """Warm every (target, (B, S)) of compiled targets and every (replica, shape) in turn, size the
-    recompile limit, then mark the gate warm. Returns the table rows [(device, shape, seconds, how)]."""
+    """Warm every (target, (B, S)) of compiled targets and every (replica, shape) in turn, size the recompile
+    limit, then mark the gate warm. Returns the table rows [(device, shape, seconds, how)]."""
     target_shapes = sorted({(B, S) for B, S, _ in shapes})
-    # dynamo entries: one per (replica, shape) on the drafter's code object; on each target's own code
-    # object, one per ((B, S), padded or not, kind of layer)
+    # dynamo entries: per (replica, shape) on the drafter's code object, per ((B, S), padded?, layer kind) on a target's
     kinds = len(set(getattr(targets[0].config, "layer_types", None) or [0])) if targets else 0
     GATE.set_recompile_limit(max(len(drafters) * len(shapes), 2 * kinds * len(target_shapes)) + 2)
     GATE.on_unwarmed, rows = on_unwarmed, []
@@ -384,8 +371,8 @@ def autocast(dev):
 
 
 def median_time(fn, n, dev, rounds=1):
-    """(median, [min, max]) seconds per call: after 2 untimed calls, `rounds` rounds of `n` calls back
-    to back, each timed as a whole (a device sync at its two ends only, as in training)."""
+    """(median, [min, max]) seconds per call: after 2 untimed calls, `rounds` rounds of `n` calls back to back,
+    each timed as a whole (a device sync at its two ends only, as in training)."""
     for _ in range(2):
         fn()
     per_call = []
@@ -407,9 +394,8 @@ def measure_peak_flops(dev):
 
 
 def time_shapes(target, drafter, shapes, gamma, attn, path, key):
-    """{shape: (seconds of one target forward, of one drafter step)} for the layout advisor, each timed
-    once after two untimed calls on the first target and drafter device; kept in `path` under `key` (GPU,
-    builds, models, shapes), so a restart reads them instead of timing again."""
+    """{shape: (seconds of one target forward, of one drafter step)} for the layout advisor, on the first target
+    and drafter device; kept in `path` under `key` (GPU, builds, models, shapes): a restart reads them back."""
     try:
         with open(path) as f:
             saved = json.load(f)
@@ -421,10 +407,7 @@ def time_shapes(target, drafter, shapes, gamma, attn, path, key):
     for shape in shapes:
         ids = torch.randint(0, target.config.vocab_size, shape[:2], device=tdev)
         am = torch.ones(shape[:2], dtype=torch.bool, device=tdev)
-
-        def forward():
-            with torch.no_grad():
-                dm.target_forward(target, ids, am, drafter.config.target_layer_ids)
+        forward = torch.no_grad()(lambda: dm.target_forward(target, ids, am, drafter.config.target_layer_ids))
         step = lambda: warm_shape(drafter, shape, gamma, attn)   # noqa: E731
         times[tuple(shape)] = (median_time(forward, 1, tdev)[0], median_time(step, 1, drafter.fc.weight.device)[0])
     data_dflash.write_json(path, {"key": key, "times": [[list(s), list(t)] for s, t in times.items()]})

@@ -1,9 +1,6 @@
-"""The DFlash drafter, read top to bottom:
-  1. config + model         - Qwen3-shaped layers with KV injection of the target's features
-  2. training mask          - the mask's rule, its tile-level BlockMask for flex_attention, a dense reference
-  3. anchors, blocks, loss  - random anchors, same-position labels, decayed weights, chunked LM head; FLOPs
-  4. the target's features  - hooks that keep the outputs of the target layers the drafter reads
-  5. save / load            - the serving format (config.json with dflash_config + model.safetensors)
+"""The DFlash drafter: 1. config and model (Qwen3-shaped layers, keys/values injected from the target's features),
+2. the training mask and its tile-level BlockMask for flex_attention, 3. anchors, blocks, the chunked loss, FLOPs,
+4. hooks keeping the target layers' outputs, 5. save / load (config.json with dflash_config + model.safetensors).
 The compiled flex path and its gate are compiled.py's; decoding with a drafter is decoding.py's.
 """
 import functools
@@ -98,9 +95,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(n_positions, head_dim, theta):
-    """fp32 cos/sin of each position's rotary angles, (n_positions, head_dim // 2): one buffer per drafter, gathered
-    by position (a load), where computing them in the step costs a pow, a sin and a cos per element of each q/k
-    tensor in each rope kernel, forward and backward."""
+    """fp32 cos/sin of each position's rotary angles, (n_positions, head_dim // 2): gathered by position in the step
+    (a load), not computed there (a pow, a sin and a cos per q/k element, forward and backward)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     ang = torch.arange(n_positions, dtype=torch.float32)[:, None] * inv
     return ang.cos(), ang.sin()
@@ -133,8 +129,7 @@ class Attention(nn.Module):
 
     def forward(self, x, k_ctx, v_ctx, cos_q, sin_q, attend):
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, L, self.nh, self.hd)).transpose(1, 2)
-        q = apply_rope(q, cos_q, sin_q)
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, L, self.nh, self.hd)).transpose(1, 2), cos_q, sin_q)
         k, v = self.kv(x, cos_q, sin_q)
         if k_ctx is not None:      # training: the context comes with the call (decoding keeps it in its cache)
             k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
@@ -165,11 +160,6 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), k_ctx, v_ctx, cos_q, sin_q, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def with_context(self, h, ctx, cos_c, sin_c, cos_q, sin_q, attend):
-        """One training layer: project the shared context to this layer's keys/values, then attend."""
-        k_ctx, v_ctx = self.self_attn.kv(ctx, cos_c, sin_c)
-        return self(h, k_ctx, v_ctx, cos_q, sin_q, attend)
-
 
 class DFlashDrafter(nn.Module):
     """Trainable: layers, fc, hidden_norm, norm. Frozen and never saved: the target's embedding and LM head."""
@@ -187,12 +177,9 @@ class DFlashDrafter(nn.Module):
         buffers = {"embed_weight": e.detach(), "lm_head_weight": h.detach(), "rope_cos": cos, "rope_sin": sin}
         for name, t in buffers.items():     # non-persistent: they move with .to(device), not in state_dict()
             self.register_buffer(name, t, persistent=False)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m):
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
 
     def attach_target(self, target):
         self.embed_weight = target.get_input_embeddings().weight.detach()
@@ -205,7 +192,7 @@ class DFlashDrafter(nn.Module):
         return torch.cat([c, c], dim=-1)[:, None].to(dtype), torch.cat([s, s], dim=-1)[:, None].to(dtype)
 
     def context(self, target_feats):
-        """(B, S, n_ctx*H) target features -> (B, S, H), computed once, shared by all layers."""
+        """(B, S, n_ctx*H) target features -> (B, S, H), shared by all layers."""
         return self.hidden_norm(self.fc(target_feats))
 
     def body(self, target_feats, block_ids, ctx_pos, block_pos, attend):
@@ -214,18 +201,15 @@ class DFlashDrafter(nn.Module):
         h = F.embedding(block_ids, self.embed_weight).to(ctx.dtype)
         cos_c, sin_c = self.rope(ctx_pos, ctx.dtype)
         cos_q, sin_q = self.rope(block_pos, ctx.dtype)
-        for layer in self.layers:
-            h = layer.with_context(h, ctx, cos_c, sin_c, cos_q, sin_q, attend)
+        for layer in self.layers:      # each layer projects the shared context to its own keys/values
+            h = layer(h, *layer.self_attn.kv(ctx, cos_c, sin_c), cos_q, sin_q, attend)
         return self.norm(h)
 
 
 # -----------------------------------------------------------------------------
-# 2. The training attention mask
-#
-# Queries: A blocks of `bs` tokens (q = i*bs + k). Keys: [S context features | A*bs block tokens].
-#   context visible: kv < S and kv < anchor_i   (STRICTLY before the anchor: the anchor's own
-#                    feature is what the target computes AFTER seeing the anchor token)
-#   block visible:   kv >= S and (kv - S) // bs == i  (own block, both directions)
+# 2. The training attention mask. Queries: A blocks of `bs` tokens (q = i*bs + k). Keys: [S context features |
+# A*bs block tokens]. Block i sees the context kv < anchor_i (STRICTLY before the anchor: the anchor's own feature
+# is what the target computes AFTER seeing the anchor token) and its own block, (kv - S) // bs == i, both ways.
 # Padding blocks carry anchor 0: they see no context, only themselves, and carry no loss.
 
 
@@ -250,21 +234,17 @@ def dense_dflash_mask(anchors, S, bs):
     return _visible(a[:, :, None], q[None, :, None], kv[None, None, :], S, bs)[:, None]
 
 
-# The block mask, built eagerly from the anchors at 128 x 128 tile level (flex's sparsity unit).
-# create_block_mask evaluates the mask_mod on every element (B x Q x KV), then sorts and scatters tile
-# lists: eagerly the dense computation; compiled, minutes of Triton compile per shape for its index-put
-# kernels. The mask's structure gives every tile directly instead:
-#   context tile u (kv in [128u, 128u+128), all < S): some row sees it iff 128u < the largest anchor
-#     of the query tile's rows; every row sees all of it iff 128u + 128 <= their smallest anchor;
-#   block tile (kv >= S): rows see their own block only, so it is visible iff the block ranges of the
-#     query tile and the kv tile overlap, and full only if both lie inside one and the same block.
-# Full tiles skip the mask_mod in the kernel, partial tiles apply it.
+# The block mask, built eagerly from the anchors at flex's 128 x 128 tile level: create_block_mask evaluates the
+# mask_mod on all B x Q x KV elements (compiled: minutes of Triton compile per shape). The mask's structure gives
+# each tile directly: context tile u (keys [128u, 128u+128), all < S) is seen by some row iff 128u < the query
+# tile's largest anchor, in full iff 128u + 128 <= its smallest; a block tile is seen iff the two tiles' block
+# ranges overlap, in full iff both lie in one and the same block. Full tiles skip the mask_mod in the kernel.
 TILE = 128
 
 
 def _ordered(tiles):
-    """(B, 1, R, C) bool tile map -> per row: count (int32) and column indices, those in the map
-    first, ascending (flex's kv_num_blocks / kv_indices layout)."""
+    """(B, 1, R, C) bool tile map -> per row its count and column indices, those in the map first, ascending
+    (flex's kv_num_blocks / kv_indices layout, int32)."""
     t = tiles.to(torch.int32).contiguous()    # the q-side maps are transposes: contiguous, as flex's
     return t.sum(-1, dtype=torch.int32), torch.argsort(t, dim=-1, descending=True, stable=True).to(torch.int32)
 
@@ -280,13 +260,11 @@ def _block_region_tiles(device, n_q_tiles, bs):
 
 
 def create_dflash_block_mask(anchors, S, bs):
-    """The DFlash training BlockMask of `anchors` (B, A) over S context positions, blocks of `bs`
-    (no compile, no dense evaluation; see above). Its mask_mod is make_mask_mod's."""
+    """The DFlash training BlockMask of `anchors` (B, A) over S context positions, blocks of `bs` (see above)."""
     B, A = anchors.shape
     Q = A * bs
     if S % TILE or Q % TILE:
-        # ragged tiles cost masked loads on a GPU and miscompile on CPU (compiled.py's torch notes);
-        # the trainer's buckets and anchor counts are multiples of the tile
+        # ragged tiles cost masked loads on a GPU and miscompile on CPU (compiled.py's torch notes)
         raise ValueError(f"flex path needs S ({S}) and anchors*block ({A}*{bs}) to be multiples of {TILE}")
     dev = anchors.device
     rows = anchors.repeat_interleave(bs, dim=1).view(B, Q // TILE, TILE)      # each query row's anchor
@@ -297,13 +275,9 @@ def create_dflash_block_mask(anchors, S, bs):
     any_ = torch.cat([ctx_any, blk_any.expand(B, -1, -1)], dim=-1)[:, None]
     full = torch.cat([ctx_full, blk_full.expand(B, -1, -1)], dim=-1)[:, None]
     partial = any_ & ~full
-    kv_n, kv_i = _ordered(partial)
-    fkv_n, fkv_i = _ordered(full)
-    q_n, q_i = _ordered(partial.transpose(-2, -1))
-    fq_n, fq_i = _ordered(full.transpose(-2, -1))
-    return BlockMask(seq_lengths=(Q, S + Q), kv_num_blocks=kv_n, kv_indices=kv_i, full_kv_num_blocks=fkv_n,
-                     full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i, full_q_num_blocks=fq_n,
-                     full_q_indices=fq_i, BLOCK_SIZE=(TILE, TILE), mask_mod=make_mask_mod(anchors, S, bs))
+    maps = {"kv": partial, "full_kv": full, "q": partial.transpose(-2, -1), "full_q": full.transpose(-2, -1)}
+    lists = {f"{name}_{part}": t for name, m in maps.items() for part, t in zip(("num_blocks", "indices"), _ordered(m))}
+    return BlockMask(seq_lengths=(Q, S + Q), **lists, BLOCK_SIZE=(TILE, TILE), mask_mod=make_mask_mod(anchors, S, bs))
 
 
 # -----------------------------------------------------------------------------
@@ -314,7 +288,7 @@ def sample_anchors(loss_mask, lengths, num_anchors, block_size, generator=None):
     """Random anchors per sequence from positions p <= len-bs with loss_mask[p] and loss_mask[p+1]: anchors (B, A)
     long (sorted, padding 0), valid (B, A) bool; drawn on the CPU with `generator`: a resumed run draws the same."""
     lm = loss_mask.detach().to("cpu", torch.bool)
-    B, S = lm.shape
+    B = lm.shape[0]
     anchors = torch.zeros(B, num_anchors, dtype=torch.long)
     valid = torch.zeros(B, num_anchors, dtype=torch.bool)
     for b in range(B):
@@ -396,16 +370,13 @@ CHUNK_ROWS = 3072
 def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None, ce=None):
     """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), with `ce` per
     chunk: the loss (over the weight sum), and acc and counts (bs-1,) per position over supervised positions.
-    `weight_sum`: the normaliser shared by several micro-batches/replicas (default: this batch's own), so that a
-    step over R replicas x G micro-batches equals one step over their concatenation."""
+    `weight_sum`: the normaliser shared by micro-batches/replicas, so that their step equals one over all of them."""
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
     w = weights[:, :, 1:].reshape(-1).float()
-    if weight_sum is None:
-        wsum = w.sum()
-    else:   # a host number: a fill kernel, not a blocking host-to-device copy (that would wait for the
-        wsum = torch.full((), float(weight_sum), device=w.device)     # forward just queued: a stall)
+    # weight_sum, a host number: a fill kernel, not a host-to-device copy (it would wait for the queued forward)
+    wsum = w.sum() if weight_sum is None else torch.full((), float(weight_sum), device=w.device)
     if ce is None:
         ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum.clamp(min=1e-6),
@@ -442,19 +413,17 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
 
 
 def to_device(t, dev):
-    """A host tensor to `dev` without making the host wait for the device: from pageable memory a copy
-    waits for the stream's earlier work (the previous step's optimiser), so the next step's inputs
-    could not be prepared meanwhile; from pinned memory it is queued like a kernel."""
+    """A host tensor to `dev` without the host waiting: from pageable memory a copy waits for the stream's earlier
+    work (the previous step's optimiser); from pinned memory it is queued like a kernel."""
     if t.device == dev or dev.type != "cuda" or t.device.type != "cpu":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)
 
 
 def matmul_flops(c, S, A):
-    """FLOPs of the drafter's matmuls in one forward+backward of one sequence (tested equal to torch's
-    FLOP counter). A trainable matmul costs 3x its forward (forward, input grads, weight grads), the fc
-    over the target's features 2x (they need no gradient); the frozen LM head costs 2 matmuls (logits,
-    grad w.r.t. the hidden states) on the A*(bs-1) scored rows."""
+    """FLOPs of the drafter's matmuls in one forward+backward of one sequence: a trainable matmul costs 3x its
+    forward, the fc 2x (the target's features need no gradient), the frozen LM head 2 matmuls (logits, grad of
+    the hidden states) on the A*(bs-1) scored rows."""
     Q = A * c.block_size
     H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -465,15 +434,15 @@ def matmul_flops(c, S, A):
 
 
 def step_flops(c, S, A, ctx):
-    """Matmuls plus attention over the visible keys only (ctx context keys, the mean anchor position,
-    + the block's own bs), forward (QK^T and PV) and backward (2x the forward)."""
+    """Matmuls plus attention over the visible keys only (ctx context keys, the mean anchor position, + the block's
+    own bs), forward (QK^T and PV) and backward (2x the forward)."""
     return matmul_flops(c, S, A) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
         c.num_attention_heads * c.head_dim * (ctx + c.block_size)
 
 
 def batch_flops(c, S, anchors, valid):
-    """FLOPs of one drafter step on a (B, S) batch: its shape as it runs (padding included: the MFU is
-    of the device), attention from each row's own valid anchors."""
+    """FLOPs of one drafter step on a (B, S) batch: its shape as it runs (padding included: the MFU is of the
+    device), attention from each row's own valid anchors."""
     A = anchors.shape[1]
     return sum(step_flops(c, S, A, float(a[v].float().mean()) if bool(v.any()) else 0.0)
                for a, v in zip(anchors, valid))
@@ -484,9 +453,8 @@ def batch_flops(c, S, anchors, valid):
 
 
 def capture(target, layer_ids):
-    """From now on every forward of the target keeps the outputs of its decoder layers `layer_ids`
-    (idempotent). Forward hooks of our own, not transformers' output_hidden_states: those hook every
-    attention module through a ContextVar, which a compiled layer cannot trace."""
+    """From now on every forward of the target keeps the outputs of its decoder layers `layer_ids` (idempotent).
+    Hooks of our own: transformers' output_hidden_states goes through a ContextVar a compiled layer cannot trace."""
     if not hasattr(target, "captured"):
         target.captured, target.hooked = {}, set()
     for i in sorted(set(layer_ids) - target.hooked):
@@ -495,19 +463,13 @@ def capture(target, layer_ids):
         target.hooked.add(i)
 
 
-def target_features(target, layer_ids):
-    """The drafter's input from the target's last forward: the outputs of `layer_ids`, concatenated
-    (then dropped: the hooks' references would hold a batch of layer outputs until the next forward)."""
-    feats = torch.cat([target.captured[i] for i in layer_ids], dim=-1)
-    target.captured.clear()
-    return feats
-
-
 def target_forward(target, input_ids, attention_mask, layer_ids):
-    """One training batch through the target's base model (no LM head): its features."""
+    """One batch through the target's base model (no LM head): the outputs of `layer_ids`, concatenated."""
     capture(target, layer_ids)
     target.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return target_features(target, layer_ids)
+    feats = torch.cat([target.captured[i] for i in layer_ids], dim=-1)
+    target.captured.clear()     # the hooks' references would hold a batch of layer outputs until the next forward
+    return feats
 
 
 # -----------------------------------------------------------------------------
@@ -517,14 +479,6 @@ def target_forward(target, input_ids, attention_mask, layer_ids):
 # config.json keys that are DFlashConfig fields of the same name
 HF_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
            "num_target_layers", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")
-
-
-def drafter_hf_config(cfg: DFlashConfig, dtype=torch.bfloat16):
-    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **{k: getattr(cfg, k) for k in HF_KEYS},
-            "num_hidden_layers": cfg.num_draft_layers, "hidden_act": "silu", "attention_bias": False,
-            "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", ""), "block_size": cfg.block_size,
-            "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
-                              "mask_token_id": cfg.mask_token_id}}
 
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
@@ -539,13 +493,19 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(weights, 0o666 & ~umask)     # safetensors creates it 0600; the other files get the umask's
+    cfg = drafter.config
+    hf = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **{k: getattr(cfg, k) for k in HF_KEYS},
+          "num_hidden_layers": cfg.num_draft_layers, "hidden_act": "silu", "attention_bias": False,
+          "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", ""), "block_size": cfg.block_size,
+          "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
+                            "mask_token_id": cfg.mask_token_id}}
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(drafter_hf_config(drafter.config, dtype), f, indent=2)
+        json.dump(hf, f, indent=2)
 
 
 def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
-    """Load a saved drafter; `target` provides the frozen embedding and LM head. What is not a drafter for
-    this target is a one-line error naming the file."""
+    """Load a saved drafter; `target` provides the frozen embedding and LM head. What is not a drafter for this
+    target is a one-line error naming the file."""
     from safetensors.torch import load_file
     cfg_path, weights = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     if not os.path.isfile(cfg_path):

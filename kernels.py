@@ -1,7 +1,6 @@
-"""The hand-written Triton kernels, each next to the torch code it must equal and a check of the two
-on each device's first use (a kernel a new Triton build compiles wrongly stops the run at its start):
-  1. the LM head's cross entropy over one chunk of logits (loss, "correct", gradient) - dflash_model
-  2. the AdamW update over bf16 weights with fp32 masters and moments - master_adamw
+"""The hand-written Triton kernels, each next to the torch code it must equal and checked against it on each
+device's first use (a kernel a new Triton build compiles wrongly stops the run at its start): 1. the LM head's
+cross entropy over one chunk of logits, 2. AdamW over bf16 weights with fp32 masters, 3. decoding attention.
 Without Triton (CPU-only installs) the torch versions run; test_kernels.py runs both on CPU via Triton's interpreter.
 """
 import math
@@ -34,9 +33,8 @@ def _check_once(checked, dev, check, *args):
 
 
 def ce_chunk_eager(logits, y, w):
-    """One chunk of the weighted CE from its (n, V) logits: (sum of w*CE, correct, dCE/dlogits * w).
-    correct = the label's logit is the row's maximum (argmax up to ties; only the accuracy log sees
-    the difference, and it saves an index-tracking pass over every logit)."""
+    """One chunk of the weighted CE from its (n, V) logits: (sum of w*CE, correct, dCE/dlogits * w). correct: the
+    label's logit is the row's maximum (argmax up to ties, without an index-tracking pass over every logit)."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     tgt = x.gather(1, y[:, None]).squeeze(1)
@@ -90,9 +88,8 @@ def _ce_chunk_triton_unchecked(logits, y, w):
 
 
 def ce_chunk_triton(logits, y, w):
-    """ce_chunk_eager's result from one Triton kernel (CUDA), two passes over the logits: faster than the same
-    math compiled by inductor, and nothing to compile through the gate. Checked against the eager version on
-    each device's first call."""
+    """ce_chunk_eager's result from one Triton kernel, two passes over the logits: faster than inductor's, and
+    nothing to compile through the gate."""
     _check_once(_CE_CHECKED, logits.device, _check_ce_kernel, logits[:16], y[:16], w[:16])
     return _ce_chunk_triton_unchecked(logits, y, w)
 
@@ -135,8 +132,7 @@ if triton is not None:
 
 
 def adamw_torch(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
-    """The same update with torch ops, in torch.optim.AdamW's (single-tensor) order. (A nan `scale`
-    is skipped by step(), as the kernel stores nothing for it.)"""
+    """The same update with torch ops, in torch.optim.AdamW's (single-tensor) order (step() skips a nan `scale`)."""
     g = g.float() if scale is None else g.float() * scale
     w, m, v = st["master"], st["exp_avg"], st["exp_avg_sq"]
     w.mul_(decay)
@@ -181,11 +177,10 @@ def _check_adamw_kernel(dev):
     if (p.float() - p_ref.float()).abs().max() > 2 ** -7 * p_ref.float().abs().max():
         raise RuntimeError(f"the Triton AdamW kernel writes wrong bf16 weights on {dev}")
     for k in (n, 3 * 4096):
-        sub = [t[:k] for t in (p, g, st["master"], st["exp_avg"], st["exp_avg_sq"])]
-        before = [t.clone() for t in sub]
-        _update_triton(sub[0], sub[1], dict(zip(("master", "exp_avg", "exp_avg_sq"), sub[2:])),
-                       torch.tensor(math.nan, device=dev), *args)
-        if not all(torch.equal(a, b) for a, b in zip(before, sub)):
+        sub = {key: t[:k] for key, t in st.items()}
+        before = [t.clone() for t in (p[:k], g[:k], *sub.values())]
+        _update_triton(p[:k], g[:k], sub, torch.tensor(math.nan, device=dev), *args)
+        if not all(torch.equal(a, b) for a, b in zip(before, (p[:k], g[:k], *sub.values()))):
             raise RuntimeError(f"the Triton AdamW kernel stores an update with a nan clip factor on {dev} "
                                "(it must store nothing: a nan/inf gradient norm would poison the weights)")
 
@@ -263,14 +258,13 @@ def _row_attention_triton_unchecked(q, k, v, lens, causal, scale):
         _row_attention_kernel[(R, k.shape[2])](
             q, k, v, out, lens, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             out.stride(0), out.stride(1), out.stride(2), T=T, G=G, D=D, BLOCK_M=p2(T * G), BLOCK_D=p2(D),
-            BLOCK_N=32 if fp32 else 64, CAUSAL=causal, IEEE=fp32, num_warps=8 if fp32 else 4)   # fp32: half the tile
+            BLOCK_N=32 if fp32 else 64, CAUSAL=causal, IEEE=fp32, num_warps=8 if fp32 else 4)
     return out
 
 
 def row_attention(q, k, v, lens, causal, scale):
-    """row_attention_torch's result, on a GPU from one Triton kernel that reads each row's keys only up to its
-    length (SDPA would read every row's whole cache); checked against the torch version on each device's and
-    dtype's first call, which comes before any CUDA-graph capture."""
+    """row_attention_torch's result, on a GPU from one Triton kernel reading each row's keys only up to its length
+    (SDPA reads every row's whole cache); checked on each (device, dtype, causal)'s first call, before any capture."""
     if not q.is_cuda or triton is None:
         return row_attention_torch(q, k, v, lens, causal, scale)
     _check_once(_ROW_CHECKED, (q.device, q.dtype, causal), _check_row_attention, q, k, v, lens, causal, scale)

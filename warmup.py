@@ -2,12 +2,9 @@
 
     python warmup.py --target Qwen/Qwen3-8B --drafter-devices cuda:5,cuda:6,cuda:7 [train_dflash.py options]
 
-train_dflash.py runs the same warm-up (compiled.warm_up) before its threads start: the drafter's compiled
-forward AND backward for each shape on each device, one at a time through the compile gate, and on GPUs the
-target's decoder layers (one graph per shape, shared by the layers), their features checked against the
-eager target's. The inductor/triton cache persists (--compile-cache, default <out_dir>/compile_cache), so a
-later start loads every shape in seconds. This script fills it ahead, without the target's weights: the
-target's layers run on random weights of its shape (a compile reads shapes, never values).
+train_dflash.py runs the same warm-up (compiled.warm_up) before its threads start; the inductor/triton cache
+persists (--compile-cache, default <out_dir>/compile_cache), so a later start loads every shape in seconds. This
+script fills it ahead without the target's weights: random ones of its shape (a compile reads shapes, not values).
 """
 import sys
 
@@ -19,9 +16,8 @@ from master_adamw import cast_weights
 
 
 def build_drafters(cfg):
-    """The drafter replicas and the shape plan train_dflash.py builds for `cfg`, without the target's
-    weights: its model on the meta device gives the embedding and LM head shapes and whether they are one
-    tensor, and empty tensors of the target's dtype stand in (a compile reads layouts, never values)."""
+    """The drafter replicas and the shape plan train_dflash.py builds for `cfg`, without the target's weights: its
+    meta-device model gives the embedding and LM head shapes and whether they are one tensor; empty tensors stand in."""
     from transformers import AutoModelForCausalLM
     tcfg, tok = config.load_target_config(cfg.target)
     tdevs, ddevs = config.resolve_devices(cfg)
