@@ -6,8 +6,8 @@
     python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1   # the loop, any layout
     python bench.py --decode --target-config config.json --seq 2048   # generate_data.py's decoding step
 
-Naive is what public DFlash trainers run: only flex_attention compiled, the block mask from torch's
-create_block_mask every step. Times are the median of --rounds rounds of --steps calls back to back.
+Naive is what public DFlash trainers run: only flex_attention compiled, create_block_mask every step.
+Times are the median of --rounds rounds of --steps calls back to back.
 """
 import argparse
 import json
@@ -19,16 +19,28 @@ import sys
 import tempfile
 import time
 
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import compiled
+import config
+import decoding
+import dflash_model as dm
+import kernels
+import layout
+import replicas
+from master_adamw import MasterAdamW
+
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
 TINY = dict(model_type="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+NAIVE_FLEX = torch.compile(flex_attention, dynamic=False)    # the naive setup's only compiled call
 
 
 def parse_args(argv):
-    import config
     p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy sizes (the default on CPU)")
     p.add_argument("--target-config", default="", metavar="JSON",
@@ -68,21 +80,11 @@ def parse_args(argv):
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     tmp = tempfile.mkdtemp(prefix="dflash_bench_")
-    import compiled
     cache = compiled.use_compile_cache(a.cache or os.path.join(tmp, "compile_cache"))   # before any compile
-    import torch
-    import config
-    import dflash_model as dm
-    import layout
-    import replicas
-    from master_adamw import MasterAdamW
-
     dev = torch.device(a.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    spec = TINY if a.tiny or dev.type == "cpu" else QWEN3_8B
-    if a.target_config:
-        spec = a.spec
+    spec = a.spec if a.target_config else TINY if a.tiny or dev.type == "cpu" else QWEN3_8B
     S = a.seq or (256 if spec is TINY else 3072)
     A = a.anchors or (16 if spec is TINY else 512)
     cfg_path = os.path.join(tmp, "target_config.json")
@@ -93,11 +95,8 @@ def main(argv=None):
            "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
            "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
     log = lambda m: print(m, flush=True)
-    if a.pipeline_only:
-        res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))
-        return report(a, res)
-    if a.decode:
-        res.update(decode(a, spec, S, dev, log))
+    if a.pipeline_only or a.decode:
+        res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log) if a.pipeline_only else decode(a, spec, S, dev, log))
         return report(a, res)
     peak = compiled.measure_peak_flops(dev)
     res["peak_tflops"] = peak / 1e12
@@ -113,8 +112,7 @@ def main(argv=None):
     dcfg = config.make_drafter_config(tcfg, target_cfg, None)
     target = config.load_target(tcfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log)
     plan = config.shape_plan(tcfg, dcfg, config.batch_memory(dcfg, target_cfg, [dev], [dev]))
-    B = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
-    res["B"] = B
+    B = res["B"] = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
     drafter = config.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
                                  target.get_output_embeddings().weight.detach(), dev, 0)
     opt = MasterAdamW(drafter.parameters(), lr=1e-5, param_dtype=config.param_dtype(dev))
@@ -155,10 +153,8 @@ def main(argv=None):
 
     def step(naive=False):
         with compiled.autocast(dev):
-            if naive:
-                loss = naive_loss(drafter, feats, ids, lm, anchors, valid, dev)
-            else:
-                loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn))[0]
+            loss = (naive_loss(drafter, feats, ids, lm, anchors, valid, dev) if naive else
+                    dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn))[0])
         if naive:   # its compiled flex backward compiles lazily: through the gate too
             compiled.GATE.run("naive_bwd", dev, (B, S, A), loss.backward)
         else:
@@ -170,15 +166,13 @@ def main(argv=None):
         torch.cuda.reset_peak_memory_stats(dev)
     t_ours = timed("drafter_ms", step)
     flops = dm.batch_flops(dcfg, S, anchors, valid)
+    mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     res.update(drafter_ms=1e3 * t_ours, drafter_tok_s=B * S / t_ours, drafter_mfu=flops / t_ours / peak,
-               drafter_tflop_per_step=flops / 1e12,
-               drafter_peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None)
+               drafter_tflop_per_step=flops / 1e12, drafter_peak_mem_gib=mem)
     log(f"[bench] drafter step (ours): {1e3 * t_ours:.1f} ms = {B * S / t_ours:,.0f} target tok/s, "
-        f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {res['drafter_peak_mem_gib']:.1f} GiB"
-                                            if res["drafter_peak_mem_gib"] is not None else ""))
+        f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {mem:.1f} GiB" if mem is not None else ""))
 
-    # --- the drafter, naive: its flex compile is an unwarmed key of the (warm) gate, which compiles
-    # it exclusively and says so
+    # --- the drafter, naive: its flex compile is an unwarmed key of the warm gate, which compiles it exclusively
     if attn == "flex":
         compiled.GATE.on_unwarmed = "compile"
         step(naive=True)
@@ -216,21 +210,11 @@ def report(a, res):
 def naive_loss(drafter, feats, ids, lm, anchors, valid, dev):
     """The public trainers' setup: eager trunk, compiled flex only (flex's own GQA, torch's tiles),
     eager create_block_mask every step, LM head + eager CE in chunks of 2048."""
-    import torch
-    import compiled
-    import dflash_model as dm
-    import kernels
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    global _naive_flex
-    if "_naive_flex" not in globals():
-        _naive_flex = torch.compile(flex_attention, dynamic=False)
-    c = drafter.config
-    B, S = ids.shape
-    A = anchors.shape[1]
+    c, (B, S), A = drafter.config, ids.shape, anchors.shape[1]
     block_ids, block_pos, labels, weights = dm.make_blocks(ids, lm, anchors, valid, c.block_size, c.mask_token_id, 7.0)
     bm = create_block_mask(dm.make_mask_mod(anchors.to(dev), S, c.block_size), B, None, A * c.block_size,
                            S + A * c.block_size, device=dev)
-    attend = lambda q, k, v: compiled.GATE.run("naive_flex", dev, tuple(q.shape) + tuple(k.shape), _naive_flex,
+    attend = lambda q, k, v: compiled.GATE.run("naive_flex", dev, tuple(q.shape) + tuple(k.shape), NAIVE_FLEX,
                                          q, k, v, block_mask=bm, enable_gqa=True)
     hidden = drafter.body(feats, block_ids, torch.arange(S, device=dev).expand(B, S), block_pos, attend)
     return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048,
@@ -240,10 +224,6 @@ def naive_loss(drafter, feats, ids, lm, anchors, valid, dev):
 def decode(a, spec, S, dev, log):
     """generate_data.py's decoding step on a random target of `spec`: the engine rows that fit a context of S
     (at most 1,024), each at a random position below S/4, S/2 and S, its layers compiled on a GPU; ms per step."""
-    import torch
-    import config
-    import compiled
-    import decoding
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
     with torch.device(dev):
@@ -261,13 +241,11 @@ def decode(a, spec, S, dev, log):
 
 
 def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
-    """train_dflash.py on synthetic full-length samples: tokens/s (the median of its log lines after
-    the first), the warm-cache warm-up, busy shares."""
+    """train_dflash.py on synthetic full-length samples: median tokens/s after its first log line, warm-up, busy."""
     out = os.path.join(tmp, "pipeline_out")
     cmd = [sys.executable, "-u", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dflash.py"),
            "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S),
-           # --all-shapes: every default bucket is warmed (= the warm-cache start of all shapes); the
-           # synthetic samples all have length S, so only the S bucket trains
+           # --all-shapes warms every default bucket (the warm start of all shapes); only the S bucket trains
            *([] if a.all_shapes else ["--buckets", str(S)]),
            "--num-anchors", str(A), "--target-devices", a.target_devices or str(dev),
            "--drafter-devices", a.drafter_devices or str(dev), "--max-steps", str(a.pipeline_steps),
@@ -275,8 +253,7 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     log("[bench] pipeline: " + " ".join(cmd))
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.time() - t0
-    text = p.stdout + p.stderr
+    wall, text = time.time() - t0, p.stdout + p.stderr
     if p.returncode:
         print(text[-5000:])
         raise SystemExit(f"pipeline run failed (exit {p.returncode})")

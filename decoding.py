@@ -1,16 +1,7 @@
-"""Decoding with the target: one engine for the answers generate_data.py writes and the drafters eval_dflash.py
-measures.
-
-Engine: a static KV cache of `rows` rows over the target's own HF layers (any Llama-like model: embed, rotary,
-decoder layers, norm); only the attention is replaced. Each row holds one sequence at its own position: a step
-feeds every row T tokens at its position, writes their keys/values there and attends to the row's cache up to
-them (kernels.row_attention), so rows advance by their own counts. On a GPU each step shape is one CUDA-graph
-replay: a small target's step is otherwise hundreds of kernel launches for little work.
-  1. generate  - many answers at once; a finished row takes the next prompt (generate_data.py)
-  2. speculate - greedy decoding of a batch of prompts, plain or speculative: n-gram prompt lookup or a DFlash
-                 drafter proposes up to block_size-1 tokens per row, the target verifies them in one step, and
-                 each row keeps its agreeing prefix plus the target's own next token (eval_dflash.py)
-"""
+"""Decoding with the target: generate (many answers at once, for generate_data.py) and speculate (greedy, plain or
+with n-gram lookup or a DFlash drafter proposing, for eval_dflash.py). Engine: a static KV cache of rows over the
+target's own HF layers, only the attention replaced, each row at its own position; on a GPU each step shape is one
+CUDA-graph replay (a small target's step is otherwise hundreds of kernel launches for little work)."""
 import heapq
 import itertools
 import math
@@ -18,26 +9,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
-from torch.nn.attention import sdpa_kernel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
 
 
 def stop_token_ids(tok, target):
-    """Sorted ids that end generation: the target's generation_config eos (an int or a list: Llama-3.1
-    lists <|eot_id|> there, which ends each assistant turn), the tokenizer's eos and <|im_end|> where
-    the vocabulary has it (looked up in it: convert_tokens_to_ids would give the unk id for a miss)."""
+    """Sorted ids that end generation: the generation_config's eos (an int or a list: Llama-3.1 lists <|eot_id|>
+    there), the tokenizer's eos and <|im_end|> (looked up in the vocabulary: convert_tokens_to_ids gives unk)."""
     gen = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    ids = set(gen if isinstance(gen, (list, tuple)) else [gen])
-    ids |= {tok.eos_token_id, tok.get_vocab().get("<|im_end|>")}
+    ids = {*(gen if isinstance(gen, (list, tuple)) else [gen]), tok.eos_token_id, tok.get_vocab().get("<|im_end|>")}
     return sorted(t for t in ids if isinstance(t, int) and t >= 0)
 
 
 def replay(graphs, key, fn, device):
-    """fn() on a CPU; on a GPU one replay of the CUDA graph captured from fn on the first call under `key` (fn
-    reads and writes only tensors that outlive it; the graphs of one dict share a memory pool, so they must
-    never run at the same time)."""
+    """fn() on a CPU; on a GPU a replay of the CUDA graph captured from fn under `key` (fn touches only tensors
+    that outlive it; the graphs of one dict share a memory pool, so they must never run at the same time)."""
     if device.type != "cuda":
         return fn()
     if key not in graphs:
@@ -61,27 +48,31 @@ PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPB
 
 
 def kv_shape(c, rows, length):
-    """One layer's keys, or values: (rows, length, kv heads, head dim)."""
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return rows, length, c.num_key_value_heads, head_dim
 
 
 class Engine:
-    """The target over a static cache of `rows` rows of `length` tokens; `feature_layers`: the decoder layers
-    whose outputs each step also returns (a drafter's input). compile: each step's decoder layers run compiled
-    (regional: every layer shares the graphs of one step shape; the attention stays outside them), which fuses
-    the norms, rotary embedding and activations of a step into a few kernels."""
+    """The target over a static cache of `rows` rows of `length` tokens, returning the outputs of `feature_layers`
+    too (a drafter's input). compile: the decoder layers run compiled, the attention outside their graphs."""
     PREFILL_TOKENS = 65536     # tokens per prefill batch (padding included)
     CALL_TOKENS = 2048         # a prefill batch's fixed cost, in padded tokens
 
     def __init__(self, model, rows, length, feature_layers=(), compile=False):
-        check_decodable(model, length)
+        c, base = model.config, getattr(model, "model", None)   # refused: not Llama-like, or windows a context reaches
+        missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
+        window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
+        sliding = set(getattr(c, "layer_types", None) or []) - {"full_attention"} or (window and window < length)
+        if missing or sliding:
+            raise SystemExit(f"error: the decoding engine runs Llama-like targets with full attention; "
+                             f"{type(model).__name__} " + (f"has no model.{', model.'.join(missing)}" if missing else
+                                                           f"has sliding-window attention within {length} tokens"))
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
         AttentionInterface.register("row_cache", engine_attention)
         AttentionMaskInterface.register("row_cache", sdpa_mask)   # a plain HF forward keeps sdpa's mask
         model.set_attn_implementation("row_cache")
-        c, dev = model.config, model.device
+        dev = model.device
         self.k = [torch.zeros(kv_shape(c, rows, length), dtype=model.dtype, device=dev)
                   for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros_like(k) for k in self.k]
@@ -101,8 +92,7 @@ class Engine:
         return max(1, min(most, torch.cuda.mem_get_info(model.device)[0] // 2 // per_row))
 
     def forward(self, ids, rows, positions, prefill=False):
-        """Final-normed hidden states of ids (n, T) at positions (n, T) of cache rows `rows` (n, 1), and the
-        feature layers' outputs (n, T, F) or None."""
+        """Final-normed hidden states of ids (n, T) at positions (n, T) of rows (n, 1), and features or None."""
         m = self.model.model
         self.at, self.prefill_step = (rows, positions), prefill
         h, outs = m.embed_tokens(ids), {}
@@ -125,8 +115,7 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, rows, prompts):
-        """Write the prompts (token lists) into cache rows `rows` from position 0: the logits of each prompt's next
-        token (n, V) and the features of every position (n, longest, F; past a prompt's end, anything) or None."""
+        """Write the prompts into cache rows `rows`: next-token logits (n, V), features (n, longest, F) or None."""
         dev, logits, feats = self.model.device, None, None
         for take in self.batches([len(p) for p in prompts]):
             lens, L = torch.tensor([len(prompts[i]) for i in take]), len(prompts[take[0]])
@@ -147,8 +136,7 @@ class Engine:
     @classmethod
     def batches(cls, lens):
         """Prompt indices in right-padded batches, longest first: the split of the length order with the fewest
-        padded tokens, each batch counting CALL_TOKENS more (its kernel launches), none over PREFILL_TOKENS
-        unless it is one prompt."""
+        padded tokens (+ CALL_TOKENS a batch), none over PREFILL_TOKENS unless it is one prompt."""
         order = sorted(range(len(lens)), key=lambda i: -lens[i])
         L = [lens[i] for i in order]
         cost, start = [0] + [math.inf] * len(L), [0] * (len(L) + 1)
@@ -166,8 +154,7 @@ class Engine:
 
     @torch.no_grad()
     def step(self, ids, pos):
-        """Logits (rows, T, V) of tokens ids (n, T) fed to rows [0, n) at their positions pos (n,) on, and
-        their features; the other rows read one position."""
+        """Logits (rows, T, V) and features of ids (n, T) fed to rows [0, n) from positions pos (n,) on."""
         (n, T), dev = ids.shape, self.pos.device
         if T not in self.ids:    # a graph reads the tensors it was captured with: these stay
             self.ids[T] = torch.zeros(self.rows, T, dtype=torch.long, device=dev), torch.arange(T, device=dev)
@@ -197,23 +184,9 @@ def engine_attention(module, q, k, v, mask, scaling=None, engine=None, **kw):
     return engine.attend(module.layer_idx, q, k, v, scaling), None
 
 
-def check_decodable(model, length):
-    """The engine runs the target's own layers with full causal attention over each context: a model of
-    another shape, or with sliding-window layers that a context of `length` would reach, is refused."""
-    c, base = model.config, getattr(model, "model", None)
-    missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
-    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
-    sliding = set(getattr(c, "layer_types", None) or []) - {"full_attention"} or (window and window < length)
-    if missing or sliding:
-        raise SystemExit(f"error: the decoding engine runs Llama-like targets with full attention; "
-                         f"{type(model).__name__} " + (f"has no model.{', model.'.join(missing)}" if missing else
-                                                       f"has sliding-window attention within {length} tokens"))
-
-
 def picker(temperature, top_p):
-    """Greedy, or sampling at `temperature` within the `top_p` nucleus: (logits (rows, V), seeds (rows,)) -> token
-    ids (rows,). A sample is the argmax of the nucleus' log-probabilities plus Gumbel noise that is a hash of
-    the row's seed and the token id: the same answer whichever rows, batch or device decode it."""
+    """Greedy, or sampling at `temperature` within the `top_p` nucleus: (logits (rows, V), seeds (rows,)) -> ids.
+    Gumbel noise hashed from the row's seed and the token id: the same answer whichever rows or device decode it."""
     if temperature <= 0:
         return lambda logits, seeds: logits.argmax(-1)
 
@@ -230,24 +203,14 @@ def picker(temperature, top_p):
     return sample
 
 
-# -----------------------------------------------------------------------------
-# 1. Many answers at once
-
-
 @torch.no_grad()
 def generate(engine, more, stops, pick, follow=lambda ended: []):
     """Decode requests ((group, ...) key, prompt ids, budget, chain, seed) until none is left: more() returns more
-    ([] when there are none), asked for whenever fewer wait than the engine has rows; pick(logits, seeds) -> token
-    ids, seeds[r] = the row's request seed + its token's index. An answer ends at a stop id (kept) or after
-    `budget` tokens; follow([(key, tokens)] of the answers a step ended) returns the next requests of those keys
-    (a conversation's next turns). follow runs in a thread while the next step decodes (a chat template's
-    tokenizer is host work the GPU would wait for), and its requests take rows from the step after that; more()
-    runs while a step decodes too, never beside follow.
-    Requests are taken by key[0] (a group: a shard), then longest chain first: a group's conversations finish
-    together and its last turns do not decode alone at the end, while the next group's fill the free rows.
-    Free rows take the next prompts once an eighth of the rows are free (no batch waits for its longest answer),
-    prefilled together (Engine.prefill batches them by length). The rows' bookkeeping is tensors: a step's host
-    work grows with the answers that end, not the rows."""
+    ([] at the end) while fewer wait than there are rows; pick(logits, seeds) -> ids, seeds = the request's seed +
+    the token's index. An answer ends at a stop id (kept) or after `budget` tokens; follow([(key, tokens)] of the
+    answers a step ended) returns their next turns, in a thread while the next step decodes (a chat template is
+    host work the GPU would wait for). Requests go by group (a shard), then longest chain first, so a group's last
+    turns do not decode alone at the end. The bookkeeping is tensors: host work grows with the answers that end."""
     n, heap, order, done_more, dev = engine.rows, [], itertools.count(), False, engine.pos.device
     push = lambda r: heapq.heappush(heap, (r[0][0], -r[3], len(r[1]), next(order), r))   # (group, chain)
     req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
@@ -301,15 +264,9 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
                 pending, ended = pool.submit(follow, ended), []
 
 
-# -----------------------------------------------------------------------------
-# 2. Speculative decoding
-
-
 class NGram:
-    """Prompt lookup, the proposer that needs no training: after each row's context, the up to block_size-1 tokens
-    that followed the latest earlier occurrence of its last 3 tokens, else of its last 2, else of its last. Each
-    row keeps an index of where each of its 1-, 2- and 3-grams last started, so a lookup costs what the round
-    added, not a scan of the context."""
+    """Prompt lookup: the up to block_size-1 tokens that followed the latest earlier occurrence of the row's last 3
+    tokens, else 2, else 1. An index of where each n-gram last started makes a lookup cost what the round added."""
     N = 3
 
     def __init__(self, block_size):
@@ -339,10 +296,8 @@ class NGram:
 
 
 class DrafterRows:
-    """A DFlash drafter proposing for each row of an engine: its own cache of context keys/values per row (the
-    target features of the row's committed tokens); each round one block step (a CUDA-graph replay on a GPU)
-    adds the last verify step's committed features to the cache and drafts block_size-1 tokens after the anchor
-    (the row's last token)."""
+    """A DFlash drafter proposing for each row of an engine over its own cache: each round one block step (a graph
+    replay on a GPU) adds the committed tokens' features to it and drafts block_size-1 tokens after the last."""
 
     def __init__(self, drafter, rows, length):
         c, dev, dt = drafter.config, drafter.fc.weight.device, drafter.fc.weight.dtype
@@ -352,8 +307,7 @@ class DrafterRows:
         self.k = [torch.zeros(kv_shape(c, rows, length), dtype=dt, device=dev) for _ in drafter.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.drafter, self.block_size, self.graphs = drafter, c.block_size, {}
-        F_ = len(c.target_layer_ids) * c.hidden_size
-        self.feats = torch.zeros(rows, c.block_size, F_, dtype=dt, device=dev)
+        self.feats = torch.zeros(rows, c.block_size, len(c.target_layer_ids) * c.hidden_size, dtype=dt, device=dev)
         self.ctx_len, self.n_new, self.anchor = (torch.zeros(rows, dtype=torch.long, device=dev) for _ in range(3))
         self.rows = torch.arange(rows, device=dev)[:, None]
         self.offsets = torch.arange(c.block_size, device=dev)
@@ -361,7 +315,6 @@ class DrafterRows:
 
     @torch.no_grad()
     def prefill(self, rows, feats, lens):
-        """The prompts' features (n, T, F) become the context of rows `rows`, lens[i] of them valid."""
         d, dt = self.drafter, self.feats.dtype
         pos = torch.arange(feats.shape[1], device=feats.device)[None].expand(len(rows), -1)
         ctx, (cos, sin) = d.context(feats.to(dt)), d.rope(pos, dt)
@@ -398,8 +351,7 @@ class DrafterRows:
 
     @torch.no_grad()
     def accept(self, n, feats, live):
-        """The verify step committed n+1 tokens per live row (its input's first n+1): their features are the
-        next block step's new context."""
+        """The verify step committed its first n+1 tokens per live row: their features are the next context."""
         R = len(n)
         self.ctx_len[:R] += self.n_new[:R]
         self.n_new[:R] = torch.where(live, n + 1, 0)
@@ -408,10 +360,8 @@ class DrafterRows:
 
 @torch.no_grad()
 def speculate(engine, prompts, max_new_tokens, stops, proposer=None):
-    """Greedy decoding of each prompt (token lists) in a row of its own: [(new tokens, acceptance length of each
-    round)] per prompt. With a proposer (NGram, DrafterRows) each round one target step verifies every row's
-    proposals; without one each step commits one token. An answer ends at a stop id (kept) or after
-    max_new_tokens. Rows do not see each other: a prompt decodes as it would alone."""
+    """Greedy decoding of each prompt in a row of its own, as it would decode alone: [(new tokens, acceptance
+    lengths)] per prompt. An answer ends at a stop id (kept) or after max_new_tokens."""
     R, dev, stops = len(prompts), engine.pos.device, set(stops)
     seqs, rounds, live = [list(p) for p in prompts], [[] for _ in prompts], [True] * R
     logits, feats = engine.prefill(list(range(R)), prompts)     # in batches of similar lengths

@@ -4,10 +4,9 @@
     python eval_dflash.py --target ... --drafter out/step_000*/drafter --prompts ...   # compare checkpoints
 
 Each prompt (a conversation up to its first reply) is decoded greedily by the target alone, with n-gram prompt
-lookup and with each drafter, the prompts side by side in one batch (decoding.speculate), in --dtype: tau, its
-histogram and acceptance by draft position. Every output must equal the target's, or the exit status is 1. Then
-the speed as served: each of --speed-prompts prompts alone (batch 1) in --speed-dtype, on a GPU every target
-step (its decoder layers compiled, as a serving engine fuses them) and drafter block one CUDA-graph replay.
+lookup and with each drafter, the prompts side by side, in --dtype: tau, its histogram and acceptance by draft
+position. Every output must equal the target's, or the exit status is 1. Then the speed as served: each of
+--speed-prompts prompts alone in --speed-dtype, on a GPU through compiled target layers and CUDA graphs.
 """
 import argparse
 import collections
@@ -61,15 +60,14 @@ def parse_args(argv):
 
 
 def drafter_labels(paths):
-    """A short name per drafter: the step folder of a checkpoint's .../step_000690/drafter, else the
-    folder's own name; the paths themselves where those names collide."""
+    """A short name per drafter: step_000690 of .../step_000690/drafter, else the folder's name; else the paths."""
     parts = [os.path.normpath(p).split(os.sep) for p in paths]
     short = [q[-2] if q[-1] == "drafter" and len(q) > 1 else q[-1] for q in parts]
     return short if len(set(short)) == len(short) else [os.path.normpath(p) for p in paths]
 
 
 def prompts_from(files, tokenizer, n, skip, max_tokens):
-    """The first skip + n usable prompts' ids (the conversation up to its first reply), less the first skip."""
+    """The ids of usable prompts skip .. skip + n (each conversation up to its first reply)."""
     out = []
     for msgs in data_dflash.load_conversations(files)[0]:
         first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), 0)
@@ -83,7 +81,7 @@ def prompts_from(files, tokenizer, n, skip, max_tokens):
 
 
 def proposers(drafters, bs, rows, length):
-    """(name, feature layers, a fresh proposer) of each way to decode: the target alone, each drafter, n-gram lookup."""
+    """(name, feature layers, a fresh proposer) of each way to decode."""
     return [("target greedy", (), lambda: None),
             *((lb, d.config.target_layer_ids, lambda d=d: decoding.DrafterRows(d, rows, length))
               for lb, d in drafters.items()),
@@ -91,7 +89,7 @@ def proposers(drafters, bs, rows, length):
 
 
 def decode_all(target, drafters, prompts, n, stops, bs, device):
-    """{name: [(new tokens, acceptance lengths)] per prompt} of each way to decode, the prompts in batches."""
+    """{name: [(new tokens, acceptance lengths)] per prompt}, the prompts in batches."""
     length = max(map(len, prompts)) + n + 2 * bs
     rows = min(len(prompts), decoding.Engine.fit(target, length, most=len(prompts)))
     out = {}
@@ -108,8 +106,7 @@ def decode_all(target, drafters, prompts, n, stops, bs, device):
 
 
 def speed(target, drafters, prompts, n, stops, bs, device):
-    """{name: (new tokens, seconds)} of each way to decode, each prompt alone (batch 1), after an untimed
-    prompt (the graphs' capture)."""
+    """{name: (new tokens, seconds)}, each prompt alone, after an untimed one (the graphs' capture)."""
     length, out, gpu = max(map(len, prompts)) + n + 2 * bs, {}, torch.device(device).type == "cuda"
     for name, layers, make in proposers(drafters, bs, 1, length):
         engine, proposer = decoding.Engine(target, 1, length, layers, compile=gpu), make()
@@ -146,7 +143,12 @@ def main(argv=None):
     for name, got in outs.items():
         bad = [{"prompt": a.skip + i, **first_difference(target, p, r, o)}
                for i, (p, (r, _), (o, _)) in enumerate(zip(prompts, ref, got)) if o != r]
-        res["methods"][name] = measures(collections.Counter(x for _, acc in got for x in acc), bs, len(prompts), bad)
+        hist = collections.Counter(x for _, acc in got for x in acc)
+        rounds = sum(hist.values())
+        res["methods"][name] = {"mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
+                                "histogram": dict(sorted(hist.items())),
+                                "acceptance_by_position": acceptance_by_position(hist, bs),
+                                "lossless": len(prompts) - len(bad), "mismatches": bad}
     for i, (p, (r, _)) in enumerate(zip(prompts, ref)):
         taus = {name: sum(got[i][1]) / len(got[i][1]) if got[i][1] else None for name, got in outs.items()}
         res["per_prompt"].append({"prompt": a.skip + i, "tokens_in": len(p), "tokens_out": len(r), "tau": taus})
@@ -166,8 +168,8 @@ def main(argv=None):
 
 
 def first_difference(target, prompt, ref, out):
-    """Where a speculative output leaves the target's, and the target's logit margin there (tiny: a near-tie that
-    block verification and one-token decoding round apart; large: a bug)."""
+    """Where an output leaves the target's, and the target's logit margin there (tiny: a near-tie that block
+    verification and one-token decoding round apart; large: a bug)."""
     at = next((i for i, (x, y) in enumerate(zip(ref, out)) if x != y), min(len(ref), len(out)))
     with torch.no_grad():
         logits = target(torch.tensor([prompt + ref[:at]], device=target.device)).logits[0, -1].float()
@@ -176,30 +178,17 @@ def first_difference(target, prompt, ref, out):
 
 
 def format_histogram(*hists, bs, width=8):
-    """A row per acceptance length 1..bs: each method's count of rounds, a bar for the first; all zero
-    when no prompt ran a drafting round (each ended at its first token: a stop id or --max-new-tokens 1)."""
+    """A row per acceptance length 1..bs: each method's count of rounds, a bar for the first."""
     top = max(hists[0].values(), default=0)
     return "\n".join(f"  {L:2d} " + " ".join(f"{h.get(L, 0):{width}d}" for h in hists)
                      + f" {'#' * int(40 * hists[0].get(L, 0) / max(1, top))}" for L in range(1, bs + 1))
 
 
 def acceptance_by_position(hist, bs):
-    """For draft position k = 1..bs-1: of the rounds that accepted at least k tokens (reached position k),
-    the share that accepted at least k+1 (took its token); None where no round reached it. The product of
-    the first k shares is the share of rounds that accept at least k+1 tokens."""
+    """For draft position k = 1..bs-1: of the rounds that accepted at least k tokens, the share that accepted
+    at least k+1; None where no round reached it."""
     at_least = [sum(c for L, c in hist.items() if L >= k) for k in range(1, bs + 1)]
     return [at_least[k] / at_least[k - 1] if at_least[k - 1] else None for k in range(1, bs)]
-
-
-def measures(hist, bs, n_prompts, mismatches):
-    rounds = sum(hist.values())
-    return {"mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
-            "histogram": dict(sorted(hist.items())), "acceptance_by_position": acceptance_by_position(hist, bs),
-            "lossless": n_prompts - len(mismatches), "mismatches": mismatches}
-
-
-def fmt(x):
-    return "-" if x is None else f"{x:.2f}"
 
 
 def report(res, labels, json_path):
@@ -219,7 +208,8 @@ def report(res, labels, json_path):
     print(format_histogram(*({int(k): v for k, v in m[name]["histogram"].items()} for name in names), bs=bs, width=cw))
     print(f"acceptance by draft position 1..{bs - 1} (of the rounds that reach it, the share that accept it):")
     for name in names:
-        print(f"  {name:{w}s} " + " ".join(f"{fmt(x):>4s}" for x in m[name]["acceptance_by_position"]))
+        print(f"  {name:{w}s} " + " ".join(f"{'-' if x is None else format(x, '.2f'):>4s}"
+                                           for x in m[name]["acceptance_by_position"]))
     print(f"[eval] {res['seconds']:.1f} s in all")
     if json_path:
         data_dflash.write_json(json_path, res)

@@ -1,13 +1,9 @@
-"""Which split of a node's GPUs trains fastest: the tokens/s of every layout the trainer runs, predicted from
-the seconds of one target forward and one drafter step per shape bucket, and a warning for a slow one.
+"""Which split of a node's GPUs trains fastest: every layout's tokens/s, predicted from the seconds of one target
+forward and one drafter step per shape bucket (mixed by their share of the batches), and a warning for a slow one.
 
-- Every GPU both roles (its target and drafter threads run concurrently): a GPU reaches the sum of its
-  parts, tokens / (t_target + t_drafter) (bench.py measures it); N GPUs, N times that.
-- k target GPUs feeding N - k drafter GPUs: the slower side binds, min(k / t_target, (N - k) / t_drafter)
-  batches/s.
-Drafter replicas meet at every optimiser step for the gradient sum: with more than one, the drafter side's
-rate is multiplied by `sync`, the gradient-sync efficiency. Buckets mix by their share of the batches: a
-batch takes sum(share x seconds) and holds sum(share x tokens) on average.
+- Every GPU both roles: tokens / (t_target + t_drafter) per GPU, the sum of its parts (bench.py measures it).
+- k target GPUs feeding N - k drafter GPUs: the slower side binds, min(k / t_target, (N - k) / t_drafter).
+More than one drafter replica: the drafter side's rate times `sync`, the gradient-sync efficiency.
 """
 from typing import NamedTuple
 
@@ -44,19 +40,16 @@ def predict(n_target, n_drafter, buckets, shared=False, sync=SYNC):
 
 
 def layouts(n, buckets, sync=SYNC):
-    """Every layout of n GPUs, best first: all n doing both roles, and k target + n - k drafter GPUs."""
-    rows = [Layout(devices(range(n)), devices(range(n)), *predict(n, n, buckets, True, sync))]
-    rows += [Layout(devices(range(k)), devices(range(k, n)), *predict(k, n - k, buckets, False, sync))
-             for k in range(1, n)]
+    """Every layout of n GPUs, best first: all n doing both roles (k = 0), and k target + n - k drafter GPUs."""
+    rows = [Layout(devices(range(k or n)), devices(range(k, n)), *predict(k or n, n - k, buckets, not k, sync))
+            for k in range(n)]
     return sorted(rows, key=lambda r: -r.tok_s)
 
 
 def predict_devices(tdevs, ddevs, buckets, sync=SYNC):
     """(tokens/s, side) of the trainer's device lists, or None where a GPU is shared by only some of them."""
     t, d = {str(x) for x in tdevs}, {str(x) for x in ddevs}
-    if t & d and t != d:
-        return None
-    return predict(len(t), len(d), buckets, t == d, sync)
+    return None if t & d and t != d else predict(len(t), len(d), buckets, t == d, sync)
 
 
 def format_table(rows):
@@ -71,8 +64,7 @@ def format_table(rows):
 
 
 def warning(rows, buckets, tdevs, ddevs, sync=SYNC, margin=0.10):
-    """A warning naming the best layout when it is predicted more than `margin` faster than the run's
-    device lists, else ''."""
+    """A warning naming the best layout when it is predicted more than `margin` faster than the run's, else ''."""
     best, mine = rows[0], predict_devices(tdevs, ddevs, buckets, sync)
     if mine is None or best.tok_s <= (1 + margin) * mine[0]:
         return ""
