@@ -7,15 +7,13 @@
         env.json      the environment the run started in (diagnose.py --against compares with it)
         DONE          written last: the files and their sizes
 
-A checkpoint is written into step_N.tmp and renamed into place, so a crash leaves the previous ones intact.
-One whose files do not match its DONE list, whose state.pt does not load, or whose optimiser state does not
-give its saved digest is damaged; a resume takes the newest intact one instead.
+Written into step_N.tmp and renamed into place, so a crash leaves the previous ones intact. A resume takes the
+newest intact one: its files match DONE, its state.pt loads and its optimiser state gives the saved digest.
 """
 import hashlib
 import json
 import os
 import shutil
-import threading
 import time
 
 import torch
@@ -67,12 +65,12 @@ def load_newest(out_dir, log):
 
 class Checkpointer:
     """save() snapshots the state into reused host buffers in the step loop (a fraction of a second); a background
-    thread writes the files while training goes on (Qwen3-8B's ~14 GB take tens of seconds). One write at a time: a
-    save waits for the last and says so (a slow disk is not a slow GPU). A failed write stops the run."""
+    thread writes the files while training goes on. One write at a time: a save waits for the last and says so (a
+    slow disk is not a slow GPU). A failed write stops the run. Called from the step loop's thread only."""
 
     def __init__(self, run, out_dir, keep_last, log):
         self.run, self.out_dir, self.keep_last, self.log = run, out_dir, keep_last, log
-        self.pool, self.writer, self.lock, self.closed = HostPool(), None, threading.Lock(), False
+        self.pool, self.writer = HostPool(), None
 
     def save(self, step, state, drafter, env_fn):
         """Snapshot `state` (torch.save'd) and the drafter's state_dict (saved in the serving format), and write
@@ -88,13 +86,8 @@ class Checkpointer:
         self.pool.start()              # the last write is done: its buffers are free
         state, serving = to_host(state, {}, self.pool), to_host(drafter.state_dict(), {}, self.pool)
         self.pool.finish()             # the asynchronous device -> host copies have landed
-        with self.lock:
-            if self.closed:            # the run stopped while this snapshot was taken: nobody waits for it
-                self.log(f"[ckpt] step {step}: not written, the run is stopping")
-                return 0.0
-            self.writer = self.run.start_thread("checkpoint-writer", self._write, step, state, serving,
-                                                drafter, env_fn)
-            self.writer.step = step
+        self.writer = self.run.start_thread("checkpoint-writer", self._write, step, state, serving, drafter, env_fn)
+        self.writer.step = step
         return time.time() - t0
 
     def _write(self, step, state, serving, drafter, env_fn):
@@ -126,25 +119,15 @@ class Checkpointer:
 
     def wait(self):
         """Block until the checkpoint being written (if any) is on disk; its step, or None."""
-        with self.lock:
-            writer = self.writer
+        writer, self.writer = self.writer, None
         if writer is not None:
             writer.join()
-            with self.lock:
-                if self.writer is writer:
-                    self.writer = None
         return writer.step if writer else None
-
-    def close(self):
-        """No write starts after this; the one under way finishes (a snapshot from before a failure is still good)."""
-        with self.lock:
-            self.closed = True
-        self.wait()
 
 
 # --- Host snapshots -------------------------------------------------------------------------------
 def to_host(obj, memo, pool):
-    """obj (dicts, lists, tuples) with every tensor COPIED into `pool` (read after its finish()), a CPU one too, as
+    """obj (dicts, lists, tuples) with every tensor, a CPU one too, COPIED into `pool` (read after its finish()):
     training goes on changing them. Once per tensor (memo: id -> copy): shared ones stay shared, saved once."""
     if isinstance(obj, dict):
         return {k: to_host(v, memo, pool) for k, v in obj.items()}
@@ -159,8 +142,8 @@ def to_host(obj, memo, pool):
 
 class HostPool:
     """Host snapshot buffers reused from one checkpoint to the next, in order (one of another shape or dtype is
-    replaced): a checkpoint's size of RAM. Pinned for a GPU tensor, so its copy runs asynchronously at bus speed (fresh
-    pageable memory would pause the step loop for seconds); torch rounds each pinned one up to a power of 2."""
+    replaced). Pinned for a GPU tensor, so its copy runs asynchronously at bus speed (fresh pageable memory would
+    pause the step loop); torch rounds each pinned one up to a power of 2."""
 
     def __init__(self):
         self.bufs, self.i, self.devices = [], 0, set()

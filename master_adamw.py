@@ -1,12 +1,10 @@
 """AdamW over bf16 model weights, with the fp32 master weights and moments in the optimiser.
 
-Why: fp32 weights under bf16 autocast are cast to bf16 in each forward, and their gradients back to fp32 in each
-backward (two passes over every parameter a step). Here the matmuls read the
-model's bf16 weights, and one pass per tensor reads master, gradient and moments and writes them and the bf16 weight.
-The numbers are the same (autocast's bf16 copy of an fp32 weight is this bf16 weight; a bf16 weight gradient cast to
-fp32 is exact), and the update is torch.optim.AdamW's. The clip factor (`grad_scale`, on the device) is applied in the
-pass (no host sync); a nan factor (the trainer's for a nan/inf gradient norm, so it can queue the step before reading
-the norm) stores nothing. On CUDA the pass is kernels.py's Triton kernel (checked on first use), else torch ops.
+fp32 weights under bf16 autocast cost two extra passes a step (cast to bf16 in the forward, gradients back to fp32).
+Here the matmuls read bf16 weights, and one pass per tensor updates master and moments and writes the bf16 weight.
+The numbers are autocast's (its bf16 copy of an fp32 weight is this weight; a bf16 gradient cast to fp32 is exact),
+the update torch.optim.AdamW's. The clip factor (`grad_scale`, on the device) is applied in the pass; a nan factor
+stores nothing. On CUDA the pass is kernels.py's Triton kernel (checked on first use), else torch ops.
 """
 import math
 
@@ -25,10 +23,9 @@ def cast_weights(params, dtype):
 
 
 class MasterAdamW(torch.optim.Optimizer):
-    """AdamW whose fp32 state includes the master weights. Build it from the freshly initialised fp32
-    model: those values become the masters, and the parameters are cast to `param_dtype` (bf16 on CUDA)
-    in place. step(grads=..., grad_scale=...) takes the gradients from a list (e.g. views of the fp32
-    buffer where they are summed) instead of p.grad, and a device scalar multiplying them (the clip)."""
+    """AdamW whose fp32 state includes the master weights: built from the fp32 model, whose parameters are then
+    cast to `param_dtype` in place. step(grads=..., grad_scale=...) takes the gradients from a list (e.g. views of
+    the fp32 buffer where they are summed) instead of p.grad, and a device scalar multiplying them (the clip)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, param_dtype=torch.bfloat16):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -92,8 +89,8 @@ class MasterAdamW(torch.optim.Optimizer):
                 **{k: [self.state[p][k] for p in params] for k in ("step", "master", "exp_avg", "exp_avg_sq")}}
 
     def load_state_dict(self, sd):
-        """Restores masters, moments, steps and group settings (lr, betas, ...) and writes the weights from
-        the masters, copying into this optimiser's own fp32 tensors: torch.optim's load would round them."""
+        """Restores masters, moments, steps and group settings, and writes the weights from the masters, copying
+        into this optimiser's own fp32 tensors: torch.optim's load would round them."""
         if sd.get("format") != STATE_FORMAT:
             raise ValueError(f"not a {STATE_FORMAT} optimiser state (format {sd.get('format')!r}): written by "
                              "another optimiser or an older version of this trainer")

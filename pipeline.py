@@ -1,8 +1,7 @@
 """The thread plumbing of one training run: a stop flag every thread watches, bounded queues, and the reorder
-buffer between the target threads and the step loop.
-
-Any exception in any thread is recorded with its traceback and stops the whole run: every blocking wait here
-wakes at least every 0.2 s to look at the stop flag, so no thread hangs on a partner that died.
+buffer between the target threads and the step loop. Any exception in any thread is recorded with its traceback
+and stops the whole run: every blocking wait here wakes at least every 0.2 s to look at the stop flag, so no
+thread hangs on a partner that died.
 """
 import queue
 import threading
@@ -69,17 +68,15 @@ class ReorderBuffer:
 
     def put(self, j, item):
         with self.cond:
-            while j >= self.lo + self.cap:
+            while not self.cond.wait_for(lambda: j < self.lo + self.cap, 0.2):
                 self.run.check()
-                self.cond.wait(0.2)
             self.items[j] = item
             self.cond.notify_all()
 
     def take(self, j):
         with self.cond:
-            while j not in self.items:
+            while not self.cond.wait_for(lambda: j in self.items, 0.2):
                 self.run.check()
-                self.cond.wait(0.2)
             self.lo = j + 1
             self.cond.notify_all()
             return self.items.pop(j)

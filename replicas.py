@@ -1,10 +1,9 @@
 """The drafter replicas of a run, one per drafter device, and the optimiser step that keeps them equal.
 
-At every optimiser step the replicas' gradients are summed (one flat fp32 buffer per replica: in-process NCCL
-between GPUs, a plain sum on one device; all-reduced across torchrun ranks), clipped by their global norm, and
-the same MasterAdamW step runs on every replica. The replicas must stay bit-identical: a fingerprint of every
-replica's weights and fp32 masters is compared every log interval (across ranks too), at every checkpoint and
-at the end of the run.
+Each step sums the replicas' gradients (a flat fp32 buffer per replica: in-process NCCL between GPUs, a plain sum
+on one device; all-reduced across torchrun ranks), clips them by their global norm and runs the same MasterAdamW
+step on every replica. The replicas must stay bit-identical: fingerprints of their weights and fp32 masters are
+compared every log interval (across ranks too), at every checkpoint and at the end of the run.
 """
 import math
 
@@ -20,28 +19,23 @@ class Replicas:
     """The drafter replicas, their MasterAdamW optimisers, schedules and gradient buffers."""
 
     def __init__(self, dcfg, emb, head, devices, cfg, world, lr_lambda, log):
-        self.world, self.drafters, self.opts, self.scheds, self.flats, self.grads = world, [], [], [], [], []
-        self.pending_fp = None
+        self.world, self.pending_fp = world, None
+        self.drafters = [config.new_drafter(dcfg, emb, head, d, cfg.seed) for d in devices]   # identical replicas
+        # fp32 masters and moments in the optimiser; on a GPU one pass per tensor also writes the bf16 weights
+        self.opts = [MasterAdamW(dr.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                 param_dtype=config.param_dtype(d)) for dr, d in zip(self.drafters, devices)]
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) for opt in self.opts]
         # summed gradients (several replicas, ranks or micro-batches) add into an fp32 buffer per replica,
         # one collective per step; a lone replica with one micro-batch takes each backward's: no zeroing pass
         summed = len(devices) > 1 or world > 1 or cfg.grad_accum > 1
-        for d in devices:
-            dr = config.new_drafter(dcfg, emb, head, d, cfg.seed)      # identical initial replicas
+        self.flats, self.grads = [None] * len(devices), [None] * len(devices)
+        for r, dr in enumerate(self.drafters if summed else []):
             params = list(dr.parameters())
-            # the optimiser keeps fp32 masters and moments; on a GPU one pass per tensor also writes the bf16 weights
-            opt = MasterAdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                              param_dtype=config.param_dtype(d))
-            flat, grads = None, None
-            if summed:
-                flat = torch.zeros(sum(p.numel() for p in params), device=d, dtype=torch.float32)
-                grads = [g.view_as(p) for g, p in zip(torch.split(flat, [p.numel() for p in params]), params)]
-                for p, g in zip(params, grads):
-                    p.register_post_accumulate_grad_hook(add_into(g))
-            self.drafters.append(dr)
-            self.opts.append(opt)
-            self.scheds.append(torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
-            self.flats.append(flat)
-            self.grads.append(grads)
+            sizes = [p.numel() for p in params]
+            self.flats[r] = torch.zeros(sum(sizes), device=devices[r], dtype=torch.float32)
+            self.grads[r] = [g.view_as(p) for g, p in zip(torch.split(self.flats[r], sizes), params)]
+            for p, g in zip(params, self.grads[r]):
+                p.register_post_accumulate_grad_hook(add_into(g))
         n = sum(p.numel() for p in self.drafters[0].parameters())
         how = ("one flat fp32 buffer per replica (summed across replicas/ranks/micro-batches)" if summed
                else "handed over by each backward (lone replica)")
@@ -139,19 +133,12 @@ class Replicas:
         compares them at the next step. Across ranks, replica 0's min and max (equal iff all agree)."""
         pending = []
         for r in range(len(self.drafters)):
-            fp = ck.fingerprint(self.tensors(r)[1])
-            rows = [fp]
+            rows = [ck.fingerprint(self.tensors(r)[1])]
             if r == 0 and self.world > 1:
-                lo, hi = fp.clone(), fp.clone()
-                dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-                rows += [lo, hi]
-            fp = torch.stack(rows)
-            host = torch.empty(fp.shape, dtype=fp.dtype, pin_memory=fp.is_cuda).copy_(fp, non_blocking=True)
-            ev = torch.cuda.Event() if fp.is_cuda else None
-            if ev is not None:
-                ev.record(torch.cuda.current_stream(fp.device))
-            pending.append((host, ev))
+                rows += [rows[0].clone(), rows[0].clone()]
+                dist.all_reduce(rows[1], op=dist.ReduceOp.MIN)
+                dist.all_reduce(rows[2], op=dist.ReduceOp.MAX)
+            pending.append(host_copy(torch.stack(rows)))
         self.pending_fp = (step, pending)
 
     def check_fingerprints(self):
@@ -159,10 +146,7 @@ class Replicas:
         if self.pending_fp is None:
             return
         (step, pending), self.pending_fp = self.pending_fp, None
-        for _, ev in pending:
-            if ev is not None:
-                ev.synchronize()
-        fps = [host for host, _ in pending]
+        fps = [read(host, ready) for host, ready in pending]
         bad = self.differing([fp[0] for fp in fps])
         if self.world > 1:
             bad += self.differing([fps[0][1], fps[0][2]], who="another rank")
@@ -198,22 +182,17 @@ class Replicas:
 def clip_and_step(opt, grads, clip):
     """Clip the gradients' global norm to `clip` and take the optimiser step; returns the norm (float).
 
-    clip_grad_norm_'s factor, min(1, clip / (norm + 1e-6)), stays on the device and MasterAdamW's pass
-    multiplies the gradients by it: no scaling pass, no host sync. On a GPU the host queues the step
-    BEFORE it waits for the norm, so the device updates while the host goes on (waiting first would idle
-    the device). A nan/inf norm makes the factor nan and the update
-    store nothing; then FloatingPointError, with nothing stepped (the step counts are put back)."""
-    norm = total_norm(grads)
+    clip_grad_norm_'s factor, min(1, clip / (norm + 1e-6)), stays on the device and MasterAdamW's pass applies
+    it: no scaling pass, no host sync. The host queues the step BEFORE it waits for the norm, so the device is
+    never idle. A nan/inf norm makes the factor nan and the update store nothing; then FloatingPointError, with
+    the step counts put back."""
+    norms = torch._foreach_norm([g for g in grads if g is not None], 2.0, dtype=torch.float32)   # fp32 for bf16
+    norm = torch.linalg.vector_norm(torch.stack(norms))
     scale = torch.where(torch.isfinite(norm), (clip / (norm + 1e-6)).clamp(max=1.0), math.nan)
-    host = torch.empty((), dtype=torch.float32, pin_memory=norm.is_cuda).copy_(norm, non_blocking=True)
-    ready = torch.cuda.Event() if norm.is_cuda else None
-    if ready is not None:
-        ready.record(torch.cuda.current_stream(norm.device))
+    host, ready = host_copy(norm)
     counts = [opt.state[p]["step"] for p in opt.params()]
     opt.step(grads=grads, grad_scale=scale)
-    if ready is not None:
-        ready.synchronize()
-    value = float(host)
+    value = float(read(host, ready))
     if not math.isfinite(value):      # a nan/inf step would poison every weight and every later checkpoint
         for p, n in zip(opt.params(), counts):
             opt.state[p]["step"] = n
@@ -221,10 +200,20 @@ def clip_and_step(opt, grads, clip):
     return value
 
 
-def total_norm(grads):
-    """Global L2 norm of the gradients, accumulated in fp32 whatever their dtype (bf16 on a GPU)."""
-    norms = torch._foreach_norm([g for g in grads if g is not None], 2.0, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms))
+def host_copy(t):
+    """(t copied to pinned host memory without a wait, the CUDA event read() waits for; None on a CPU)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
+    if not t.is_cuda:
+        return host, None
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(t.device))
+    return host, ready
+
+
+def read(host, ready):
+    if ready is not None:
+        ready.synchronize()
+    return host
 
 
 def add_into(buf):

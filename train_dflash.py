@@ -4,10 +4,9 @@
         --target-devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4 --drafter-devices cuda:5,cuda:6,cuda:7
     python train_dflash.py                      # the embedded default: SmolLM2-135M-Instruct + ShareGPT
 
-    loader -> [bounded queue] -> a thread per target device (no grad, compiled layers on GPUs, cut after the
-    deepest feature layer) -> [reorder buffer] -> Trainer.loop, the main thread: each step hands every drafter
-    thread its micro-batches (forward + backward on its replica), then sums the gradients, clips, steps every
-    replica, logs and checkpoints. Any thread's exception stops the run within seconds with its traceback.
+    loader -> [bounded queue] -> a thread per target device (no grad, cut after the deepest feature layer)
+    -> [reorder buffer] -> Trainer.loop, the main thread: each step hands every drafter thread its micro-batches
+    (forward + backward on its replica), then sums the gradients, clips, steps every replica, logs, checkpoints.
 """
 import dataclasses
 import itertools
@@ -88,7 +87,13 @@ class Trainer:
     def setup(self):
         cfg, log = self.cfg, self.log
         if self.world > 1:
-            init_distributed(self.rank, self.world, log)
+            kw = {}
+            if torch.cuda.is_available():   # before any collective: else every rank's NCCL runs on cuda:0
+                local = int(os.environ.get("LOCAL_RANK", 0))
+                torch.cuda.set_device(local)
+                kw["device_id"] = torch.device("cuda", local)
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **kw)
+            log(f"[dist] rank {self.rank}/{self.world} backend {dist.get_backend()}")
         self.tdevs, self.ddevs = config.resolve_devices(cfg)
         self.attn = config.resolve_attn(cfg, self.ddevs)
         if cfg.target and not cfg.data:
@@ -123,9 +128,8 @@ class Trainer:
                if cfg.max_minutes else ""))
 
     def build_models(self):
-        tdtype = config.param_dtype(self.tdevs[0])
-        self.targets = [config.load_target(self.tpath, d, tdtype, self.dcfg.target_layer_ids, self.log)
-                        for d in self.tdevs]
+        tdtype, layers = config.param_dtype(self.tdevs[0]), self.dcfg.target_layer_ids
+        self.targets = [config.load_target(self.tpath, d, tdtype, layers, self.log) for d in self.tdevs]
         if self.attn == "flex":    # compiled as the drafter is: through the gate, warmed with its shapes
             for t in self.targets:
                 compiled.compile_target_layers(t)
@@ -135,8 +139,8 @@ class Trainer:
                                  self.lr_factor, self.log)
 
     def lr_factor(self, s):
-        """Linear warm-up over the first warmup_frac, then cosine decay to 0, at the middle of step s (0-based),
-        so that no step runs at lr 0. Under a time budget the elapsed share counts too (the same on every rank)."""
+        """Linear warm-up, then cosine decay to 0, at the middle of step s (0-based): no step runs at lr 0.
+        Under a time budget the elapsed share counts too (the same on every rank)."""
         progress, warm = min(1.0, max((s + 0.5) / self.total_steps, self.time_frac)), self.cfg.warmup_frac
         if progress < warm:
             return progress / warm
@@ -151,7 +155,6 @@ class Trainer:
         if path is None:
             self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
             return
-        # the optimiser's settings come from the checkpoint: a different --lr or --weight-decay is an error
         changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {state['config'][k]})"
                    for k in ("lr", "weight_decay") if state["config"][k] != getattr(self.cfg, k)]
         if changed:
@@ -196,7 +199,7 @@ class Trainer:
         metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
         if rank0 and os.path.exists(metrics_path):     # a resume: a killed run's later steps go
             keep_metrics_upto(metrics_path, self.step)
-        metrics, tb = open(metrics_path if rank0 else os.devnull, "a"), None
+        metrics, tb = open(metrics_path if rank0 else os.devnull, "a", buffering=1), None   # a record per line
         if cfg.tensorboard and rank0:
             from torch.utils.tensorboard import SummaryWriter
             # a resume hides the events of steps trained again, as metrics.jsonl drops their records
@@ -216,8 +219,7 @@ class Trainer:
         self.t_start, t_prev = time.time(), self.seconds_before        # t_prev: the last step's end, budget clock
         tot = {"tokens": 0.0, "flops": 0.0, "sync": 0.0, "pause": 0.0}   # this run's sums
         seen = dict(tot, t=self.t_start, busy=(0.0, 0.0), step=self.step)    # the sums at the last log line
-        self.losses, self.last, tok_hist = [], None, []
-        self.busy_at_last = self.busy
+        self.losses, self.last, tok_hist, self.busy_at_last = [], None, [], self.busy
         try:
             for step in range(self.step + 1, self.total_steps + 1):     # 1-based: the step being taken
                 # this step's micro-batches in stream order: replica r takes every R-th, grad_accum of them
@@ -254,7 +256,6 @@ class Trainer:
                 self.losses.append(self.last["loss"])
                 self.busy_at_last = {k: list(v) for k, v in self.busy.items()}   # the summary's window
                 metrics.write(json.dumps(self.last) + "\n")
-                metrics.flush()
                 reps.watch(step, cfg.log_interval)
                 budget_end = bool(cfg.max_minutes and self.next_end_s >= budget)
                 if budget_end:
@@ -268,8 +269,13 @@ class Trainer:
                             tb.add_scalar(k, v, step)
                         tb.flush()         # readable while the run goes on, and after a kill
                     self.warn_if_slow(x, tok_hist)
-                if rank0 and (step % cfg.ckpt_interval == 0 or last):
-                    tot["pause"] += self.save_checkpoint(step)
+                if rank0 and (step % cfg.ckpt_interval == 0 or last):   # snapshot now, written in the background
+                    state = {"step": step, "cursor": j0 + self.per_step, "batches_per_epoch_by_rank": self.nb_by_rank,
+                             "train_seconds": self.train_seconds(),
+                             "next_step_ends_s": self.next_end_s if cfg.max_minutes else self.train_seconds(),
+                             "config": dataclasses.asdict(cfg), "data_manifests": self.data.get("manifests", {}),
+                             **reps.checkpoint_state()}
+                    tot["pause"] += self.ckpt.save(step, state, reps.drafters[0], self.checkpoint_env)
                 if last:
                     break
         except Stop:             # another thread failed: finish() reports it
@@ -278,7 +284,7 @@ class Trainer:
             run.fail("step loop", e)
         finally:                # after a failure or a Ctrl-C too: the TensorBoard events end complete
             run.stop.set()                               # stop the loader, target and drafter threads
-            self.ckpt.close()
+            self.ckpt.wait()                             # a snapshot from before a failure is still good
             if tb:
                 tb.close()
         return self.finish(threads, tot)
@@ -311,8 +317,8 @@ class Trainer:
             self.run.put(self.outbox[r], self.forward_backward(r, step, work, wsum))
 
     def forward_backward(self, r, step, work, wsum):
-        """Replica r's part of a step: forward and backward of its micro-batches (the gradients add up in
-        its buffer); its sums (loss, hits and counts per block position, real tokens, FLOPs) on its device."""
+        """Replica r's part of a step (its gradients add up in its buffer); its sums (loss, hits and counts
+        per block position, real tokens, FLOPs) on its device."""
         dev, dr, t0 = self.ddevs[r], self.replicas.drafters[r], time.time()
         prepared, _, n_tok, flops = work
         loss_sum, hits, counts = 0.0, 0, 0
@@ -333,13 +339,13 @@ class Trainer:
 
     # --- what a run reports --------------------------------------------------------------------------
     def interval(self, step, tot, seen):
-        """The log line's figures over the steps since the last line (a checkpoint's pause apart: the rates say
-        how fast training runs), and the sums they start from next time."""
-        now, cfg = time.time(), self.cfg
+        """The log line's figures since the last line (less a checkpoint's pause: the rates say how fast
+        training runs), and the sums they start from next time."""
+        now, cfg, last = time.time(), self.cfg, self.last
         dt = max(now - seen["t"] - (tot["pause"] - seen["pause"]), 1e-9)
         busy = tuple(sum(v) / len(v) for v in self.busy.values())             # mean per device
-        x = {"loss": self.last["loss"], "acc@1": self.last["acc"][0], f"acc@{cfg.block_size - 1}": self.last["acc"][-1],
-             "sim_tau": self.last["sim_tau"], "lr": self.last["lr"], "grad_norm": self.last["grad_norm"],
+        x = {"loss": last["loss"], "acc@1": last["acc"][0], f"acc@{cfg.block_size - 1}": last["acc"][-1],
+             "sim_tau": last["sim_tau"], "lr": last["lr"], "grad_norm": last["grad_norm"],
              "tok_s": (tot["tokens"] - seen["tokens"]) / dt,
              "mfu_drafter": (tot["flops"] - seen["flops"]) / dt / (self.peak_flops * len(set(self.ddevs)) * self.world),
              "busy_target": (busy[0] - seen["busy"][0]) / dt, "busy_drafter": (busy[1] - seen["busy"][1]) / dt,
@@ -371,50 +377,40 @@ class Trainer:
     def finish(self, threads, tot):
         """After the loop: the failures, or the bit-identity check, the summary and the process group's end."""
         log, cfg = self.log, self.cfg
+        ckpt = (ck.list_checkpoints(cfg.out_dir) or [None])[-1]     # the writer is done: the last checkpoint
         if self.run.failures:
             for name, tb in self.run.failures:
                 log(f"\n[FATAL] thread {name} failed:\n{tb}")
-            last = ck.list_checkpoints(cfg.out_dir)
-            log(f"[FATAL] run stopped. Last intact checkpoint: {last[-1] if last else 'none'}")
+            log(f"[FATAL] run stopped. Last intact checkpoint: {ckpt or 'none'}")
             return 1
         for t in threads:    # a thread still inside torch at interpreter exit aborts the process
             t.join(60)
-        self.replicas.check_identical(self.last["step"] if self.last else self.step, log)
+        final_step = self.last["step"] if self.last else self.step
+        self.replicas.check_identical(final_step, log)
         # the training window ends at the last step, not the final checkpoint's write
         elapsed = max((self.last["time"] if self.last else time.time()) - self.t_start, 1e-9)
         share = lambda xs: [f"{x / elapsed:.0%}" for x in xs]
-        busy = self.busy_at_last
-        last = ck.list_checkpoints(cfg.out_dir)
+        busy, losses = self.busy_at_last, self.losses
         prompts = self.heldout or "YOUR_PROMPTS.jsonl (no held-out conversations: --heldout 0 or synthetic data)"
-        n, losses = max(1, min(20, len(self.losses) // 5)), self.losses
+        n = max(1, min(20, len(losses) // 5))
         log("\n".join([
             "=" * 72, "summary",
-            f"  steps          {self.last['step'] if self.last else self.step} (this run: from {self.step})",
+            f"  steps          {final_step} (this run: from {self.step})",
             f"  tokens/s       {tot['tokens'] / elapsed:,.0f} (target tokens, {elapsed / 60:.1f} min)",
             f"  loss           {losses[0]:.4f} -> {losses[-1]:.4f} (mean of the first / last {n} steps: "
             f"{statistics.mean(losses[:n]):.4f} -> {statistics.mean(losses[-n:]):.4f})" if losses else "  loss -",
             f"  simulated tau  {self.last['sim_tau']:.2f}" if self.last else "  simulated tau -",
             f"  busy           target {share(busy['target'])} drafter {share(busy['drafter'])} (share of the "
             f"training time on device work); optimiser step + gradient sync {tot['sync'] / elapsed:.0%}",
-            f"  checkpoint     {last[-1] if last else 'none'}",
+            f"  checkpoint     {ckpt or 'none'}",
             *([f"  tensorboard    tensorboard --logdir {cfg.tensorboard}"] if cfg.tensorboard else []),
             "  measure real acceptance:",
-            f"    python eval_dflash.py --target {self.tpath} --drafter {last[-1]}/drafter --prompts {prompts}"
-            if last else "    (no checkpoint)", "=" * 72]))
+            f"    python eval_dflash.py --target {self.tpath} --drafter {ckpt}/drafter --prompts {prompts}"
+            if ckpt else "    (no checkpoint)", "=" * 72]))
         if self.world > 1:   # all ranks together: a group left to the interpreter's exit can abort it
             dist.barrier()
             dist.destroy_process_group()
         return 0
-
-    # --- checkpoints ---------------------------------------------------------------------------------
-    def save_checkpoint(self, step):
-        """Snapshot this step's state and write it in the background; the seconds the loop paused."""
-        state = {"step": step, "cursor": self.cursor + (step - self.step) * self.per_step,
-                 "batches_per_epoch_by_rank": self.nb_by_rank, "train_seconds": self.train_seconds(),
-                 "next_step_ends_s": self.next_end_s if self.cfg.max_minutes else self.train_seconds(),
-                 "config": dataclasses.asdict(self.cfg), "data_manifests": self.data.get("manifests", {}),
-                 **self.replicas.checkpoint_state()}
-        return self.ckpt.save(step, state, self.replicas.drafters[0], self.checkpoint_env)
 
     def checkpoint_env(self):
         """env.json: the environment the run STARTED in (its code and packages were loaded then), the
@@ -452,9 +448,6 @@ def log_line(step, x, total_steps, cfg):
                                                  if x["ckpt_pause_s"] else ""))
 
 
-# --- A step's micro-batches: anchors drawn per (seed, sample, epoch), so a resume is exact ---
-
-
 def prepare_batches(cfg, dcfg, items):
     """(micro-batches with their anchors, loss-weight sum, real tokens, FLOPs) of one replica's step."""
     prepared, wsum, tokens, flops = [], 0.0, 0.0, 0.0
@@ -472,26 +465,10 @@ def prepare_batches(cfg, dcfg, items):
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
     """Anchors drawn per (sample, epoch) with their own generator: the same sample gets the same
     anchors however the batches are split across replicas, and a resumed run draws them again."""
-    anchors, valid = [], []
-    for r, (sid, epoch) in enumerate(sample_keys):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + int(sid) * 7919 + int(epoch))
-        a, v = dm.sample_anchors(lm[r: r + 1], lengths[r: r + 1], A, block_size, generator=g)
-        anchors.append(a)
-        valid.append(v)
-    return torch.cat(anchors), torch.cat(valid)
-
-
-# --- Processes, logs and the command line --------------------------------------------------------
-
-
-def init_distributed(rank, world, log):
-    kw = {}
-    if torch.cuda.is_available():   # before any collective: else every rank's NCCL runs on cuda:0
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        kw["device_id"] = torch.device("cuda", local)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **kw)
-    log(f"[dist] rank {rank}/{world} backend {dist.get_backend()}")
+    drawn = [dm.sample_anchors(lm[r: r + 1], lengths[r: r + 1], A, block_size,
+                               generator=torch.Generator().manual_seed(seed * 1_000_003 + int(sid) * 7919 + int(epoch)))
+             for r, (sid, epoch) in enumerate(sample_keys)]
+    return torch.cat([a for a, _ in drawn]), torch.cat([v for _, v in drawn])
 
 
 def gather_ints(world, value):
@@ -524,7 +501,7 @@ class Logger:
 
     def __init__(self, out_dir, rank=0):
         os.makedirs(out_dir, exist_ok=True)
-        self.f = open(os.path.join(out_dir, "train.log" if rank == 0 else f"train.rank{rank}.log"), "a")
+        self.f = open(os.path.join(out_dir, "train.log" if rank == 0 else f"train.rank{rank}.log"), "a", buffering=1)
         self.rank, self.lock = rank, threading.Lock()
 
     def __call__(self, msg):
@@ -532,7 +509,6 @@ class Logger:
             if self.rank == 0 or msg.lstrip().startswith(("[FATAL]", "WARNING", "error")):
                 print(msg if self.rank == 0 else f"[rank {self.rank}] {msg}", flush=True)
             self.f.write(msg + "\n")
-            self.f.flush()
 
 
 def main(argv=None):
