@@ -258,6 +258,8 @@ def use_compile_cache(cache_dir, log=print):
         try:
             with open(info_path) as f:
                 old = json.load(f)
+            if not isinstance(old, dict):
+                raise ValueError(f"a JSON {type(old).__name__}, not an object")
         except (OSError, ValueError) as e:     # only the notice depends on it: say so, go on
             old = {"unreadable": f"{type(e).__name__}: {e}"}
     if old is None or {k: old.get(k) for k in build} != build:

@@ -836,6 +836,9 @@ def test_the_compile_cache_records_its_build_once_and_a_damaged_record_is_a_noti
     assert json.loads(info.read_text())["torch"] == torch.__version__ and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
     compiled.use_compile_cache(str(cache), log=lines.append)
     assert len(lines) == 1
+    info.write_text("[1, 2]")                       # JSON, but not a record
+    compiled.use_compile_cache(str(cache), log=lines.append)
+    assert len(lines) == 2 and "unreadable" in lines[1] and "not an object" in lines[1], lines
 
 
 def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
