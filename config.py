@@ -39,7 +39,7 @@ class TrainConfig:
     max_length: int = opt(3072, "longer samples are truncated")
     buckets: str = opt("", "sequence-length buckets, e.g. 512,1024,3072; '' = doubling from 256 to max_length")
     tokens_per_batch: int = opt(0, "target tokens per micro-batch; 0 = auto: one max_length sequence's blocks, on "
-                                   "a GPU as many as ~50 ms of drafter work and half the free memory allow")
+                                   "a GPU at least 25 TFLOP of drafter work within half the memory the weights leave")
     min_supervised: int = opt(32, "samples with fewer assistant tokens are skipped")
     # optimisation
     lr: float = opt(6e-4, "peak learning rate (AdamW, cosine decay)")
