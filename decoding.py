@@ -114,9 +114,10 @@ class Engine:
         return kernels.row_attention(q, self.k[layer], self.v[layer], self.pos + 1, True, scale)
 
     @torch.no_grad()
-    def prefill(self, rows, prompts):
-        """Write the prompts into cache rows `rows`: next-token logits (n, V), features (n, longest, F) or None."""
-        dev, logits, feats = self.model.device, None, None
+    def prefill(self, rows, prompts, features=None):
+        """Write the prompts into cache rows `rows`: their next-token logits (n, V). features(rows, feats, lens), if
+        given, takes each batch's features as it is prefilled (a drafter's context): no tensor holds every prompt's."""
+        dev, logits = self.model.device, None
         for take in self.batches([len(p) for p in prompts]):
             lens, L = torch.tensor([len(prompts[i]) for i in take]), len(prompts[take[0]])
             ids = torch.zeros(len(take), L, dtype=torch.long)
@@ -128,10 +129,9 @@ class Engine:
             out = self.model.lm_head(h[torch.arange(len(take), device=dev), lens.to(dev) - 1]).float()
             logits = out.new_empty(len(prompts), out.shape[1]) if logits is None else logits
             logits[at] = out
-            if f is not None:   # the first batch holds the longest prompt
-                feats = f.new_zeros(len(prompts), L, f.shape[2]) if feats is None else feats
-                feats[at, :L] = f
-        return logits, feats
+            if features is not None:
+                features([rows[i] for i in take], f, lens.tolist())
+        return logits
 
     @classmethod
     def batches(cls, lens):
@@ -247,7 +247,7 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
                 count[rows], live[rows] = 0, True
                 start[rows] = torch.tensor([len(r[1]) for r in take])
                 budget[rows], seed[rows] = torch.tensor([r[2] for r in take]), torch.tensor([r[4] for r in take])
-                emit(rows, pick(engine.prefill(rows.tolist(), [r[1] for r in take])[0], seed[rows].to(dev)).cpu())
+                emit(rows, pick(engine.prefill(rows.tolist(), [r[1] for r in take]), seed[rows].to(dev)).cpu())
             if live.any():
                 last = gen[every, (count - 1).clamp(min=0)]
                 logits = engine.step(torch.where(live, last, 0)[:, None],
@@ -364,12 +364,10 @@ def speculate(engine, prompts, max_new_tokens, stops, proposer=None):
     lengths)] per prompt. An answer ends at a stop id (kept) or after max_new_tokens."""
     R, dev, stops = len(prompts), engine.pos.device, set(stops)
     seqs, rounds, live = [list(p) for p in prompts], [[] for _ in prompts], [True] * R
-    logits, feats = engine.prefill(list(range(R)), prompts)     # in batches of similar lengths
+    logits = engine.prefill(list(range(R)), prompts, proposer.prefill if proposer else None)   # batched by length
     for i, t in enumerate(logits.argmax(-1).tolist()):
         seqs[i].append(t)
         live[i] = t not in stops and max_new_tokens > 1
-    if proposer:
-        proposer.prefill(list(range(R)), feats, [len(p) for p in prompts])
     while any(live):
         last = torch.tensor([s[-1] for s in seqs], device=dev)
         if proposer:
