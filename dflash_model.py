@@ -275,9 +275,13 @@ def create_dflash_block_mask(anchors, S, bs):
     any_ = torch.cat([ctx_any, blk_any.expand(B, -1, -1)], dim=-1)[:, None]
     full = torch.cat([ctx_full, blk_full.expand(B, -1, -1)], dim=-1)[:, None]
     partial = any_ & ~full
-    maps = {"kv": partial, "full_kv": full, "q": partial.transpose(-2, -1), "full_q": full.transpose(-2, -1)}
-    lists = {f"{name}_{part}": t for name, m in maps.items() for part, t in zip(("num_blocks", "indices"), _ordered(m))}
-    return BlockMask(seq_lengths=(Q, S + Q), **lists, BLOCK_SIZE=(TILE, TILE), mask_mod=make_mask_mod(anchors, S, bs))
+    kv_n, kv_i = _ordered(partial)
+    fkv_n, fkv_i = _ordered(full)
+    q_n, q_i = _ordered(partial.transpose(-2, -1))
+    fq_n, fq_i = _ordered(full.transpose(-2, -1))
+    return BlockMask(seq_lengths=(Q, S + Q), kv_num_blocks=kv_n, kv_indices=kv_i, full_kv_num_blocks=fkv_n,
+                     full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i, full_q_num_blocks=fq_n,
+                     full_q_indices=fq_i, BLOCK_SIZE=(TILE, TILE), mask_mod=make_mask_mod(anchors, S, bs))
 
 
 # -----------------------------------------------------------------------------
@@ -376,6 +380,7 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     y = labels[:, :, 1:].reshape(-1)
     w = weights[:, :, 1:].reshape(-1).float()
     # weight_sum, a host number: a fill kernel, not a host-to-device copy (it would wait for the queued forward)
+    # a host number as a fill kernel: a host-to-device copy would block until the forward just queued is done
     wsum = w.sum() if weight_sum is None else torch.full((), float(weight_sum), device=w.device)
     if ce is None:
         ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager

@@ -40,9 +40,10 @@ def predict(n_target, n_drafter, buckets, shared=False, sync=SYNC):
 
 
 def layouts(n, buckets, sync=SYNC):
-    """Every layout of n GPUs, best first: all n doing both roles (k = 0), and k target + n - k drafter GPUs."""
-    rows = [Layout(devices(range(k or n)), devices(range(k, n)), *predict(k or n, n - k, buckets, not k, sync))
-            for k in range(n)]
+    """Every layout of n GPUs, best first: all n doing both roles, and k target + n - k drafter GPUs."""
+    rows = [Layout(devices(range(n)), devices(range(n)), *predict(n, n, buckets, True, sync))]
+    rows += [Layout(devices(range(k)), devices(range(k, n)), *predict(k, n - k, buckets, False, sync))
+             for k in range(1, n)]
     return sorted(rows, key=lambda r: -r.tok_s)
 
 
