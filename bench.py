@@ -134,7 +134,7 @@ def main(argv=None):
         with torch.no_grad():
             return dm.target_forward(target, ids, am, dcfg.target_layer_ids)
 
-    def target_eager():
+    def target_eager():       # the eager baseline, deliberately uncompiled: only timed against the compiled one
         with torch.compiler.set_stance("force_eager"):
             return target_fwd()
     t_target, t_eager = timed("target_ms", target_fwd), timed("target_eager_ms", target_eager)

@@ -313,7 +313,7 @@ def warm_target(target, B, S, layer_ids):
         am = torch.arange(S, device=dev)[None] < lengths
         with torch.no_grad():
             got = dm.target_forward(target, ids, am, layer_ids).float()
-            with torch.compiler.set_stance("force_eager"):
+            with torch.compiler.set_stance("force_eager"):     # the reference, deliberately eager
                 want = dm.target_forward(target, ids, am, layer_ids).float()
         errs.append(float((got - want).norm() / want.norm()))
         if not errs[-1] <= tol:

@@ -183,9 +183,9 @@ def clip_and_step(opt, grads, clip):
     """Clip the gradients' global norm to `clip` and take the optimiser step; returns the norm (float).
 
     clip_grad_norm_'s factor, min(1, clip / (norm + 1e-6)), stays on the device and MasterAdamW's pass applies
-    it: no scaling pass, no host sync. The host queues the step BEFORE it waits for the norm, so the device is
-    never idle. A nan/inf norm makes the factor nan and the update store nothing; then FloatingPointError, with
-    the step counts put back."""
+    it: no scaling pass, no host sync. The host queues the step BEFORE it waits for the norm, so the device updates
+    while the host waits (waiting first would idle the device). A nan/inf norm makes the factor nan and the update
+    store nothing; then FloatingPointError, with the step counts put back."""
     norms = torch._foreach_norm([g for g in grads if g is not None], 2.0, dtype=torch.float32)   # fp32 for bf16
     norm = torch.linalg.vector_norm(torch.stack(norms))
     scale = torch.where(torch.isfinite(norm), (clip / (norm + 1e-6)).clamp(max=1.0), math.nan)
