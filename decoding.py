@@ -80,7 +80,7 @@ class Engine:
         self.layer_step = torch.compile(_layer_step, dynamic=False) if compile else None
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)   # each row's first position in a step
         self.all_rows = torch.arange(rows, device=dev)[:, None]
-        self.ids, self.graphs, self.at = {}, {}, None
+        self.ids, self.graphs, self.at, self.starts, self.seen = {}, {}, None, None, 0
 
     @staticmethod
     def fit(model, length, most=512):
@@ -91,10 +91,11 @@ class Engine:
         per_row = 2 * c.num_hidden_layers * math.prod(kv_shape(c, 1, length)) * model.dtype.itemsize
         return max(1, min(most, torch.cuda.mem_get_info(model.device)[0] // 2 // per_row))
 
-    def forward(self, ids, rows, positions, prefill=False):
-        """Final-normed hidden states of ids (n, T) at positions (n, T) of rows (n, 1), and features or None."""
+    def forward(self, ids, rows, positions, prefill=False, starts=None):
+        """Final-normed hidden states of ids (n, T) at positions (n, T) of rows (n, 1), and features or None.
+        A prefill from starts (n,) on attends to the rows' cached keys before them too, else only to itself."""
         m = self.model.model
-        self.at, self.prefill_step = (rows, positions), prefill
+        self.at, self.prefill_step, self.starts = (rows, positions), prefill, starts
         h, outs = m.embed_tokens(ids), {}
         pe = m.rotary_emb(h, positions)
         run = self.layer_step if self.layer_step and not prefill else _layer_step   # prefill shapes vary: eager
@@ -104,27 +105,40 @@ class Engine:
 
     def attend(self, layer, q, k, v, scale):
         rows, positions = self.at
+        if self.prefill_step:   # a padding token past a row's end writes to its last position, which no prompt
+            positions = positions.clamp(max=self.length - 1)   # reaches (an answer has one token at least)
         self.k[layer][rows, positions] = k.transpose(1, 2)
         self.v[layer][rows, positions] = v.transpose(1, 2)
-        if self.prefill_step:   # prompts start at position 0: their own causal attention is all there is, with the
-            g = q.shape[1] // k.shape[1]   # KV heads repeated: flash and memory-efficient SDPA take no grouped heads
+        if not self.prefill_step:
+            return kernels.row_attention(q, self.k[layer], self.v[layer], self.pos.clamp(min=0) + 1, True, scale)
+        g = q.shape[1] // k.shape[1]   # KV heads repeated: flash and memory-efficient SDPA take no grouped heads
+        if self.starts is None:   # prompts from position 0: their own causal attention is all there is
             k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
             with sdpa_kernel(PREFILL_SDPA):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
-        return kernels.row_attention(q, self.k[layer], self.v[layer], self.pos + 1, True, scale)
+        n, T = self.seen, q.shape[2]      # the rest of a prompt: query t at starts + t sees the keys up to itself
+        k, v = (c[layer][rows[:, 0], :n].transpose(1, 2).repeat_interleave(g, 1) for c in (self.k, self.v))
+        t = torch.arange(T, device=q.device)[:, None]
+        seen = torch.arange(n, device=q.device) <= self.starts[:, None, None] + t
+        with sdpa_kernel(PREFILL_SDPA):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None], scale=scale).transpose(1, 2)
 
     @torch.no_grad()
-    def prefill(self, rows, prompts, features=None):
-        """Write the prompts into cache rows `rows`: their next-token logits (n, V). features(rows, feats, lens), if
-        given, takes each batch's features as it is prefilled (a drafter's context): no tensor holds every prompt's."""
-        dev, logits = self.model.device, None
-        for take in self.batches([len(p) for p in prompts]):
-            lens, L = torch.tensor([len(prompts[i]) for i in take]), len(prompts[take[0]])
-            ids = torch.zeros(len(take), L, dtype=torch.long)
+    def prefill(self, rows, prompts, features=None, starts=None):
+        """Write the prompts into cache rows `rows`: their next-token logits (n, V). starts[i]: the first
+        starts[i] tokens of prompts[i] are in its row already (an earlier turn's), so only the rest is computed.
+        features(rows, feats, lens), if given, takes each batch's features as it is prefilled (a drafter's context,
+        from position 0): no tensor holds every prompt's."""
+        dev, logits, starts = self.model.device, None, starts or [0] * len(prompts)
+        for take in self.batches([len(p) - s for p, s in zip(prompts, starts)]):
+            lens = torch.tensor([len(prompts[i]) - starts[i] for i in take])
+            ids, at = torch.zeros(len(take), int(lens.max()), dtype=torch.long), torch.tensor([starts[i] for i in take])
             for j, i in enumerate(take):
-                ids[j, :lens[j]] = torch.tensor(prompts[i])
+                ids[j, :lens[j]] = torch.tensor(prompts[i][starts[i]:])
+            self.seen = int((at + lens).max())
             h, f = self.forward(ids.to(dev), torch.tensor([rows[i] for i in take], device=dev)[:, None],
-                                torch.arange(L, device=dev)[None], prefill=True)
+                                (at[:, None] + torch.arange(ids.shape[1])).to(dev), prefill=True,
+                                starts=at.to(dev) if at.any() else None)
             at = torch.tensor(take, device=dev)
             out = self.model.lm_head(h[torch.arange(len(take), device=dev), lens.to(dev) - 1]).float()
             logits = out.new_empty(len(prompts), out.shape[1]) if logits is None else logits
@@ -154,19 +168,22 @@ class Engine:
 
     @torch.no_grad()
     def step(self, ids, pos):
-        """Logits (rows, T, V) and features of ids (n, T) fed to rows [0, n) from positions pos (n,) on."""
+        """Logits (rows, T, V) and features of ids (n, T) fed to rows [0, n) from positions pos (n,) on. A row at a
+        position < 0, or past n, idles: it writes to its last position only (which no prompt reaches, see attend),
+        so a row kept for a conversation's next turn keeps its cache."""
         (n, T), dev = ids.shape, self.pos.device
         if T not in self.ids:    # a graph reads the tensors it was captured with: these stay
             self.ids[T] = torch.zeros(self.rows, T, dtype=torch.long, device=dev), torch.arange(T, device=dev)
         buf, offsets = self.ids[T]
         buf[:n].copy_(ids)
         buf[n:] = 0
-        self.pos.zero_()
+        self.pos.fill_(-1)
         self.pos[:n].copy_(torch.as_tensor(pos))
 
         def run():   # a compile that cannot happen (dynamo's recompile limit) raises: never eager layers unnoticed
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-                h, feats = self.forward(buf, self.all_rows, self.pos[:, None] + offsets)
+                at = torch.where(self.pos[:, None] < 0, self.length - 1, self.pos[:, None] + offsets)
+                h, feats = self.forward(buf, self.all_rows, at)
             return self.model.lm_head(h).float(), feats
         return replay(self.graphs, T, run, dev)
 
@@ -209,26 +226,47 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
     ([] at the end) while fewer wait than there are rows; pick(logits, seeds) -> ids, seeds = the request's seed +
     the token's index. An answer ends at a stop id (kept) or after `budget` tokens; follow([(key, tokens)] of the
     answers a step ended) returns their next turns, in a thread while the next step decodes (a chat template is
-    host work the GPU would wait for). Requests go by group (a shard), then longest chain first, so a group's last
-    turns do not decode alone at the end. The bookkeeping is tensors: host work grows with the answers that end."""
+    host work the GPU would wait for). A next turn (a request of the answer's key) takes the answer's row, whose
+    cache holds the prompt and the answer: only the new prompt's ids after those it shares with them are prefilled
+    (a conversation's later turns would otherwise prefill the whole conversation again). Other requests go by group
+    (a shard), then longest chain first, so a group's last turns do not decode alone at the end. The bookkeeping is
+    tensors: host work grows with the answers that end."""
     n, heap, order, done_more, dev = engine.rows, [], itertools.count(), False, engine.pos.device
     push = lambda r: heapq.heappush(heap, (r[0][0], -r[3], len(r[1]), next(order), r))   # (group, chain)
     req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
     gen = torch.zeros(n, engine.length, dtype=torch.long)    # each row's answer so far
     count, start, budget, seed = (torch.zeros(n, dtype=torch.long) for _ in range(4))
-    live, every, ended, pending = torch.zeros(n, dtype=torch.bool), torch.arange(n), [], None
+    live, held = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)   # held: kept for a next turn
+    every, ended, pending, parked, resume = torch.arange(n), [], None, {}, []    # parked: key -> (row, cached ids)
 
-    def emit(rows, tokens):   # a token for each row: kept, and the row freed when its answer ends
+    def emit(rows, tokens):   # a token for each row: kept, and the row held when its answer ends
         gen[rows, count[rows]] = tokens
         count[rows] += 1
         for s in rows[torch.isin(tokens, stop_ids) | (count[rows] >= budget[rows])].tolist():
             ended.append((req[s][0], gen[s, :count[s]].tolist()))
-            req[s], live[s] = None, False
+            parked[req[s][0]] = s, req[s][1] + ended[-1][1][:-1]   # the last token is not in the cache
+            req[s], live[s], held[s] = None, False, True
+
+    def follow_shared(ended):   # follow's requests, each with the ids its prompt shares with its key's row
+        out = []
+        for r in follow(ended):
+            cached = parked[r[0]][1] if r[0] in parked else []
+            m = min(len(cached), len(r[1]) - 1)            # one prompt token at least is prefilled: its logits
+            differ = (torch.tensor(cached[:m]) != torch.tensor(r[1][:m])).nonzero()
+            out.append((r, int(differ[0, 0]) if len(differ) else m))
+        return out
 
     def join():   # the requests of the last follow, and more while fewer wait than there are rows
         nonlocal pending, done_more
-        for r in pending.result() if pending else []:
-            push(r)
+        if pending:
+            for r, shared in pending[0].result():
+                if r[0] in parked:
+                    resume.append((parked.pop(r[0])[0], r, shared))
+                else:
+                    push(r)
+            for key in pending[1]:   # conversations without a next turn: their rows are free
+                if key in parked:
+                    held[parked.pop(key)[0]] = False
         pending = None
         while not done_more and len(heap) < n:
             got = more()
@@ -238,30 +276,33 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
 
     with ThreadPoolExecutor(1) as pool:
         while True:
-            free = (~live).nonzero()[:, 0].tolist()   # refill once an eighth is free: batched prefill
-            if heap and free and (len(free) >= n // 8 or len(free) == n):
+            free, idle = (~live & ~held).nonzero()[:, 0].tolist(), n - int(live.sum())
+            if (resume or heap and free) and (idle >= n // 8 or idle == n):   # once an eighth idles: batched prefill
                 take = [heapq.heappop(heap)[-1] for _ in range(min(len(free), len(heap)))]
-                rows = torch.tensor(free[:len(take)])
+                rows = torch.tensor(free[:len(take)] + [s for s, _, _ in resume])
+                shared = [0] * len(take) + [m for _, _, m in resume]
+                take, resume = take + [r for _, r, _ in resume], []
                 for s, r in zip(rows.tolist(), take):
                     req[s] = r
-                count[rows], live[rows] = 0, True
+                count[rows], live[rows], held[rows] = 0, True, False
                 start[rows] = torch.tensor([len(r[1]) for r in take])
                 budget[rows], seed[rows] = torch.tensor([r[2] for r in take]), torch.tensor([r[4] for r in take])
-                emit(rows, pick(engine.prefill(rows.tolist(), [r[1] for r in take]), seed[rows].to(dev)).cpu())
+                logits = engine.prefill(rows.tolist(), [r[1] for r in take], starts=shared)
+                emit(rows, pick(logits, seed[rows].to(dev)).cpu())
             if live.any():
                 last = gen[every, (count - 1).clamp(min=0)]
                 logits = engine.step(torch.where(live, last, 0)[:, None],
-                                     torch.where(live, start + count - 1, 0))[0][:, 0]
+                                     torch.where(live, start + count - 1, -1))[0][:, 0]
                 picked = pick(logits, (seed + count).to(dev))   # queued on the GPU: the host goes on meanwhile
                 join()
                 rows = live.nonzero()[:, 0]
                 emit(rows, picked.cpu()[rows])
-            elif pending or heap or not done_more:
+            elif pending or heap or resume or ended or not done_more:
                 join()
             else:
                 return
             if ended:
-                pending, ended = pool.submit(follow, ended), []
+                pending, ended = (pool.submit(follow_shared, ended), [k for k, _ in ended]), []
 
 
 class NGram:

@@ -165,6 +165,47 @@ def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(
     assert decode(5, decoding.picker(0, 1)) == got
 
 
+def test_a_next_turn_takes_its_answers_row_and_prefills_only_what_the_row_does_not_hold(target, tok, monkeypatch):
+    """Three conversations on two rows, two turns each: the next turn's prompt is the first prompt, its answer and
+    new ids (for conversation 1 with an early id changed). Every answer equals HF greedy decoding of its prompt
+    alone; the next turn is prefilled in its answer's row from the first id it does not share with what the row
+    holds (the prompt and the answer but its last id, never fed)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    ref = AutoModelForCausalLM.from_pretrained(target).eval()
+    stops = decoding.stop_token_ids(tok, model)
+    asked = {i: (tok(" ".join(["word"] * n))["input_ids"], b) for i, n, b in ((0, 5, 6), (1, 30, 9), (2, 12, 4))}
+    turns, prefilled = {i: [] for i in asked}, []    # conversation -> [(prompt, budget, answer)]; (row, ids, start)
+
+    def follow(ended):
+        out = []
+        for (_, i), answer in ended:
+            turns[i].append((*asked[i], answer))
+            if len(turns[i]) == 1:
+                p = asked[i][0] + answer + tok(" and then what?")["input_ids"]
+                asked[i] = (p[:2] + [p[2] + 1] + p[3:] if i == 1 else p), 7
+                out.append(((0, i), *asked[i], 0, i))
+        return out
+
+    real = decoding.Engine.prefill
+    def prefill(self, rows, prompts, features=None, starts=None):
+        prefilled.extend(zip(rows, map(tuple, prompts), starts or [0] * len(prompts)))
+        return real(self, rows, prompts, features, starts)
+    monkeypatch.setattr(decoding.Engine, "prefill", prefill)
+    requests = [[((0, i), p, b, 1, i) for i, (p, b) in asked.items()]]
+    decoding.generate(decoding.Engine(model, 2, 128), lambda: requests.pop() if requests else [], stops,
+                      decoding.picker(0, 1), follow)
+    where = {ids: (row, start) for row, ids, start in prefilled}
+    for i, ((p1, b1, a1), (p2, b2, a2)) in turns.items():
+        for p, b, answer in ((p1, b1, a1), (p2, b2, a2)):
+            y = ref.generate(torch.tensor([p]), max_new_tokens=b, do_sample=False, eos_token_id=stops,
+                             pad_token_id=stops[0])
+            assert answer == y[0, len(p):].tolist(), (i, p is p2, where[tuple(p)])
+        held = p1 + a1[:-1]
+        assert where[tuple(p1)][1] == 0 and where[tuple(p2)][0] == where[tuple(p1)][0]
+        assert where[tuple(p2)][1] == (2 if i == 1 else len(held))
+
+
 def test_prefill_batches_hold_every_prompt_once_longest_first_at_the_least_cost():
     """Engine.batches: a split of the prompts in length order, no batch over PREFILL_TOKENS padded (but a lone
     prompt), whose padded tokens + CALL_TOKENS a batch cost no more than filling each batch to the budget, or
