@@ -56,7 +56,7 @@ class Engine:
     """The target over a static cache of `rows` rows of `length` tokens, returning the outputs of `feature_layers`
     too (a drafter's input). compile: the decoder layers run compiled, the attention outside their graphs."""
     PREFILL_TOKENS = 65536     # tokens per prefill batch (padding included)
-    CALL_TOKENS = 16384        # a prefill batch's fixed cost, in padded tokens: an eager forward is launch-bound
+    CALL_TOKENS = 2048         # a prefill batch's fixed cost, in padded tokens
 
     def __init__(self, model, rows, length, feature_layers=(), compile=False):
         c, base = model.config, getattr(model, "model", None)   # refused: not Llama-like, or windows a context reaches
