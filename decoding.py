@@ -230,22 +230,30 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
     cache holds the prompt and the answer: only the new prompt's ids after those it shares with them are prefilled
     (a conversation's later turns would otherwise prefill the whole conversation again). Other requests go by group
     (a shard), then longest chain first, so a group's last turns do not decode alone at the end. The bookkeeping is
-    tensors: host work grows with the answers that end."""
+    tensors: host work grows with the answers that end. The steps run one ahead of the host: each is queued with
+    the last one's picks still on the device, before the host reads them (a row whose answer they end decodes one
+    token more, never kept), so the GPU does not wait for the host's bookkeeping between steps."""
     n, heap, order, done_more, dev = engine.rows, [], itertools.count(), False, engine.pos.device
     push = lambda r: heapq.heappush(heap, (r[0][0], -r[3], len(r[1]), next(order), r))   # (group, chain)
     req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
     gen = torch.zeros(n, engine.length, dtype=torch.long)    # each row's answer so far
     count, start, budget, seed = (torch.zeros(n, dtype=torch.long) for _ in range(4))
     live, held = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)   # held: kept for a next turn
-    every, ended, pending, parked, resume = torch.arange(n), [], None, {}, []    # parked: key -> (row, cached ids)
+    ended, pending, parked, resume = [], None, {}, []    # parked: key -> (row, cached ids)
+    cur, at, drawn = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))   # the next step's token,
+    at -= 1    # position (-1: the row idles) and seed, on the device; the picks come back through pinned buffers
+    back, ahead = [torch.zeros(n, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)], None
 
     def emit(rows, tokens):   # a token for each row: kept, and the row held when its answer ends
         gen[rows, count[rows]] = tokens
         count[rows] += 1
         for s in rows[torch.isin(tokens, stop_ids) | (count[rows] >= budget[rows])].tolist():
             ended.append((req[s][0], gen[s, :count[s]].tolist()))
-            parked[req[s][0]] = s, req[s][1] + ended[-1][1][:-1]   # the last token is not in the cache
+            parked[req[s][0]] = s, req[s][1] + ended[-1][1][:-1]   # the last token: not always in it
             req[s], live[s], held[s] = None, False, True
+            at[s] = -1
+            if ahead:   # the step queued ahead decodes it once more: not kept, and its write lands just past the
+                ahead[2][s] = False   # ids a held row keeps
 
     def follow_shared(ended):   # follow's requests, each with the ids its prompt shares with its key's row
         out = []
@@ -288,18 +296,26 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
                 start[rows] = torch.tensor([len(r[1]) for r in take])
                 budget[rows], seed[rows] = torch.tensor([r[2] for r in take]), torch.tensor([r[4] for r in take])
                 logits = engine.prefill(rows.tolist(), [r[1] for r in take], starts=shared)
-                emit(rows, pick(logits, seed[rows].to(dev)).cpu())
-            if live.any():
-                last = gen[every, (count - 1).clamp(min=0)]
-                logits = engine.step(torch.where(live, last, 0)[:, None],
-                                     torch.where(live, start + count - 1, -1))[0][:, 0]
-                picked = pick(logits, (seed + count).to(dev))   # queued on the GPU: the host goes on meanwhile
-                join()
-                rows = live.nonzero()[:, 0]
-                emit(rows, picked.cpu()[rows])
-            elif pending or heap or resume or ended or not done_more:
-                join()
-            else:
+                first, on = pick(logits, seed[rows].to(dev)), rows.to(dev)
+                cur[on], at[on], drawn[on] = first, start[rows].to(dev), seed[rows].to(dev) + 1
+                emit(rows, first.cpu())
+            last, ahead = ahead, None
+            if live.any():   # queued before the host reads the last step's picks
+                cur = pick(engine.step(cur[:, None], at)[0][:, 0], drawn)
+                at += (at >= 0).long()
+                drawn += 1
+                buf = back[0] if last is None or last[0] is back[1] else back[1]
+                buf.copy_(cur, non_blocking=True)
+                ahead = buf, torch.cuda.Event() if dev.type == "cuda" else None, live.clone()
+                if ahead[1]:
+                    ahead[1].record()
+            join()
+            if last:
+                if last[1]:
+                    last[1].synchronize()
+                rows = last[2].nonzero()[:, 0]
+                emit(rows, last[0][rows])
+            elif not (ahead or pending or heap or resume or ended or not done_more):
                 return
             if ended:
                 pending, ended = (pool.submit(follow_shared, ended), [k for k, _ in ended]), []
