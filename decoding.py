@@ -132,13 +132,14 @@ class Engine:
         dev, logits, starts = self.model.device, None, starts or [0] * len(prompts)
         for take in self.batches([len(p) - s for p, s in zip(prompts, starts)]):
             lens = torch.tensor([len(prompts[i]) - starts[i] for i in take])
-            ids, at = torch.zeros(len(take), int(lens.max()), dtype=torch.long), torch.tensor([starts[i] for i in take])
+            begin = torch.tensor([starts[i] for i in take])
+            ids = torch.zeros(len(take), int(lens.max()), dtype=torch.long)
             for j, i in enumerate(take):
                 ids[j, :lens[j]] = torch.tensor(prompts[i][starts[i]:])
-            self.seen = int((at + lens).max())
+            self.seen = int((begin + lens).max())
             h, f = self.forward(ids.to(dev), torch.tensor([rows[i] for i in take], device=dev)[:, None],
-                                (at[:, None] + torch.arange(ids.shape[1])).to(dev), prefill=True,
-                                starts=at.to(dev) if at.any() else None)
+                                (begin[:, None] + torch.arange(ids.shape[1])).to(dev), prefill=True,
+                                starts=begin.to(dev) if begin.any() else None)
             at = torch.tensor(take, device=dev)
             out = self.model.lm_head(h[torch.arange(len(take), device=dev), lens.to(dev) - 1]).float()
             logits = out.new_empty(len(prompts), out.shape[1]) if logits is None else logits
@@ -247,13 +248,15 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
     def emit(rows, tokens):   # a token for each row: kept, and the row held when its answer ends
         gen[rows, count[rows]] = tokens
         count[rows] += 1
-        for s in rows[torch.isin(tokens, stop_ids) | (count[rows] >= budget[rows])].tolist():
+        done = rows[torch.isin(tokens, stop_ids) | (count[rows] >= budget[rows])]
+        for s in done.tolist():
             ended.append((req[s][0], gen[s, :count[s]].tolist()))
             parked[req[s][0]] = s, req[s][1] + ended[-1][1][:-1]   # the last token: not always in it
-            req[s], live[s], held[s] = None, False, True
-            at[s] = -1
-            if ahead:   # the step queued ahead decodes it once more: not kept, and its write lands just past the
-                ahead[2][s] = False   # ids a held row keeps
+            req[s] = None
+        live[done], held[done] = False, True
+        at[done.to(dev)] = -1
+        if ahead:   # the step queued ahead decodes them once more: not kept, and its writes land just past the
+            ahead[2][done] = False   # ids a held row keeps
 
     def follow_shared(ended):   # follow's requests, each with the ids its prompt shares with its key's row
         out = []
@@ -296,19 +299,21 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
                 start[rows] = torch.tensor([len(r[1]) for r in take])
                 budget[rows], seed[rows] = torch.tensor([r[2] for r in take]), torch.tensor([r[4] for r in take])
                 logits = engine.prefill(rows.tolist(), [r[1] for r in take], starts=shared)
-                first, on = pick(logits, seed[rows].to(dev)), rows.to(dev)
-                cur[on], at[on], drawn[on] = first, start[rows].to(dev), seed[rows].to(dev) + 1
+                on, seeds = rows.to(dev), seed[rows].to(dev)
+                first = pick(logits, seeds)
+                cur[on], at[on], drawn[on] = first, start[rows].to(dev), seeds + 1
                 emit(rows, first.cpu())
             last, ahead = ahead, None
             if live.any():   # queued before the host reads the last step's picks
                 cur = pick(engine.step(cur[:, None], at)[0][:, 0], drawn)
                 at += (at >= 0).long()
                 drawn += 1
-                buf = back[0] if last is None or last[0] is back[1] else back[1]
-                buf.copy_(cur, non_blocking=True)
-                ahead = buf, torch.cuda.Event() if dev.type == "cuda" else None, live.clone()
-                if ahead[1]:
-                    ahead[1].record()
+                back.reverse()                   # the other buffer: the last step's is read below
+                back[0].copy_(cur, non_blocking=True)
+                landed = torch.cuda.Event() if dev.type == "cuda" else None
+                if landed:
+                    landed.record()
+                ahead = back[0], landed, live.clone()
             join()
             if last:
                 if last[1]:
