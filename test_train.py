@@ -1,5 +1,6 @@
-"""CPU tests of the threaded trainer, mostly end to end as subprocesses (train_dflash.py, warmup.py,
-bench.py, eval_dflash.py, start_training.sh, torchrun).
+"""CPU tests of the threaded trainer, mostly end to end in processes of their own (train_dflash.py, warmup.py,
+bench.py, eval_dflash.py, start_training.sh, torchrun); Python scripts fork from a server that has imported
+torch and transformers once.
 
 Every training run is tiny: a random 4-layer Llama/Qwen3 target (hidden 64) with the SmolLM2
 tokenizer, a 2-layer drafter, a handful of steps. What each test asserts is in its name. Faults are
@@ -7,9 +8,11 @@ injected by the tests: break() wraps the project's own function that is to fail,
 """
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
+import runpy
 import signal
 import socket
 import subprocess
@@ -66,33 +69,82 @@ def child_env(**extra):
 
 
 def run_cmd(cmd, timeout=TIMEOUT, env=None, cwd=REPO):
-    """Run `cmd`, timestamp every output line as it arrives, and kill its process group on timeout."""
-    t0 = time.monotonic()
-    p = subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """Run `cmd`, timestamp every output line as it arrives, and kill its process group on timeout. A Python
+    script or `-c` code runs in a child of the fork server (`_script`), other commands in a fresh process."""
+    t0, env = time.monotonic(), env or child_env()
+    if cmd[0] == sys.executable and (cmd[1] == "-c" or cmd[1].endswith(".py")):
+        ctx = _fork_server()
+        read, write = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_script, args=(list(map(str, cmd[1:])), env, str(cwd), write))
+        p.start()
+        write.close()
+        out, wait, pid = open(os.dup(read.fileno()), errors="replace"), p.join, p.pid
+        read.close()
+    else:
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        out, wait, pid = p.stdout, p.wait, p.pid
     lines = []
 
     def reader():
-        for line in p.stdout:
+        for line in out:
             lines.append((time.monotonic(), line))
 
     th = threading.Thread(target=reader, daemon=True)
     th.start()
-    try:
-        rc = p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGTERM)      # torchrun passes it on to its workers (own sessions)
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    wait(timeout)
+    if _alive(p):
+        os.killpg(pid, signal.SIGTERM)      # torchrun passes it on to its workers (own sessions)
+        wait(15)
+        if _alive(p):
+            os.killpg(pid, signal.SIGKILL)
+            wait()
         th.join(5)
         pytest.fail(f"{cmd[:3]}... did not finish within {timeout}s; output tail:\n"
                     + "".join(x for _, x in lines[-60:]))
     t_end = time.monotonic()
     th.join(10)
-    return Proc(rc, lines, t0, t_end)
+    return Proc(p.returncode if isinstance(p, subprocess.Popen) else p.exitcode, lines, t0, t_end)
+
+
+def _alive(p):
+    return p.poll() is None if isinstance(p, subprocess.Popen) else p.is_alive()
+
+
+_SERVER = []
+
+
+def _fork_server():
+    """multiprocessing's fork server, with torch, transformers and datasets imported once: a script forked from
+    it starts in about a second, where a fresh interpreter on this machine takes about ten."""
+    if not _SERVER:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")      # read by torch as the server imports it
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "transformers", "datasets", "transformers.models.llama.modeling_llama",
+                                    "transformers.models.qwen3.modeling_qwen3"])
+        _SERVER.append(ctx)
+    return _SERVER[0]
+
+
+def _script(args, env, cwd, write):
+    """In the forked child: `python *args` as a fresh interpreter would run it, its output into `write`, in a
+    session of its own (a timeout kills what it started too)."""
+    os.setsid()
+    os.dup2(write.fileno(), 1)
+    os.dup2(write.fileno(), 2)
+    sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    if args[0] == "-c":
+        sys.argv = args[1:]
+        sys.argv[0] = "-c"
+        sys.path.insert(0, cwd)
+        exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.argv = args
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+        runpy.run_path(args[0], run_name="__main__")
 
 
 def break_(kind, n):
