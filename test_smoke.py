@@ -1263,8 +1263,13 @@ if __name__ == "__main__":
     import importlib.util
     import pathlib
     import sys
-    files = sorted(str(p) for p in pathlib.Path(__file__).resolve().parent.glob("test_*.py"))
-    workers = ["-n", "2"] if importlib.util.find_spec("xdist") else []
+    # the files that need the embedded default first: one worker converts it while the other starts on the
+    # files that need none of it; a worker whose tests run out takes the other's last ones (worksteal)
+    first = ["test_data.py", "test_generate.py", "test_train.py"]
+    files = sorted(pathlib.Path(__file__).resolve().parent.glob("test_*.py"),
+                   key=lambda p: (first.index(p.name) if p.name in first else len(first), p.name))
+    files = [str(p) for p in files]
+    workers = ["-n", "2", "--dist", "worksteal"] if importlib.util.find_spec("xdist") else []
     # one intra-op thread per worker: two workers and their scripts share the cores, and torch's threads
     # spinning on an oversubscribed core slow a worker's own tests many times over
     os.environ.setdefault("OMP_NUM_THREADS", "1")
