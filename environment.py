@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -76,11 +75,11 @@ def _gpus():
             g["capability"].append(f"{p.major}.{p.minor}")
     except Exception as e:
         g["error"] = f"{type(e).__name__}: {e}"
-    if not shutil.which("nvidia-smi"):
-        return g
     try:
         r = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(NVIDIA_SMI_FIELDS), "--format=csv,noheader"],
                            capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:   # no NVIDIA driver here: nothing to ask
+        return g
     except Exception as e:
         return g | {"nvidia_smi": [f"error: {type(e).__name__}: {e}"]}
     lines = [line.strip() for line in r.stdout.splitlines() if line.strip()]
@@ -129,8 +128,7 @@ def _cache_state(cache_dir=None):
 
 
 def _git_state(path=HERE):
-    """Commit, dirty files, a hash of the uncommitted diff, untracked names. A git command that fails leaves its
-    fields None and says why in "error": a failure must not read as a clean tree."""
+    """A git command that fails leaves its fields None and says why in "error": a failure must not read as clean."""
     g = {"dir": path, "commit": None, "dirty": None, "dirty_files": [], "diff_sha256": None,
          "untracked_files": None, "untracked_count": None}
     errors = []
