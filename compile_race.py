@@ -29,8 +29,7 @@ FRAME_ROOTS = [(os.path.dirname(os.path.dirname(torch.__file__)) + os.sep, ""), 
 
 
 def _group_raises(events):
-    """Per site that raised the flag, most frequent first: its threads, the tracing frame, who asked for the graph,
-    and the innermost frame outside torch."""
+    """Per site that raised the flag, most frequent first; user_frame: the innermost frame outside torch."""
     groups = {}
     for thread, stack in events:
         frames = [next(label + f.filename[len(root):] for root, label in FRAME_ROOTS if f.filename.startswith(root))
@@ -71,9 +70,8 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
         return compiled_fn(*args)
 
     @torch.no_grad()
-    def one_call(x, *a):   # nogate: the compiled function called directly
-        shape = tuple(x.shape) + tuple(a[0].shape if a else ())
-        return fn(x, *a) if mode == "nogate" else gate.run(kind, x.device, shape, fn, x, *a)
+    def one_call(x, *a):   # nogate: the compiled function called directly; x's shape tells the threads apart
+        return fn(x, *a) if mode == "nogate" else gate.run(kind, x.device, x.shape, fn, x, *a)
 
     def worker(me, args):
         gate.configure_thread()   # dynamo's config is per thread (compiled.py's torch notes)
@@ -90,8 +88,7 @@ def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cp
                     samples.append(f"{me}: {type(e).__name__}: {str(e)[:300]}")
             called.add(me)
             time.sleep(0.001)   # the rest of a training step: threads that hammer starve the compiling one
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        compiled.sync_device(dev)
         run_s = time.time() - start
         s.update(run_s=round(run_s, 3), calls_per_s=round(s["calls"] / run_s, 1))
 
