@@ -41,7 +41,7 @@ def _group_raises(events):
                     "user_frame": key[2]} for key, ts in groups.items()), key=lambda gr: -gr["count"])
 
 
-def run_exercise(kind="flex", mode="nogate", threads=3, seconds=20.0, device="cpu"):
+def run_exercise(kind, mode, threads, seconds, device):
     """The threaded exercise in this process: meaningful only in a fresh one with a cold cache (run_child)."""
     import compiled
     from torch.nn.attention.flex_attention import create_block_mask

@@ -105,7 +105,7 @@ def _default_cache_dir():   # inductor's rule, without importing inductor (secon
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
-def _cache_state(cache_dir=None):
+def _cache_state(cache_dir):
     chosen = cache_dir or _env_vars().get("TORCHINDUCTOR_CACHE_DIR")   # as recorded: inductor's export is no choice
     source = "argument" if cache_dir else "TORCHINDUCTOR_CACHE_DIR" if chosen else "inductor default"
     path = chosen or _default_cache_dir()
