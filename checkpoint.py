@@ -174,13 +174,9 @@ def fingerprint(tensors):
     sums = []
     for t in tensors:
         b = as_bytes(t)
-        if b.data_ptr() % 8:             # a view at an unaligned offset: its own aligned copy
-            b = b.clone()
-        n = b.numel() // 8 * 8
-        s = b[:n].view(torch.int64).sum()
-        if n < b.numel():                # the last few bytes, weighted by position
-            s = s + (b[n:].to(torch.int64) << (8 * torch.arange(b.numel() - n, device=b.device))).sum()
-        sums.append(s)
+        if b.data_ptr() % 8 or b.numel() % 8:      # an aligned copy, its last word padded with zeros
+            b = torch.cat([b, b.new_zeros(-b.numel() % 8)])
+        sums.append(b.view(torch.int64).sum())
     return torch.stack(sums)
 
 
