@@ -44,17 +44,11 @@ class Replicas:
             f"fp32 masters in the optimiser); grads: {how}")
 
     def zero_grads(self):
-        for flat in self.flats:
-            if flat is not None:
+        for opt, flat in zip(self.opts, self.flats):
+            if flat is None:
+                opt.zero_grad(set_to_none=True)
+            else:
                 flat.zero_()
-
-    def over_ranks(self, values, op="SUM"):
-        """A list of floats, each reduced over the ranks (op: SUM or MAX)."""
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.world > 1:
-            t = t.to(self.flats[0].device)
-            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
-        return t.tolist()
 
     def reduce(self, stats_list):
         """Sum the replicas' gradient buffers (and the ranks'), and their stats; the stats to the host."""
@@ -63,9 +57,7 @@ class Replicas:
             if all(f.is_cuda for f in flats) and len({f.device for f in flats}) == len(flats):
                 torch.cuda.nccl.all_reduce(flats)                         # in-process NCCL across GPUs
             else:
-                total = flats[0].clone()
-                for f in flats[1:]:
-                    total += f.to(total.device)
+                total = sum(f.to(flats[0].device) for f in flats)
                 for f in flats:
                     f.copy_(total)
         stats = sum(s.to(stats_list[0].device) for s in stats_list)
@@ -78,16 +70,12 @@ class Replicas:
         return stats.to("cpu")
 
     def step(self, clip):
-        """Clip and step every replica; returns the gradient norm."""
-        gnorms = []
-        for dr, opt, sched, flat, grads in zip(self.drafters, self.opts, self.scheds, self.flats, self.grads):
-            gnorms.append(clip_and_step(opt, grads if grads is not None else [p.grad for p in dr.parameters()], clip))
+        """Clip and step every replica; returns the gradient norm (the same on every replica)."""
+        for dr, opt, sched, grads in zip(self.drafters, self.opts, self.scheds, self.grads):
+            gnorm = clip_and_step(opt, grads if grads is not None else [p.grad for p in dr.parameters()], clip)
             sched.step()
-            if flat is None:
-                opt.zero_grad(set_to_none=True)
-            else:
-                flat.zero_()
-        return gnorms[0]
+        self.zero_grads()
+        return gnorm
 
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint_state(self):

@@ -227,7 +227,7 @@ class Trainer:
                 items = [self.buf.take(j) for j in range(j0, j0 + self.per_step)]
                 work = [prepare_batches(cfg, self.dcfg, items[r::R]) for r in range(R)]
                 # one loss normaliser over replicas x micro-batches x ranks: the step is one over their concatenation
-                wsum = reps.over_ranks([sum(w[1] for w in work)])[0]
+                wsum = over_ranks(self.world, [sum(w[1] for w in work)])[0]
                 for r in range(R):
                     run.put(self.inbox[r], (step, work[r], wsum))
                 sums = [run.get(q) for q in self.outbox]    # every replica's backward is done
@@ -237,7 +237,7 @@ class Trainer:
                     # a step runs only if it ends within the budget, the next one predicted to take as long as
                     # this one; the clock is every rank's latest (the same lr, the same last step everywhere)
                     now = self.train_seconds()
-                    used, self.next_end_s = reps.over_ranks([now, 2 * now - t_prev], "MAX")
+                    used, self.next_end_s = over_ranks(self.world, [now, 2 * now - t_prev], "MAX")
                     t_prev, self.time_frac = now, used / budget        # before the step: the schedule reads it
                 lr = reps.opts[0].param_groups[0]["lr"]
                 try:
@@ -335,7 +335,7 @@ class Trainer:
         compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
         self.busy["drafter"][r] += time.time() - t0
         return torch.cat([loss_sum.float().view(1), hits.float(), counts.float(),
-                          torch.tensor([n_tok, flops], device=hits.device)]).to(dev)
+                          torch.tensor([n_tok, flops], device=dev)])
 
     # --- what a run reports --------------------------------------------------------------------------
     def interval(self, step, tot, seen):
@@ -349,7 +349,7 @@ class Trainer:
              "tok_s": (tot["tokens"] - seen["tokens"]) / dt,
              "mfu_drafter": (tot["flops"] - seen["flops"]) / dt / (self.peak_flops * len(set(self.ddevs)) * self.world),
              "busy_target": (busy[0] - seen["busy"][0]) / dt, "busy_drafter": (busy[1] - seen["busy"][1]) / dt,
-             "queue_load": self.load_q.qsize(), "queue_feat": len(self.buf),
+             "queue_load": self.load_q.qsize(), "queue_feat": len(self.buf.items),
              "sync_ms": 1e3 * (tot["sync"] - seen["sync"]) / max(1, step - seen["step"]),
              "eta_min": (self.total_steps - step) * (now - self.t_start) / max(1, step - self.step) / 60,
              "ckpt_pause_s": tot["pause"] - seen["pause"]}
@@ -471,14 +471,21 @@ def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
     return torch.cat([a for a, _ in drawn]), torch.cat([v for _, v in drawn])
 
 
-def gather_ints(world, value):
-    """[value of rank 0, value of rank 1, ...] (a collective: every rank calls it at the same point)."""
+def over_ranks(world, values, op="SUM"):
+    """A list of numbers, each reduced over the ranks (op: SUM or MAX): a collective, every rank calls it at the
+    same point."""
     if world == 1:
-        return [int(value)]
-    t = torch.zeros(world, dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    t[dist.get_rank()] = int(value)
-    dist.all_reduce(t)
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return t.tolist()
+
+
+def gather_ints(world, value):
+    """[value of rank 0, value of rank 1, ...]."""
+    values = [0] * world
+    values[dist.get_rank() if world > 1 else 0] = value
+    return [int(v) for v in over_ranks(world, values)]
 
 
 def keep_metrics_upto(path, step):
