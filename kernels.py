@@ -216,6 +216,7 @@ if triton is not None:
         qm = (m < T * G)[:, None] & (d < D)[None, :]
         q = tl.load(q_ptr + r * sq_r + head[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=qm, other=0.0)
         n = tl.load(lens_ptr + r)
+        precision: tl.constexpr = "ieee" if IEEE else None     # fp32 tiles: exact products, not tf32
         if CAUSAL:
             lim, end = n + t, n + T - 1
         else:
@@ -228,20 +229,14 @@ if triton is not None:
             km = (j < end)[:, None] & (d < D)[None, :]
             kv_off = r * sk_r + j[:, None] * sk_l + g * sk_h + d[None, :]
             k = tl.load(k_ptr + kv_off, mask=km, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k), input_precision=precision)
             s = tl.where(j[None, :] < lim[:, None], s * scale, -1e30)
             new = tl.maximum(best, tl.max(s, 1))
             p = tl.exp(s - new[:, None])
             alpha = tl.exp(best - new)
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_off, mask=km, other=0.0)
-            if IEEE:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=precision)
             acc = acc * alpha[:, None] + pv
             best = new
         out = acc / total[:, None]
