@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 import kernels
 
@@ -67,12 +67,11 @@ class DFlashConfig:
             raise ValueError("block_size must be >= 2")
 
     @classmethod
-    def from_target_config(cls, tcfg, num_draft_layers=5, block_size=16, mask_token_id=0,
-                           target_layer_ids=None, intermediate_size=None):
+    def from_target_config(cls, tcfg, num_draft_layers=5, block_size=16, mask_token_id=0, target_layer_ids=None):
         """Take sizes from any transformers causal-LM config (Qwen3, Qwen2, Llama, ...)."""
         tcfg = getattr(tcfg, "text_config", None) or tcfg
         heads = tcfg.num_attention_heads
-        return cls(hidden_size=tcfg.hidden_size, intermediate_size=intermediate_size or tcfg.intermediate_size,
+        return cls(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
                    num_attention_heads=heads, num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
                    head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads, vocab_size=tcfg.vocab_size,
                    num_target_layers=tcfg.num_hidden_layers, rope_theta=_rope_theta(tcfg),
@@ -213,25 +212,18 @@ class DFlashDrafter(nn.Module):
 # Padding blocks carry anchor 0: they see no context, only themselves, and carry no loss.
 
 
-def _visible(anchor_of_q, q_idx, kv_idx, S, bs):
-    # Anchors are < S, so `kv < anchor` implies `kv < S`, and for kv < S, (kv - S) // bs is negative, never a block
-    # index: two comparisons, not four (nor a chain of boolean masks: compiled.py's torch notes).
-    return (kv_idx < anchor_of_q) | ((kv_idx - S) // bs == q_idx // bs)
-
-
 def make_mask_mod(anchors, S, bs):
     def mask_mod(b, h, q_idx, kv_idx):
-        return _visible(anchors[b, q_idx // bs], q_idx, kv_idx, S, bs)
+        # Anchors are < S, so `kv < anchor` implies `kv < S`, and for kv < S, (kv - S) // bs is negative, never a
+        # block index: two comparisons, not four (nor a chain of boolean masks: compiled.py's torch notes).
+        return (kv_idx < anchors[b, q_idx // bs]) | ((kv_idx - S) // bs == q_idx // bs)
     return mask_mod
 
 
 def dense_dflash_mask(anchors, S, bs):
-    """Boolean reference of the same mask, (B, 1, Q, KV); for tests and the SDPA path."""
+    """The same mask as a boolean tensor (B, 1, Q, KV), for the SDPA path."""
     B, A = anchors.shape
-    q = torch.arange(A * bs, device=anchors.device)
-    kv = torch.arange(S + A * bs, device=anchors.device)
-    a = anchors[:, q // bs]                                       # (B, Q)
-    return _visible(a[:, :, None], q[None, :, None], kv[None, None, :], S, bs)[:, None]
+    return create_mask(make_mask_mod(anchors, S, bs), B, None, A * bs, S + A * bs, device=anchors.device)
 
 
 # The block mask, built eagerly from the anchors at flex's 128 x 128 tile level: create_block_mask evaluates the
@@ -379,7 +371,6 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
     w = weights[:, :, 1:].reshape(-1).float()
-    # weight_sum, a host number: a fill kernel, not a host-to-device copy (it would wait for the queued forward)
     # a host number as a fill kernel: a host-to-device copy would block until the forward just queued is done
     wsum = w.sum() if weight_sum is None else torch.full((), float(weight_sum), device=w.device)
     if ce is None:
@@ -405,7 +396,7 @@ def dense_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
 
 
 def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma, trunk=dense_trunk,
-                         chunk_rows=CHUNK_ROWS, weight_sum=None):
+                         weight_sum=None):
     """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk on GPUs) -> loss."""
     c = drafter.config
     B, S = input_ids.shape
@@ -414,7 +405,7 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
         input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
     ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
     hidden = trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors)
-    return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows, weight_sum)
+    return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, weight_sum=weight_sum)
 
 
 def to_device(t, dev):
