@@ -41,11 +41,10 @@ def _cut_off(error, buf):
     return error.pos >= len(buf) - 16 or error.msg.startswith("Unterminated string")
 
 
-def iter_json_array(path, info=None, chunk_chars=1 << 20):
+def iter_json_array(path, info, chunk_chars=1 << 20):
     """The records of a top-level JSON list, also of one cut off mid-record. Malformed and non-UTF-8 records are
     skipped; `info` gets their counts ("malformed", "invalid_utf8") and "tail_bytes" (after the last whole record)."""
-    counts = {} if info is None else info
-    counts.update(tail_bytes=0, malformed=0, invalid_utf8=0)
+    info.update(tail_bytes=0, malformed=0, invalid_utf8=0)
     # surrogateescape: bytes that are not UTF-8 (a character the file's end cuts too) do not raise; utf-8-sig: a BOM
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         buf, eof, pos = f.read(chunk_chars).lstrip(), False, 1
@@ -58,16 +57,16 @@ def iter_json_array(path, info=None, chunk_chars=1 << 20):
                 # malformed is judged with a chunk of text after the record's start: whole then, unless longer
                 judged = not _cut_off(e, buf) and (eof or len(buf) - pos >= chunk_chars)
                 if (resume := _resume_at(buf, pos + 1, eof) if judged else None) is not None:
-                    counts["malformed"], pos = counts["malformed"] + 1, resume
+                    info["malformed"], pos = info["malformed"] + 1, resume
                 elif eof:
-                    counts["tail_bytes"] = len(buf[pos:].encode("utf-8", "surrogateescape"))
+                    info["tail_bytes"] = len(buf[pos:].encode("utf-8", "surrogateescape"))
                     break
                 else:  # at least as much again: the record is decoded anew from its start
                     chunk = f.read(max(chunk_chars, len(buf) - pos))
                     buf, pos, eof = buf[pos:] + chunk, 0, not chunk
                 continue
             if _NOT_UTF8.search(buf, pos, end):  # raw bytes: JSON's own \u escapes are ASCII
-                counts["invalid_utf8"] += 1
+                info["invalid_utf8"] += 1
             else:
                 yield record
             pos = end
@@ -239,13 +238,13 @@ def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
     """Normalised conversations of ShareGPT/chat JSON(L) files or hub names, and skip counts. Local files are read
     record by record: `datasets`' schema inference would turn one odd record's neighbours into strings, or fail."""
     conversations, skipped = [], Counter()
-    for name in [identity(name)[0] for name in ([files] if isinstance(files, str) else files)]:
+    for name in [identity(name)[0] for name in files]:
         if os.path.isfile(name):
             records = _scan_local(name, skipped)
         else:  # a hub data set, where the hub is reachable
             import datasets
             ds = datasets.load_dataset(name)
-            records = (ds["train"] if "train" in ds else ds[next(iter(ds))]) if isinstance(ds, dict) else ds
+            records = ds["train"] if "train" in ds else next(iter(ds.values()))
         for messages, reason in map(_normalise, records):
             if messages is None:
                 skipped[reason] += 1
@@ -409,7 +408,7 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
     conversations held out (as message lists), the first max_conversations (0: all) of the rest tokenised."""
     import datasets
     datasets.disable_progress_bars()
-    files = tuple(map(identity, [files] if isinstance(files, str) else files))  # datasets shards over a list
+    files = tuple(map(identity, files))  # datasets shards over a list
     # datasets fingerprints a module-level function by its name only: this file's source stands for the code
     with open(__file__, "rb") as f:
         source = f.read()
