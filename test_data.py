@@ -2,14 +2,15 @@
 import copy
 import json
 import os
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
 import data_dflash as D
+from test_train import run_cmd
 
 # a Qwen2.5-like ChatML template: default system prompt, no {% generation %} markers
 QWEN_TEMPLATE = (
@@ -137,10 +138,10 @@ def test_processes_preparing_the_embedded_default_at_once_build_it_once(smollm, 
     os.symlink(smollm["target_dir"], cache / "SmolLM2-135M-Instruct")
     here = os.path.dirname(os.path.abspath(__file__))
     code = f"import data_dflash; print(data_dflash.prepare_embedded_default({str(cache)!r}))"
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=here, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(3)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    with ThreadPoolExecutor(3) as pool:
+        procs = list(pool.map(lambda _: run_cmd([sys.executable, "-c", code], timeout=300, cwd=here), range(3)))
+    outs = [p.out for p in procs]
+    assert [p.rc for p in procs] == [0, 0, 0], outs
     assert sum(o.count("prepare: ShareGPT V3 ->") for o in outs) == 1, outs
     assert len({o.strip().splitlines()[-1] for o in outs}) == 1, outs
     assert (cache / "sharegpt_v3.jsonl").read_text() == open(smollm["data_jsonl"], encoding="utf-8").read()
@@ -365,8 +366,9 @@ def test_cache_is_reused_by_a_new_process_but_not_for_another_template_or_max_le
               f"D.build_dataset(tok, [{path!r}], 200, 8, {cache!r})\n"
               f"tok.chat_template = tok.chat_template.replace('named SmolLM', 'named Bob')\n"
               f"D.build_dataset(tok, [{path!r}], 256, 8, {cache!r})\n")
-    out = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.abspath(D.__file__)),
-                         capture_output=True, text=True, check=True).stdout
+    p = run_cmd([sys.executable, "-c", script], cwd=os.path.dirname(os.path.abspath(D.__file__)))
+    assert p.rc == 0, p.tail()
+    out = p.out
     lines = [line for line in out.splitlines() if line.startswith("data: ")]
     assert len(lines) == 6, out
     assert not _built(lines[0:1]) and lines[1] == logs[-1]       # reused: the same summary

@@ -1117,9 +1117,9 @@ def test_a_compiled_target_whose_features_differ_from_eager_is_refused_at_the_wa
 def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_path):
     """warmup.py compiles the target's layers on random weights of the target's shape: the compile cache
     it fills serves the real weights (a cache hit in a later process), because a compile reads shapes,
-    never values. (Subprocesses: in this one, dynamo would reuse its in-process graphs.)"""
-    import subprocess
+    never values. (Processes of their own: in this one, dynamo would reuse its in-process graphs.)"""
     import sys
+    from test_train import run_cmd
     from transformers import LlamaConfig, LlamaForCausalLM
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "m")
@@ -1132,10 +1132,9 @@ def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_
             "print('rows', compiled.warm_up([], [(2, 64, 8)], 7.0, 'flex', targets=[t], log=lambda m: None))\n")
     out = []
     for weights in ("random", "real"):
-        p = subprocess.run([sys.executable, "-c", code, weights], cwd=os.path.dirname(os.path.abspath(__file__)),
-                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-        out.append(p.stdout)
+        p = run_cmd([sys.executable, "-c", code, weights], timeout=300)
+        assert p.rc == 0, p.tail()
+        out.append(p.out)
     assert "random weights of" in out[0] and "cold compile" in out[0], out[0]
     assert "random weights" not in out[1] and "'cache hit, features" in out[1], out[1]
 
