@@ -1262,9 +1262,10 @@ if __name__ == "__main__":
     import importlib.util
     import pathlib
     import sys
-    # the files that need the embedded default first: one worker converts it while the other starts on the
-    # files that need none of it; a worker whose tests run out takes the other's last ones (worksteal)
-    first = ["test_data.py", "test_generate.py", "test_train.py"]
+    # the files that need the embedded default first, the slowest first: one worker converts the default while
+    # the other starts on the files that need none of it; a worker whose tests run out takes the other's last ones
+    # (worksteal), so both end together
+    first = ["test_train.py", "test_generate.py", "test_data.py"]
     files = sorted(pathlib.Path(__file__).resolve().parent.glob("test_*.py"),
                    key=lambda p: (first.index(p.name) if p.name in first else len(first), p.name))
     files = [str(p) for p in files]
