@@ -238,7 +238,7 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
     push = lambda r: heapq.heappush(heap, (r[0][0], -r[3], len(r[1]), next(order), r))   # (group, chain)
     req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
     gen = torch.zeros(n, engine.length, dtype=torch.long)    # each row's answer so far
-    count, start, budget, seed = (torch.zeros(n, dtype=torch.long) for _ in range(4))
+    count, budget = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
     live, held = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)   # held: kept for a next turn
     ended, pending, parked, resume = [], None, {}, []    # parked: key -> (row, cached ids)
     cur, at, drawn = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))   # the next step's token,
@@ -296,12 +296,11 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
                 for s, r in zip(rows.tolist(), take):
                     req[s] = r
                 count[rows], live[rows], held[rows] = 0, True, False
-                start[rows] = torch.tensor([len(r[1]) for r in take])
-                budget[rows], seed[rows] = torch.tensor([r[2] for r in take]), torch.tensor([r[4] for r in take])
+                budget[rows] = torch.tensor([r[2] for r in take])
                 logits = engine.prefill(rows.tolist(), [r[1] for r in take], starts=shared)
-                on, seeds = rows.to(dev), seed[rows].to(dev)
-                first = pick(logits, seeds)
-                cur[on], at[on], drawn[on] = first, start[rows].to(dev), seeds + 1
+                on, seeds = rows.to(dev), torch.tensor([r[4] for r in take], device=dev)
+                first = pick(logits, seeds)   # a row decodes on from its prompt's end, with the seed's next draws
+                cur[on], at[on], drawn[on] = first, torch.tensor([len(r[1]) for r in take], device=dev), seeds + 1
                 emit(rows, first.cpu())
             last, ahead = ahead, None
             if live.any():   # queued before the host reads the last step's picks
