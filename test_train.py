@@ -6,6 +6,7 @@ Every training run is tiny: a random 4-layer Llama/Qwen3 target (hidden 64) with
 tokenizer, a 2-layer drafter, a handful of steps. What each test asserts is in its name. Faults are
 injected by the tests: break() wraps the project's own function that is to fail, in the run's process.
 """
+import functools
 import json
 import math
 import multiprocessing
@@ -111,19 +112,15 @@ def _alive(p):
     return p.poll() is None if isinstance(p, subprocess.Popen) else p.is_alive()
 
 
-_SERVER = []
-
-
+@functools.cache
 def _fork_server():
     """multiprocessing's fork server, with torch, transformers and datasets imported once: a script forked from
-    it starts in about a second, where a fresh interpreter on this machine takes about ten."""
-    if not _SERVER:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")      # read by torch as the server imports it
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "transformers", "datasets", "transformers.models.llama.modeling_llama",
-                                    "transformers.models.qwen3.modeling_qwen3"])
-        _SERVER.append(ctx)
-    return _SERVER[0]
+    it skips those imports, most of a tiny run's time in a fresh interpreter."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")      # read by torch as the server imports it
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "datasets", "transformers.models.llama.modeling_llama",
+                                "transformers.models.qwen3.modeling_qwen3"])
+    return ctx
 
 
 def _script(args, env, cwd, write):
