@@ -4,7 +4,6 @@
     python bench.py --tiny             # the same code at toy size (CPU: seconds)
     python bench.py --all-shapes       # cold warm-up of every default bucket, then the pipeline's warm start
     python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1   # the loop, any layout
-    python bench.py --decode --target-config config.json --seq 2048   # generate_data.py's decoding step
 
 Naive is what public DFlash trainers run: only flex_attention compiled, create_block_mask every step.
 Times are the median of --rounds rounds of --steps calls back to back.
@@ -24,10 +23,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import compiled
 import config
-import decoding
 import dflash_model as dm
 import kernels
-import layout
 import replicas
 from master_adamw import MasterAdamW
 
@@ -50,8 +47,6 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=10, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds; the median is reported")
     p.add_argument("--all-shapes", action="store_true", help="cold warm-up of every default bucket")
-    p.add_argument("--decode", action="store_true",
-                   help="only generate_data.py's decoding step: one CUDA-graph replay over every engine row that fits")
     p.add_argument("--pipeline-steps", type=int, default=40, help="optimiser steps of the pipeline run")
     p.add_argument("--no-pipeline", action="store_true", help="skip the threaded pipeline")
     p.add_argument("--pipeline-only", action="store_true", help="only the threaded pipeline")
@@ -60,7 +55,7 @@ def parse_args(argv):
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
     p.add_argument("--device", default="", help="device of the one-device measurements (default cuda:0, or cpu)")
     p.add_argument("--node-gpus", type=int, default=8,
-                   help="print the layout advisor's predictions for a node of this many such GPUs")
+                   help="print the predicted tokens/s of every layout of a node of this many such GPUs")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)
     if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
@@ -95,8 +90,8 @@ def main(argv=None):
            "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
            "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
     log = lambda m: print(m, flush=True)
-    if a.pipeline_only or a.decode:
-        res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log) if a.pipeline_only else decode(a, spec, S, dev, log))
+    if a.pipeline_only:
+        res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))
         return report(a, res)
     peak = compiled.measure_peak_flops(dev)
     res["peak_tflops"] = peak / 1e12
@@ -181,10 +176,9 @@ def main(argv=None):
         log(f"[bench] drafter step (naive): {1e3 * t_naive:.1f} ms, MFU {res['naive_mfu']:.1%}; "
             f"ours is {t_naive / t_ours:.2f}x faster")
     res["sum_of_parts_tok_s"] = B * S / (t_target + t_ours)
-    rows = layout.layouts(a.node_gpus, [layout.Bucket(1, B * S, t_target, t_ours)])
-    res["layouts"] = [r._asdict() for r in rows]
-    log(f"[bench] predicted layouts of {a.node_gpus} such GPUs (layout.py, from the two times above):\n"
-        + layout.format_table(rows))
+    res["layouts"] = layouts(a.node_gpus, B * S, t_target, t_ours)
+    log(f"[bench] predicted layouts of {a.node_gpus} such GPUs (from the two times above):\n"
+        + format_layouts(res["layouts"]))
     del target, drafter, opt, feats
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -221,23 +215,27 @@ def naive_loss(drafter, feats, ids, lm, anchors, valid, dev):
                           ce=kernels.ce_chunk_eager)[0]
 
 
-def decode(a, spec, S, dev, log):
-    """generate_data.py's decoding step on a random target of `spec`: the engine rows that fit a context of S
-    (at most 1,024), each at a random position below S/4, S/2 and S, its layers compiled on a GPU; ms per step."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=config.param_dtype(dev)).eval()
-    engine = decoding.Engine(model, decoding.Engine.fit(model, S, most=1024), S, compile=dev.type == "cuda")
-    ids, n = torch.randint(0, spec["vocab_size"], (engine.rows, 1)), engine.rows
-    res = {"decode_rows": n, "decode_ms": {}}
-    for span in (S // 4, S // 2, S):
-        pos = torch.randint(0, span, (n,))
-        t, spread = compiled.median_time(lambda: engine.step(ids, pos), a.steps, dev, a.rounds)
-        res["decode_ms"][span] = 1e3 * t
-        log(f"[bench] decoding step, {n} rows below position {span}: {1e3 * t:.2f} ms "
-            f"[{1e3 * spread[0]:.2f}-{1e3 * spread[1]:.2f}] = {n / t:,.0f} tok/s with every row busy")
-    return res
+def layouts(n, tokens, t_target, t_drafter, sync=0.95):
+    """Every layout of n GPUs, best first, with its predicted tokens/s from one target forward and one drafter step
+    of `tokens`: all n doing both roles (the sum of its parts, as the pipeline measures), and k target GPUs feeding
+    n - k drafter GPUs (the slower side binds). `sync`: the assumed gradient-sync efficiency of several replicas."""
+    gpus = lambda ids: ",".join(f"cuda:{i}" for i in ids)
+    eff = lambda replicas: sync if replicas > 1 else 1.0
+    rows = [dict(name=f"{n} GPU{'s' * (n > 1)} both roles", target_devices=gpus(range(n)), drafter_devices=gpus(range(n)),
+                 tok_s=n * eff(n) * tokens / (t_target + t_drafter), binds="both")]
+    for k in range(1, n):
+        target, drafter = k / t_target, (n - k) * eff(n - k) / t_drafter
+        rows.append(dict(name=f"{k} target + {n - k} drafter", target_devices=gpus(range(k)),
+                         drafter_devices=gpus(range(k, n)), tok_s=min(target, drafter) * tokens,
+                         binds="target" if target < drafter else "drafter"))
+    return sorted(rows, key=lambda r: -r["tok_s"])
+
+
+def format_layouts(rows):
+    short = lambda s: s if "," not in s else f"{s.split(',')[0]}-{s.split(',')[-1].split(':')[1]}"
+    return "\n".join([f"{'layout':<22} {'tok/s':>9}  {'binds':<8} --target-devices / --drafter-devices"] + [
+        f"{r['name']:<22} {r['tok_s']:>9,.0f}  {r['binds']:<8} {short(r['target_devices'])} / "
+        f"{short(r['drafter_devices'])}" for r in rows])
 
 
 def pipeline(a, tcfg, cache, tmp, S, A, dev, log):

@@ -393,24 +393,3 @@ def measure_peak_flops(dev):
     n, dtype = (8192, torch.bfloat16) if dev.type == "cuda" else (1024, torch.float32)
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
     return 2 * n ** 3 / median_time(lambda: a @ b, 10, dev)[0]
-
-
-def time_shapes(target, drafter, shapes, gamma, attn, path, key):
-    """{shape: (seconds of one target forward, of one drafter step)} for the layout advisor, on the first target
-    and drafter device; kept in `path` under `key` (GPU, builds, models, shapes): a restart reads them back."""
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-        if saved["key"] == key:
-            return {tuple(s): tuple(t) for s, t in saved["times"]}
-    except (OSError, ValueError, KeyError):   # none yet, or unreadable: timed again and rewritten below
-        pass
-    tdev, times = next(target.parameters()).device, {}
-    for shape in shapes:
-        ids = torch.randint(0, target.config.vocab_size, shape[:2], device=tdev)
-        am = torch.ones(shape[:2], dtype=torch.bool, device=tdev)
-        forward = torch.no_grad()(lambda: dm.target_forward(target, ids, am, drafter.config.target_layer_ids))
-        step = lambda: warm_shape(drafter, shape, gamma, attn)   # noqa: E731
-        times[tuple(shape)] = (median_time(forward, 1, tdev)[0], median_time(step, 1, drafter.fc.weight.device)[0])
-    data_dflash.write_json(path, {"key": key, "times": [[list(s), list(t)] for s, t in times.items()]})
-    return times

@@ -978,41 +978,6 @@ def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
         assert (d.embed_weight.data_ptr() == d.lm_head_weight.data_ptr()) is tied and d.embed_weight is not d.lm_head_weight
 
 
-def test_layout_advice_times_each_shape_once_and_reads_them_back_on_a_restart(tmp_path, monkeypatch):
-    """The advisor's per-shape seconds are timed after the warm-up and kept beside the compile cache: a
-    restart with the same GPU, builds, models and shapes reads them; anything else is timed again. The
-    start-up log then holds the table of this node's layouts and the warning for a slower one."""
-    import config
-    import train_dflash as tr
-    path = tiny_config_json(tmp_path / "tiny.json")
-    cfg = config.parse_args(["--target", f"random:{path}", "--data", "synthetic:4", "--max-length", "256",
-                             "--num-anchors", "32", "--block-size", "8", "--num-draft-layers", "2",
-                             "--target-devices", "cpu", "--drafter-devices", "cpu", "--out-dir", str(tmp_path)])
-    lines = []
-    trainer = tr.Trainer(cfg, log=lines.append)
-    trainer.setup()
-    trainer.build_models()
-    trainer.attn = "sdpa"
-    args = (trainer.targets[0], trainer.replicas.drafters[0], trainer.shapes, trainer.cfg.gamma, "sdpa",
-            str(tmp_path / "times.json"))
-    times = compiled.time_shapes(*args, {"k": 1})
-    assert set(times) == set(trainer.shapes) and all(t > 0 and d > 0 for t, d in times.values())
-
-    def no_timing(*a):
-        raise AssertionError("timed again")
-    monkeypatch.setattr(compiled, "warm_shape", no_timing)
-    assert compiled.time_shapes(*args, {"k": 1}) == times                   # read back, not timed
-    with pytest.raises(AssertionError, match="timed again"):
-        compiled.time_shapes(*args, {"k": 2})                                # another key: timed
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)            # as if on a node of 2 GPUs
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "fake GPU")
-    monkeypatch.setattr(compiled, "time_shapes", lambda *a: {s: (0.1, 0.3) for s in trainer.shapes})
-    trainer.advise_layout()
-    log = "\n".join(lines)
-    assert "[layout] predicted tokens/s" in log and "2 GPUs both roles" in log and "1 target + 1 drafter" in log
-    assert "[layout] WARNING: --target-devices cpu --drafter-devices cpu is predicted at" in log  # 1 GPU of 2
-
-
 def test_a_random_target_has_the_same_weights_on_every_device_and_in_every_run(tmp_path):
     """random:<config> targets (benchmarks) are seeded: with several target devices, a batch's features
     must not depend on which target thread took it, and two runs must see the same target."""

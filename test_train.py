@@ -1238,13 +1238,6 @@ def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
     assert len(rows) == 8 and "layouts of 8 such GPUs" in p.out
     assert rows[(",".join(f"cuda:{i}" for i in range(5)), "cuda:5,cuda:6,cuda:7")] == \
         pytest.approx(min(5 / t, 3 * 0.95 / d) * n)                       # the original 5 + 3 split
-    out3 = tmp_path / "decode.json"
-    p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--decode", "--steps", "1", "--rounds", "1",
-                 "--json", str(out3)], timeout=300)
-    assert_ok(p)
-    res = json.loads(out3.read_text())
-    assert res["decode_rows"] == 8 and list(res["decode_ms"]) == ["64", "128", "256"], res
-    assert "decoding step, 8 rows below position 256" in p.out
     out2 = tmp_path / "layout.json"
     p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--pipeline-only", "--target-devices", "cpu",
                  "--drafter-devices", "cpu,cpu", "--pipeline-steps", "10", "--json", str(out2)], timeout=300)

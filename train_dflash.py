@@ -30,7 +30,6 @@ import config
 import data_dflash
 import dflash_model as dm
 import environment
-import layout
 from pipeline import ReorderBuffer, Run, Stop
 from replicas import Replicas
 
@@ -72,8 +71,6 @@ class Trainer:
         compiled.warm_up(self.replicas.drafters, self.shapes, cfg.gamma, self.attn, cfg.on_unwarmed, log,
                          targets=self.targets if self.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
-        if self.ddevs[0].type == "cuda" and self.world == 1:   # one process holds the node's GPUs
-            self.advise_layout()
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers
         self.peak_flops = compiled.measure_peak_flops(self.ddevs[0])
         now = time.time()
@@ -170,25 +167,6 @@ class Trainer:
             self.cursor = (self.cursor // nb_old) * nb + min(self.cursor % nb_old, nb - 1)
         self.log(f"[resume] {path}: step {self.step}, batch cursor {self.cursor}, fp32 masters + moments "
                  "match the saved digest")
-
-    def advise_layout(self):
-        """Log the predicted tokens/s of every layout of this node's GPUs, from one timed target forward and
-        drafter step per shape (kept beside the compile cache), and warn when one beats this run's by >10%."""
-        key = {"gpu": torch.cuda.get_device_name(self.ddevs[0]), "torch": torch.__version__, "target": self.tpath,
-               "target_layers": len(self.targets[0].model.layers), "drafter": repr(self.dcfg),
-               "shapes": [list(s) for s in self.shapes], "attn": self.attn}
-        times = compiled.time_shapes(self.targets[0], self.replicas.drafters[0], self.shapes, self.cfg.gamma,
-                                     self.attn, os.path.join(self.cfg.compile_cache, "layout_times.json"), key)
-        batches, lengths, buckets = self.stream.epoch(0), self.stream.lengths, []
-        for B, S, A in self.shapes:
-            mine = [sum(min(lengths[i], S) for i in idx) for s, idx in batches if s == S]
-            if mine:                  # share of the batches, mean real tokens of a batch, its seconds
-                buckets.append(layout.Bucket(len(mine), sum(mine) / len(mine), *times[(B, S, A)]))
-        rows = layout.layouts(torch.cuda.device_count(), buckets)
-        warning = layout.warning(rows, buckets, self.tdevs, self.ddevs)
-        self.log("[layout] predicted tokens/s of this node's layouts (times per shape (B,S,A): "
-                 + ", ".join(f"{s} target {1e3 * t:.0f} ms drafter {1e3 * d:.0f} ms" for s, (t, d) in times.items())
-                 + f"):\n{layout.format_table(rows)}" + (f"\n[layout] {warning}" if warning else ""))
 
     # --- the loop ------------------------------------------------------------------------------------
     def loop(self):
