@@ -36,7 +36,6 @@ TINY = dict(model_type="qwen3", vocab_size=1024, hidden_size=128, intermediate_s
             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
 NAIVE_FLEX = torch.compile(flex_attention, dynamic=False)    # the naive setup's only compiled call
 
-
 def parse_args(argv):
     p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy sizes (the default on CPU)")
@@ -70,7 +69,6 @@ def parse_args(argv):
         except (OSError, ValueError) as e:
             p.error(f"--target-config {a.target_config}: {e}")
     return a
-
 
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
@@ -191,7 +189,6 @@ def main(argv=None):
             f"{res['sum_of_parts_tok_s']:,.0f} tok/s: {res['pipeline_vs_sum_of_parts']:.1%}")
     return report(a, res)
 
-
 def report(a, res):
     """The results as JSON on stdout, and in --json FILE."""
     print(json.dumps(res, indent=1))
@@ -199,7 +196,6 @@ def report(a, res):
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     return res
-
 
 def naive_loss(drafter, feats, ids, lm, anchors, valid, dev):
     """The public trainers' setup: eager trunk, compiled flex only (flex's own GQA, torch's tiles),
@@ -213,7 +209,6 @@ def naive_loss(drafter, feats, ids, lm, anchors, valid, dev):
     hidden = drafter.body(feats, block_ids, torch.arange(S, device=dev).expand(B, S), block_pos, attend)
     return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048,
                           ce=kernels.ce_chunk_eager)[0]
-
 
 def layouts(n, tokens, t_target, t_drafter, sync=0.95):
     """Every layout of n GPUs, best first, with its predicted tokens/s from one target forward and one drafter step
@@ -230,13 +225,11 @@ def layouts(n, tokens, t_target, t_drafter, sync=0.95):
                          binds="target" if target < drafter else "drafter"))
     return sorted(rows, key=lambda r: -r["tok_s"])
 
-
 def format_layouts(rows):
     short = lambda s: s if "," not in s else f"{s.split(',')[0]}-{s.split(',')[-1].split(':')[1]}"
     return "\n".join([f"{'layout':<22} {'tok/s':>9}  {'binds':<8} --target-devices / --drafter-devices"] + [
         f"{r['name']:<22} {r['tok_s']:>9,.0f}  {r['binds']:<8} {short(r['target_devices'])} / "
         f"{short(r['drafter_devices'])}" for r in rows])
-
 
 def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     """train_dflash.py on synthetic full-length samples: median tokens/s after its first log line, warm-up, busy."""
@@ -267,7 +260,6 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
         if line.startswith(("step ", "[warmup]", "[replicas]", "[run] start-up")) or "busy" in line:
             log("  | " + line)
     return res
-
 
 if __name__ == "__main__":
     main()

@@ -20,13 +20,11 @@ import torch
 
 import dflash_model as dm
 
-
 def list_checkpoints(out_dir):
     """Complete checkpoints (DONE written), oldest first."""
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
     return sorted(os.path.join(out_dir, d) for d in names if d.startswith("step_") and not d.endswith(".tmp")
                   and os.path.exists(os.path.join(out_dir, d, "DONE")))
-
 
 def damage(path):
     """Why the checkpoint at `path` cannot be trusted (a missing or cut file), or None."""
@@ -41,7 +39,6 @@ def damage(path):
             return f"{name} is missing"
         if os.path.getsize(full) != size:
             return f"{name} has {os.path.getsize(full)} bytes, {size} were written"
-
 
 def load_newest(out_dir, log):
     """(path, state) of the newest intact checkpoint in out_dir, (None, None) if there is none; each damaged
@@ -61,7 +58,6 @@ def load_newest(out_dir, log):
     if ckpts:
         raise SystemExit(f"error: every checkpoint in {out_dir} is damaged (see above): nothing to resume from")
     return None, None
-
 
 class Checkpointer:
     """save() snapshots the state into reused host buffers in the step loop (a fraction of a second); a background
@@ -124,7 +120,6 @@ class Checkpointer:
             writer.join()
         return writer.step if writer else None
 
-
 # --- Host snapshots -------------------------------------------------------------------------------
 def to_host(obj, memo, pool):
     """obj (dicts, lists, tuples) with every tensor, a CPU one too, COPIED into `pool` (read after its finish()):
@@ -138,7 +133,6 @@ def to_host(obj, memo, pool):
     if id(obj) not in memo:        # the original is kept with its copy, so its id is not reused meanwhile
         memo[id(obj)] = (obj, pool.copy(obj.detach()))
     return memo[id(obj)][1]
-
 
 class HostPool:
     """Host snapshot buffers reused from one checkpoint to the next, in order (one of another shape or dtype is
@@ -166,7 +160,6 @@ class HostPool:
         for d in self.devices:
             torch.cuda.synchronize(d)
 
-
 # --- Fingerprints: bit-exact comparison of tensors, cheap enough for every log interval -----------
 def fingerprint(tensors):
     """Per tensor, the wrapping int64 sum of its bytes as 8-byte words (near memory bandwidth), on its device: equal
@@ -179,16 +172,13 @@ def fingerprint(tensors):
         sums.append(b.view(torch.int64).sum())
     return torch.stack(sums)
 
-
 def digest(fp):
     """A fingerprint() as 16 hex digits, the same on any device (integer sums do not depend on the order)."""
     return hashlib.sha256(fp.cpu().numpy().tobytes()).hexdigest()[:16]
 
-
 def as_bytes(t):
     """A tensor's raw bytes (bit-exact comparison: torch.equal on floats treats -0.0 == 0.0)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
 
 def optimizer_digest(opt_state):
     """digest() of what a resume restores bit for bit: MasterAdamW's fp32 masters and moments (the weights follow)."""

@@ -27,7 +27,6 @@ PLUMBING = ("torch/fx/", "torch/_compile.py", "torch/_dynamo/eval_frame.py", "to
 FRAME_ROOTS = [(os.path.dirname(os.path.dirname(torch.__file__)) + os.sep, ""), (HERE + os.sep, ""),
                (os.path.dirname(os.__file__) + os.sep, "<stdlib>/"), ("", "")]
 
-
 def _group_raises(events):
     """Per site that raised the flag, most frequent first; user_frame: the innermost frame outside torch."""
     groups = {}
@@ -39,7 +38,6 @@ def _group_raises(events):
         groups.setdefault(key, []).append(thread)
     return sorted(({"count": len(ts), "threads": Counter(ts), "tracing_frame": key[0], "requested_by": key[1],
                     "user_frame": key[2]} for key, ts in groups.items()), key=lambda gr: -gr["count"])
-
 
 def run_exercise(kind, mode, threads, seconds, device):
     """The threaded exercise in this process: meaningful only in a fresh one with a cold cache (run_child)."""
@@ -119,7 +117,6 @@ def run_exercise(kind, mode, threads, seconds, device):
             "per_thread": per, "error_samples": samples, "gate_stats": dict(gate.stats),
             "flag_raises": len(events), "flag_up_after_run": _fx_flag(), "raises": _group_raises(events)}
 
-
 def run_child(spec):
     """One mode of the exercise in a child process with an empty compile cache: its result."""
     print(f"[diagnose] mode {spec['mode']}: {spec['threads']} threads, {spec['kind']} on {spec['device']}, "
@@ -137,7 +134,6 @@ def run_child(spec):
     if r.returncode:
         return {"mode": spec["mode"], "failed": f"exit {r.returncode}: {r.stderr[-3000:]}"}
     return json.loads(r.stdout.splitlines()[-1])   # the child's last line: anything it logged comes before
-
 
 def format_race_table(results):
     head = (f"{'mode':<7} {'FX err':>6} {'other':>5} {'exposed':>7}  {'calls per thread':<22} "

@@ -31,16 +31,12 @@ import data_dflash
 import dflash_model as dm
 from environment import CACHE_INFO_FILE
 
-
-# -----------------------------------------------------------------------------
-# 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every key the
+# ---- 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every key the
 # run uses; then warmed keys share it under dynamo's "fail_on_recompile" stance, so nothing compiles behind its
 # back. An unwarmed key is an error, or (on_unwarmed="compile") compiles holding the gate exclusively.
 
-
 class UnwarmedShapeError(RuntimeError):
     pass
-
 
 class CompileGate:
     def __init__(self):
@@ -154,21 +150,16 @@ class CompileGate:
         self.log(f"[gate] warm: {len(self.warmed)} compiled keys, recompile_limit={self.recompile_limit}, "
                  f"unwarmed shapes -> {self.on_unwarmed}")
 
-
 GATE = CompileGate()
 
-
-# -----------------------------------------------------------------------------
-# 2. The compiled calls, called only through GATE.run. dynamic=False: each shape is its own fully specialised
+# ---- 2. The compiled calls, called only through GATE.run. dynamic=False: each shape is its own fully specialised
 # entry (the length buckets keep them few).
-
 
 def require_compiled(what):
     # dynamo folds this away when it compiles; run eagerly (dynamo disabled), flex would take its dense path silently
     if not torch.compiler.is_dynamo_compiling():
         raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x H x Q x KV "
                            "scores). Every flex call must go through the compiled functions and GATE.")
-
 
 def flex(q, k, v, block_mask):
     # kv heads repeated for their query heads: flex's backward gives each (key tile, kv head) one program looping
@@ -179,21 +170,17 @@ def flex(q, k, v, block_mask):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return flex_attention(q, k, v, block_mask=block_mask)
 
-
 def _flex_impl(q, k, v, block_mask):
     require_compiled("flex_attention")
     return flex(q, k, v, block_mask)
-
 
 def _body_impl(drafter, target_feats, block_ids, ctx_pos, block_pos, block_mask):
     require_compiled("drafter body (flex)")
     return drafter.body(target_feats, block_ids, ctx_pos, block_pos, lambda q, k, v: flex(q, k, v, block_mask))
 
-
 # The trunk is one graph: inductor fuses norms, rope and activations around the matmuls across layers.
 compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
 compiled_body = torch.compile(_body_impl, dynamic=False, fullgraph=True)
-
 
 def flex_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
     """dm.drafter_forward_loss's trunk on GPUs: the tile-level block mask and the compiled body, gated."""
@@ -202,11 +189,9 @@ def flex_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
     return GATE.run("drafter_fwd", ctx_pos.device, (B, S, A, bs), compiled_body, drafter, target_feats,
                     block_ids, ctx_pos, block_pos, bm)
 
-
 def trunk(attn):
     """The drafter trunk of --attn: flex (compiled, gated) or sdpa (dense mask, eager)."""
     return flex_trunk if attn == "flex" else dm.dense_trunk
-
 
 def backward(loss, device, shape, attn):
     """loss.backward(); with flex through the gate (the compiled backward compiles on its first call)."""
@@ -215,13 +200,10 @@ def backward(loss, device, shape, attn):
     else:
         loss.backward()
 
-
 def _layer_forward(layer, hidden_states, *args, **kwargs):
     return type(layer).forward(layer, hidden_states, *args, **kwargs)
 
-
 _TARGET_NUMBERS = itertools.count()
-
 
 def compile_target_layers(target):
     """Compile the target's decoder layers, called through GATE: regional (its layers share one graph per input
@@ -236,10 +218,7 @@ def compile_target_layers(target):
     for layer in target.model.layers:
         layer.forward = functools.partial(gated, layer)
 
-
-# -----------------------------------------------------------------------------
-# 3. The compile cache
-
+# ---- 3. The compile cache
 
 def use_compile_cache(cache_dir, log=print):
     """Point inductor and triton at a persistent cache and record which build fills it: one filled by another
@@ -270,16 +249,12 @@ def use_compile_cache(cache_dir, log=print):
         data_dflash.write_json(info_path, {**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return cache_dir
 
-
 def _cache_counters():
     from torch._dynamo.utils import counters
     return (counters["aot_autograd"].get("autograd_cache_hit", 0), counters["inductor"].get("fxgraph_cache_hit", 0),
             counters["inductor"].get("fxgraph_cache_miss", 0))
 
-
-# -----------------------------------------------------------------------------
-# 4. The warm-up
-
+# ---- 4. The warm-up
 
 def warm_shape(drafter, shape, gamma, attn):
     """One forward + backward of the training computation at `shape` = (B, S, A); the drafter's gradients are
@@ -298,7 +273,6 @@ def warm_shape(drafter, shape, gamma, attn):
     for p, had in zip(drafter.parameters(), had_grad):
         p.grad = p.grad.zero_() if had else None
     sync_device(dev)
-
 
 def warm_target(target, B, S, layer_ids):
     """Compile the target's layers at (B, S) with no row padded and with one (two graphs), and check the compiled
@@ -321,7 +295,6 @@ def warm_target(target, B, S, layer_ids):
                                f"target's by {errs[-1]:.2e} (relative; {dtype} allows {tol:g}): refusing to train "
                                "on them. Report it with `python diagnose.py` output")
     return max(errs)
-
 
 def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targets=()):
     """Warm every (target, (B, S)) of compiled targets and every (replica, shape) in turn, size the recompile
@@ -351,26 +324,20 @@ def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targe
     GATE.mark_warm()
     return rows
 
-
 def format_table(rows):
     lines = [f"{'device':14s} {'shape (B,S,A)':18s} {'seconds':>8s}  compile", "-" * 56]
     lines += [f"{dev:14s} {str(shape):18s} {dt:8.1f}  {kind}" for dev, shape, dt, kind in rows]
     lines.append(f"total {sum(r[2] for r in rows):.1f}s over {len(rows)} (device, shape) pairs")
     return "\n".join(lines)
 
-
-# -----------------------------------------------------------------------------
-# 5. Timers
-
+# ---- 5. Timers
 
 def sync_device(dev):
     if torch.device(dev).type == "cuda":
         torch.cuda.current_stream(dev).synchronize()
 
-
 def autocast(dev):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.device(dev).type == "cuda")
-
 
 def median_time(fn, n, dev, rounds=1):
     """(median, [min, max]) seconds per call: after 2 untimed calls, `rounds` rounds of `n` calls back to back,
@@ -386,7 +353,6 @@ def median_time(fn, n, dev, rounds=1):
         sync_device(dev)
         per_call.append((time.perf_counter() - t0) / n)
     return statistics.median(per_call), [min(per_call), max(per_call)]
-
 
 def measure_peak_flops(dev):
     """Matmul rate measured now, on this device (the MFU's denominator)."""

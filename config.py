@@ -13,12 +13,10 @@ import torch
 import data_dflash
 import dflash_model as dm
 
-
 def opt(default, help):
     """A config field with its --help line (a list default is copied for each instance)."""
     kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
     return field(**kw, metadata={"help": help})
-
 
 @dataclass
 class TrainConfig:
@@ -69,12 +67,10 @@ class TrainConfig:
                                "('' = off; needs pip install tensorboard)")
     resume: bool = opt(False, "continue from the newest intact checkpoint in out_dir")
 
-
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that answers a bad command line with one line naming the problem, not the usage text."""
     def error(self, message):
         raise SystemExit(f"error: {message} (see --help)")
-
 
 def parse_args(argv):
     """TrainConfig from the command line; a bad option is a one-line error (an unknown one with the closest names)."""
@@ -128,7 +124,6 @@ def parse_args(argv):
     cfg.compile_cache = cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache")
     return cfg
 
-
 # --- Devices and shapes ---------------------------------------------------------------------------
 def resolve_devices(cfg):
     """(target devices, drafter devices), as --target-devices and --drafter-devices say (auto: 5/8 and 3/8)."""
@@ -144,14 +139,12 @@ def resolve_devices(cfg):
         raise SystemExit("error: need at least one target and one drafter device")
     return tdev, ddev
 
-
 def check_devices(devices):
     """Every device exists here; else every script's one-line error."""
     n = torch.cuda.device_count()
     for d in map(torch.device, devices):
         if d.type == "cuda" and (d.index or 0) >= n:
             raise SystemExit(f"error: device {d} requested but only {n} CUDA device(s) visible")
-
 
 def resolve_attn(cfg, drafter_devs):
     if cfg.attn == "flex" and drafter_devs[0].type == "cpu":
@@ -163,27 +156,22 @@ def resolve_attn(cfg, drafter_devs):
                          "each drafter replica a GPU of its own")
     return attn
 
-
 def param_dtype(dev):
     """The weights' dtype on `dev`: the drafter's (its masters stay fp32), the target's, its embedding and LM head."""
     return torch.bfloat16 if torch.device(dev).type == "cuda" else torch.float32
 
-
 def bucket_list(cfg):
     return sorted({int(x) for x in cfg.buckets.split(",")} | {cfg.max_length}) if cfg.buckets else \
         data_dflash.default_buckets(cfg.max_length)
-
 
 def anchors_for(cfg, S, block_size):
     """num_anchors, capped by the S - block + 1 start positions, rounded up to fill flex's 128-row tiles."""
     m = 128 // math.gcd(block_size, 128)
     return max(m, math.ceil(min(cfg.num_anchors, S - block_size + 1) / m) * m)
 
-
 # An automatic micro-batch on a GPU holds at least this much drafter work: the per-step costs (launches, optimiser,
 # gradient sum) stay small next to it while a small data set still gets many steps.
 STEP_FLOPS = 25e12
-
 
 def batch_size_for(cfg, dcfg, S, memory=0):
     """Rows per micro-batch of bucket S, at most tokens_per_batch // S: the blocks of tokens_per_batch // max_length
@@ -196,7 +184,6 @@ def batch_size_for(cfg, dcfg, S, memory=0):
         rows = min(blocks // A, memory // activation_bytes(dcfg, S, A))
     return max(1, int(rows))
 
-
 def activation_bytes(c, S, A):
     """Bytes one sequence's drafter forward keeps for its backward, over-estimated twofold: per block token and
     layer 4H + 3q + 2kv + 3I bf16 values, per context token its features, ctx and keys/values, the LM-head grad."""
@@ -204,7 +191,6 @@ def activation_bytes(c, S, A):
     per_block_token = c.num_draft_layers * (4 * H + 3 * qd + 2 * kvd + 3 * c.intermediate_size) + H
     per_context_token = (len(c.target_layer_ids) + 1) * H + c.num_draft_layers * 2 * kvd
     return 2 * 2 * (A * c.block_size * per_block_token + S * per_context_token)
-
 
 def batch_memory(dcfg, tcfg, tdevs, ddevs):
     """Bytes a drafter GPU gives one micro-batch (0 on a CPU): half of what its total memory leaves after the drafter
@@ -219,11 +205,9 @@ def batch_memory(dcfg, tcfg, tdevs, ddevs):
     used = 18 * drafter + 2 * 2 * dcfg.vocab_size * dcfg.hidden_size + 2 * target
     return max(0, torch.cuda.get_device_properties(ddevs[0]).total_memory - used) // 2
 
-
 def shape_plan(cfg, dcfg, memory=0):
     """Every (B, S, A) the drafter can see: one per bucket. This is what the warm-up compiles."""
     return [(batch_size_for(cfg, dcfg, S, memory), S, anchors_for(cfg, S, dcfg.block_size)) for S in bucket_list(cfg)]
-
 
 # --- Target and drafter ---------------------------------------------------------------------------
 def target_and_data(cfg):
@@ -233,11 +217,9 @@ def target_and_data(cfg):
     target, data = data_dflash.prepare_embedded_default(cfg.cache_dir)
     return target, cfg.data or [data]
 
-
 def first_line(e):
     """An exception's first message line, or its type where the message is empty."""
     return (str(e).splitlines() or [type(e).__name__])[0]
-
 
 def load_target_config(path):
     """(config, tokenizer). random:<config.json>: a config for random weights, and no tokenizer."""
@@ -250,7 +232,6 @@ def load_target_config(path):
         return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:    # no such folder or hub name, a file that is no config
         raise SystemExit(f"error: cannot load the target {path!r}: {first_line(e)}") from None
-
 
 def choose_mask_token_id(tokenizer, vocab_size):
     """The mask token: an existing <|MASK|>, else a spare embedding row (Qwen3's), else an unused special token."""
@@ -266,7 +247,6 @@ def choose_mask_token_id(tokenizer, vocab_size):
             return tid
     raise ValueError("no spare or unused special token to use as the mask token; pass --mask-token-id")
 
-
 def make_drafter_config(cfg, tcfg, tok):
     """The drafter's DFlashConfig for this target (tok None: a random target; its last row is the mask token)."""
     vocab = getattr(tcfg, "text_config", tcfg).vocab_size
@@ -279,7 +259,6 @@ def make_drafter_config(cfg, tcfg, tok):
                          f"({dcfg.max_position_embeddings})")
     return dcfg
 
-
 def new_drafter(dcfg, emb, head, dev, seed):
     """A drafter replica on `dev` reading the target's embedding and LM head (a tied pair stays one storage); the
     warm-up builds its drafters here too, as compiled graphs key on dtype, layout and aliasing."""
@@ -288,7 +267,6 @@ def new_drafter(dcfg, emb, head, dev, seed):
         dr = dm.DFlashDrafter(dcfg, embed_weight=torch.empty(0))
     dr.embed_weight, dr.lm_head_weight = emb.to(dev), head.to(dev)
     return dr
-
 
 def load_model(path, device, dtype):
     """The target as transformers loads it (LM head included), frozen: every script's one way to load it."""
@@ -301,7 +279,6 @@ def load_model(path, device, dtype):
         why = f"{type(e).__name__}: {first_line(e)}"
         raise SystemExit(f"error: cannot load the target {path!r}: {why}") from None
     return model.to(device).eval().requires_grad_(False)
-
 
 def load_target(path, device, dtype, layer_ids, log=print, random_weights=False):
     """The target cut after the deepest captured layer, hooked to keep the captured outputs (dm.capture).

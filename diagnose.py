@@ -17,7 +17,6 @@ import torch
 from environment import (collect_env, diff_env, format_packages, format_report, installed_packages,
                          natural_race_expected, _fx_flag_thread_local)
 
-
 def _against(folder, cache_dir):
     """(JSON object, text) of what changed since the checkpoint in folder, in the cache that run used by default."""
     if not os.path.isdir(folder):
@@ -41,7 +40,6 @@ def _against(folder, cache_dir):
     return ({"checkpoint": folder, "checkpoint_time": old.get("time"), "changed_during_run": during,
              "differences": [{"field": k, "old": o, "new": n} for k, o, n in diffs],
              "packages_after": [{"name": n, "version": v, "mtime": t} for n, v, t in newer]}, "\n".join(text))
-
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,7 +78,6 @@ def main(argv=None):
         text = format_report(env) + "\n" + format_packages(recent, "15 most recently installed/modified packages:")
     print(json.dumps(obj, indent=1, default=str) if a.json else text)
     return rc
-
 
 if __name__ == "__main__":
     sys.exit(main())

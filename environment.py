@@ -29,7 +29,6 @@ SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")   # logs g
 LIBRARIES = ("transformers", "datasets", "numpy", "safetensors")   # versions recorded besides torch and triton
 NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total")
 
-
 def collect_env(cache_dir=None):
     """Everything that decides whether a run reproduces. Never raises (a failing part records its error: a hole beats
     a crashed checkpoint) and starts no compile and no python: the trainer calls it at every start and save."""
@@ -49,7 +48,6 @@ def collect_env(cache_dir=None):
     env["natural_race_expected"] = natural_race_expected()
     return env
 
-
 def _versions():
     # a distribution's version without importing it, the first found on sys.path: "absent" is an answer
     installed = lambda *ds: next((x.version for d in ds for x in importlib.metadata.distributions(name=d)), "absent")
@@ -61,7 +59,6 @@ def _versions():
             "cuda": torch.version.cuda, "cudnn": cudnn,
             "triton": installed("triton", "pytorch-triton", "pytorch-triton-rocm", "triton-xpu"),
             **{d: installed(d) for d in LIBRARIES}}
-
 
 def _gpus():
     g = {"cuda_available": False, "count": 0, "names": [], "memory_gib": [], "capability": [], "driver": None,
@@ -88,7 +85,6 @@ def _gpus():
     first = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[0][:200]   # its message: the diagnosis
     return g | {"nvidia_smi": [f"error: {f'exit {r.returncode}' if r.returncode else 'unexpected output'}: {first}"]}
 
-
 def _env_vars():
     env = {k: ("<set>" if any(m in k.upper() for m in SECRET_MARKERS) else v)
            for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
@@ -96,14 +92,12 @@ def _env_vars():
         del env["TORCHINDUCTOR_CACHE_DIR"]   # importing torch._dynamo exports inductor's default here: nobody chose it
     return env
 
-
 def _default_cache_dir():   # inductor's rule, without importing inductor (seconds, and it exports the variable)
     try:
         user = getpass.getuser()
     except Exception:   # a container's uid without a passwd entry
         user = f"uid_{os.getuid()}"
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
-
 
 def _cache_state(cache_dir):
     chosen = cache_dir or _env_vars().get("TORCHINDUCTOR_CACHE_DIR")   # as recorded: inductor's export is no choice
@@ -125,7 +119,6 @@ def _cache_state(cache_dir):
         except Exception as e:
             c["info"] = {"error": f"unreadable {CACHE_INFO_FILE}: {e}"}
     return c
-
 
 def _git_state(path=HERE):
     """A git command that fails leaves its fields None and says why in "error": a failure must not read as clean."""
@@ -158,7 +151,6 @@ def _git_state(path=HERE):
         g["error"] = "; ".join(errors)
     return g
 
-
 def installed_packages():
     """[(name, version, mtime of its dist-info folder, which pip creates at each install)], newest first."""
     rows = {}
@@ -167,7 +159,6 @@ def installed_packages():
         if (name := d.metadata["Name"]) and name.lower() not in rows and f"{os.sep}_vendor{os.sep}" not in str(d._path):
             rows[name.lower()] = (name, d.version, os.path.getmtime(d._path))
     return sorted(rows.values(), key=lambda r: -r[2])
-
 
 def natural_race_expected(fx_flag_thread_local=None):
     """Does the cold-cache compile race show by itself? By the thread probe where it ran, else by version."""
@@ -179,7 +170,6 @@ def natural_race_expected(fx_flag_thread_local=None):
                 "0 errors here says nothing about torch 2.11")
     return "yes: a compile in one thread makes compiled calls in other threads fail"
 
-
 # --- What changed, and the report. IGNORED: fields that change on every call or grow in any healthy run, and the
 # trainer's note changed_during_run (shown apart).
 IGNORED = {"time", "time_unix", "changed_during_run", "compile_cache.size_bytes", "compile_cache.file_count",
@@ -189,7 +179,6 @@ MISSING = "(missing)"
 # absent against the trainer's value is no change, a user's own value (a cache off) is one.
 TRAINER_SET_VARS = {"env_vars.TORCHINDUCTOR_CACHE_DIR", "env_vars.TRITON_CACHE_DIR"}
 TRAINER_DEFAULT_VARS = {"env_vars.TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "env_vars.TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
-
 
 def diff_env(old, new):
     """[(dotted field, old value, new value)] for every field that differs, sorted by field."""
@@ -217,15 +206,12 @@ def diff_env(old, new):
                          f"{nc.get('file_count')} files (some removed)"))
     return rows
 
-
 def _flatten(d, prefix=""):   # an empty dict leaves no key: {} and absent are the same state
     return {key: x for k, v in d.items()
             for key, x in (_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
 
-
 def _fmt_time(t):
     return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
-
 
 def format_report(env):
     v, g, c, p = (env.get(k) or {} for k in ("versions", "gpus", "compile_cache", "project"))
@@ -269,16 +255,13 @@ def format_report(env):
               f"  env: {variables or '(none of the recorded variables)'}"]
     return "\n".join(lines)
 
-
 def format_packages(rows, title):
     return "\n".join([title] + ([f"  {_fmt_time(t)}  {n} {ver}" for n, ver, t in rows] or ["  (none)"]))
-
 
 # --- The thread probe raises the FX flag for real: it runs only where no other thread runs compiled code.
 def _fx_flag():   # this thread's view; read directly where it is a module global: is_fx_tracing() logs a warning
     flag = getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", None)
     return flag if isinstance(flag, bool) else bool(torch.fx._symbolic_trace.is_fx_tracing())
-
 
 def _fx_flag_thread_local():
     """Is the FX flag per thread? Measured by behaviour: another thread reads it while this one traces."""

@@ -24,7 +24,6 @@ import dflash_model as dm
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
-
 def parse_args(argv):
     p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
@@ -58,13 +57,11 @@ def parse_args(argv):
     a.speed_prompts = min(a.num_prompts, (20 if gpu else 1) if a.speed_prompts is None else a.speed_prompts)
     return a
 
-
 def drafter_labels(paths):
     """A short name per drafter: step_000690 of .../step_000690/drafter, else the folder's name; else the paths."""
     parts = [os.path.normpath(p).split(os.sep) for p in paths]
     short = [q[-2] if q[-1] == "drafter" and len(q) > 1 else q[-1] for q in parts]
     return short if len(set(short)) == len(short) else [os.path.normpath(p) for p in paths]
-
 
 def prompts_from(files, tokenizer, n, skip, max_tokens):
     """The ids of usable prompts skip .. skip + n (each conversation up to its first reply)."""
@@ -79,14 +76,12 @@ def prompts_from(files, tokenizer, n, skip, max_tokens):
         print(f"[eval] NOTICE: only {len(out) - skip} usable prompts (asked for {n})")
     return out[skip: skip + n]
 
-
 def proposers(drafters, bs, rows, length):
     """(name, feature layers, a fresh proposer) of each way to decode."""
     return [("target greedy", (), lambda: None),
             *((lb, d.config.target_layer_ids, lambda d=d: decoding.DrafterRows(d, rows, length))
               for lb, d in drafters.items()),
             ("n-gram lookup", (), lambda: decoding.NGram(bs))]
-
 
 def decode_all(target, drafters, prompts, n, stops, bs, device):
     """{name: [(new tokens, acceptance lengths)] per prompt}, the prompts in batches."""
@@ -104,7 +99,6 @@ def decode_all(target, drafters, prompts, n, stops, bs, device):
               + (f", tau {sum(rounds) / max(1, len(rounds)):.3f}" if name != "target greedy" else ""), flush=True)
     return out
 
-
 def speed(target, drafters, prompts, n, stops, bs, device):
     """{name: (new tokens, seconds)}, each prompt alone, after an untimed one (the graphs' capture)."""
     length, out, gpu = max(map(len, prompts)) + n + 2 * bs, {}, torch.device(device).type == "cuda"
@@ -117,7 +111,6 @@ def speed(target, drafters, prompts, n, stops, bs, device):
         compiled.sync_device(device)
         out[name] = (tokens, time.time() - t0)
     return out
-
 
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
@@ -166,7 +159,6 @@ def main(argv=None):
     res["seconds"] = time.time() - t_start
     return report(res, list(drafters), a.json)
 
-
 def first_difference(target, prompt, ref, out):
     """Where an output leaves the target's, and the target's logit margin there (tiny: a near-tie that block
     verification and one-token decoding round apart; large: a bug)."""
@@ -176,20 +168,17 @@ def first_difference(target, prompt, ref, out):
     top = logits.topk(2).values
     return {"at": at, "margin": float(top[0] - top[1])}
 
-
 def format_histogram(*hists, bs, width=8):
     """A row per acceptance length 1..bs: each method's count of rounds, a bar for the first."""
     top = max(hists[0].values(), default=0)
     return "\n".join(f"  {L:2d} " + " ".join(f"{h.get(L, 0):{width}d}" for h in hists)
                      + f" {'#' * int(40 * hists[0].get(L, 0) / max(1, top))}" for L in range(1, bs + 1))
 
-
 def acceptance_by_position(hist, bs):
     """For draft position k = 1..bs-1: of the rounds that accepted at least k tokens, the share that accepted
     at least k+1; None where no round reached it."""
     at_least = [sum(c for L, c in hist.items() if L >= k) for k in range(1, bs + 1)]
     return [at_least[k] / at_least[k - 1] if at_least[k - 1] else None for k in range(1, bs)]
-
 
 def report(res, labels, json_path):
     """Print the result and write it; exit status 1 if any prompt was lossy."""
@@ -218,7 +207,6 @@ def report(res, labels, json_path):
         print(f"ERROR: prompt {x['prompt']}: {name} output differs from target greedy at new token "
               f"{x['at']} (target logit margin there {x['margin']:.2e})")
     return 1 if bad else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,7 +26,6 @@ import decoding
 # with the target and the sources, what decides the result (the batch size does not, for greedy decoding)
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples")
 
-
 def parse_args(argv):
     p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
@@ -53,7 +52,6 @@ def parse_args(argv):
     config.check_devices(a.devices)
     return a
 
-
 def weights_hash(target):
     """sha256 over the folder's *.safetensors files (a hub name stands for itself)."""
     if not os.path.isdir(target):
@@ -65,7 +63,6 @@ def weights_hash(target):
             while chunk := f.read(1 << 24):
                 h.update(chunk)
     return h.hexdigest()
-
 
 # ---- shards: regenerate turn by turn; a worker decodes the turns of the shards it holds together
 
@@ -125,11 +122,9 @@ class Shard:
         self.regen[k].append({"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True).strip()})
         return True
 
-
 def hash_ints(*xs):
     """A 62-bit integer of integers, stable across Python versions (hash() is not documented to be)."""
     return int.from_bytes(hashlib.sha256(repr(xs).encode()).digest()[:8], "little") >> 2
-
 
 # ---- workers: one process per device, shards from a queue
 
@@ -190,7 +185,6 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
 
     decoding.generate(engine, more, stops, decoding.picker(a.temperature, a.top_p), follow)
 
-
 def progress(shards_dir, n_shards, t_run):
     """All workers' progress from the shards on disk; those written since t_run give the rate and the ETA."""
     done = []
@@ -203,7 +197,6 @@ def progress(shards_dir, n_shards, t_run):
     rate, per_shard = sum(st["generated_tokens"] for st in now) / elapsed, elapsed / max(1, len(now))
     return (f"{len(done)}/{n_shards} shards, {rate:,.0f} tok/s this run, "
             f"ETA {(n_shards - len(done)) * per_shard / 60:.1f} min")
-
 
 def run_workers(a, pending, shards_dir, n_shards):
     """One process per device (threads would serialise the host work between CUDA-graph replays on the GIL); one
@@ -222,7 +215,6 @@ def run_workers(a, pending, shards_dir, n_shards):
     if bad := [f"{d} (exit code {p.exitcode})" for d, p in zip(a.devices, procs) if p.exitcode]:
         raise SystemExit(f"error: the worker on {', '.join(bad)} failed; run again to go on from the shards done")
 
-
 # ---- main: settings, shards, then the output and its manifest
 
 def same_settings(path, settings):
@@ -235,7 +227,6 @@ def same_settings(path, settings):
         raise SystemExit(f"error: {path} was made with other settings ({', '.join(diff)}): use another --out "
                          f"or delete {os.path.dirname(path) if path.endswith('settings.json') else path}")
     return True
-
 
 def main(argv=None):
     a, t_start = parse_args(sys.argv[1:] if argv is None else argv), time.time()
@@ -297,7 +288,6 @@ def main(argv=None):
           f"included), {run['wall_seconds']:.1f} s | skipped: {skips} -> {a.out}\n"
           f"[gen] train on it: python train_dflash.py --target {a.target} --data {a.out}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

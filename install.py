@@ -11,10 +11,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-
 def version_tuple(v):
     return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
-
 
 def satisfied(req):
     """Does an installed package satisfy the requirement `req` (a name, with an == or >= pin or none)?"""
@@ -25,12 +23,10 @@ def satisfied(req):
         return False
     return name == "torch" or not op or (have == version_tuple(want) if op == "==" else have >= version_tuple(want))
 
-
 def missing(path):
     """The requirement lines of `path` that the installed packages do not satisfy."""
     with open(os.path.join(HERE, path)) as f:
         return [req for line in f if (req := line.split("#")[0].strip()) and not satisfied(req)]
-
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -45,7 +41,6 @@ def main(argv=None):
             if subprocess.run([sys.executable, "-m", "pip", "install", "-q", *flags, *need]).returncode:
                 raise SystemExit(f"error: pip could not install {' '.join(need)} (its message is above)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

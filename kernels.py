@@ -18,7 +18,6 @@ except ImportError:
 _CHECK_LOCK = threading.Lock()
 _CE_CHECKED, _ADAMW_CHECKED, _ROW_CHECKED = set(), set(), set()   # devices whose kernel passed its check
 
-
 def _check_once(checked, dev, check, *args):
     """check(*args) on `dev`'s first use of a kernel, once even when several threads reach it."""
     if dev not in checked:
@@ -27,10 +26,7 @@ def _check_once(checked, dev, check, *args):
                 check(*args)
                 checked.add(dev)
 
-
-# -----------------------------------------------------------------------------
-# 1. Cross entropy of one chunk of logits
-
+# ---- 1. Cross entropy of one chunk of logits
 
 def ce_chunk_eager(logits, y, w):
     """One chunk of the weighted CE from its (n, V) logits: (sum of w*CE, correct, dCE/dlogits * w). correct: the
@@ -44,7 +40,6 @@ def ce_chunk_eager(logits, y, w):
     g[torch.arange(len(y), device=x.device), y] -= 1.0
     g *= w[:, None]
     return loss, correct, g.to(logits.dtype)
-
 
 if triton is not None:
     @triton.jit
@@ -73,7 +68,6 @@ if triton is not None:
             g = tl.exp(x - m) * (w / s) - tl.where(c == y, w, 0.0)
             tl.store(g_row + c, g.to(g_ptr.dtype.element_ty), mask=c < V)
 
-
 def _ce_chunk_triton_unchecked(logits, y, w):
     n, V = logits.shape
     logits = logits.contiguous()
@@ -86,13 +80,11 @@ def _ce_chunk_triton_unchecked(logits, y, w):
                               logits.stride(0), V=V, BLOCK=4096, num_warps=8)
     return loss.sum(), correct, g
 
-
 def ce_chunk_triton(logits, y, w):
     """ce_chunk_eager's result from one Triton kernel, two passes over the logits: faster than inductor's, and
     nothing to compile through the gate."""
     _check_once(_CE_CHECKED, logits.device, _check_ce_kernel, logits[:16], y[:16], w[:16])
     return _ce_chunk_triton_unchecked(logits, y, w)
-
 
 def _check_ce_kernel(logits, y, w):
     w = torch.linspace(0.5, 1.5, len(w), device=w.device)    # real weights may be 0 on these rows
@@ -105,10 +97,7 @@ def _check_ce_kernel(logits, y, w):
                            f"{float(got[0])} vs {float(ref[0])}, max grad error {g_err:.3g}, correct "
                            f"{got[1].tolist()} vs {ref[1].tolist()}; this triton/GPU is not supported")
 
-
-# -----------------------------------------------------------------------------
-# 2. AdamW over bf16 weights with fp32 masters
-
+# ---- 2. AdamW over bf16 weights with fp32 masters
 
 if triton is not None:
     @triton.jit
@@ -130,7 +119,6 @@ if triton is not None:
         tl.store(v_ptr + offs, v, mask=keep)
         tl.store(param_ptr + offs, w.to(param_ptr.dtype.element_ty), mask=keep)
 
-
 def adamw_torch(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
     """The same update with torch ops, in torch.optim.AdamW's (single-tensor) order (step() skips a nan `scale`)."""
     g = g.float() if scale is None else g.float() * scale
@@ -141,19 +129,16 @@ def adamw_torch(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
     w.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
     p.copy_(w)
 
-
 def _update_triton(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
     # 1024 x 4 warps: faster than 4096 x 8 on an H200
     n, block = p.numel(), 1024
     _adamw_kernel[(triton.cdiv(n, block),)](p, g, st["master"], st["exp_avg"], st["exp_avg_sq"], scale, n,
                                            beta1, beta2, eps, decay, step_size, bc2_sqrt, BLOCK=block, num_warps=4)
 
-
 def adamw_triton(p, g, st, scale, *args):
     with torch.cuda.device(p.device):     # Triton launches on the CURRENT device's stream, not the tensors'
         _check_once(_ADAMW_CHECKED, p.device, _check_adamw_kernel, p.device)
         _update_triton(p, g, st, scale, *args)
-
 
 def _check_adamw_kernel(dev):
     """The Triton pass against the torch-op pass on random data (bf16 weight and grad, a clip factor), and a
@@ -184,10 +169,7 @@ def _check_adamw_kernel(dev):
             raise RuntimeError(f"the Triton AdamW kernel stores an update with a nan clip factor on {dev} "
                                "(it must store nothing: a nan/inf gradient norm would poison the weights)")
 
-
-# -----------------------------------------------------------------------------
-# 3. Decoding attention: each row of a static KV cache read up to its own length
-
+# ---- 3. Decoding attention: each row of a static KV cache read up to its own length
 
 def row_attention_torch(q, k, v, lens, causal, scale):
     """q (R, H, T, D) against a cache k, v (R, L, KV heads, D): query t of row r sees the keys j < lens[r] + t
@@ -199,7 +181,6 @@ def row_attention_torch(q, k, v, lens, causal, scale):
     out = torch.nn.functional.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale=scale,
                                                            attn_mask=visible[:, None], enable_gqa=True)
     return out.transpose(1, 2)
-
 
 if triton is not None:
     @triton.jit
@@ -243,7 +224,6 @@ if triton is not None:
         tl.store(o_ptr + r * so_r + t[:, None] * so_t + head[:, None] * so_h + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=qm)
 
-
 def _row_attention_triton_unchecked(q, k, v, lens, causal, scale):
     (R, H, T, D), fp32 = q.shape, q.dtype == torch.float32   # fp32 tiles take twice the registers
     G = H // k.shape[2]
@@ -256,7 +236,6 @@ def _row_attention_triton_unchecked(q, k, v, lens, causal, scale):
             BLOCK_N=32 if fp32 else 64, CAUSAL=causal, IEEE=fp32, num_warps=8 if fp32 else 4)
     return out
 
-
 def row_attention(q, k, v, lens, causal, scale):
     """row_attention_torch's result, on a GPU from one Triton kernel reading each row's keys only up to its length
     (SDPA reads every row's whole cache); checked on each (device, dtype, causal)'s first call, before any capture."""
@@ -264,7 +243,6 @@ def row_attention(q, k, v, lens, causal, scale):
         return row_attention_torch(q, k, v, lens, causal, scale)
     _check_once(_ROW_CHECKED, (q.device, q.dtype, causal), _check_row_attention, q, k, v, lens, causal, scale)
     return _row_attention_triton_unchecked(q, k, v, lens, causal, scale)
-
 
 def _check_row_attention(q, k, v, lens, causal, scale):
     got = _row_attention_triton_unchecked(q, k, v, lens, causal, scale).float()

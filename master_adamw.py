@@ -14,13 +14,11 @@ import kernels
 
 STATE_FORMAT = "master_adamw/1"
 
-
 def cast_weights(params, dtype):
     """Cast parameters in place (their .data), so modules keep their Parameter objects. Unlike
     Module.to(dtype) this leaves buffers alone (the drafter's rope tables stay fp32)."""
     for p in params:
         p.data = p.data.to(dtype)
-
 
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW whose fp32 state includes the master weights: built from the fp32 model, whose parameters are then

@@ -9,10 +9,8 @@ import traceback
 
 import compiled
 
-
 class Stop(Exception):
     """Raised inside a thread when another thread failed: unwind quietly."""
-
 
 class Run:
     """Shared state of one run: the stop flag, the failures, and waits that watch both."""
@@ -55,7 +53,6 @@ class Run:
         t = threading.Thread(target=body, name=name, daemon=True)
         t.start()
         return t
-
 
 class ReorderBuffer:
     """Features arrive from several target threads out of order; the step loop takes batch j, in order. Bounded:

@@ -14,7 +14,6 @@ import checkpoint as ck
 import config
 from master_adamw import MasterAdamW
 
-
 class Replicas:
     """The drafter replicas, their MasterAdamW optimisers, schedules and gradient buffers."""
 
@@ -166,7 +165,6 @@ class Replicas:
         log(f"[replicas] {len(self.drafters)} replica(s) x {self.world} rank(s) bit-identical after step {step} "
             f"({n:,} parameters each; fingerprint {self.digests()[0]})")
 
-
 def clip_and_step(opt, grads, clip):
     """Clip the gradients' global norm to `clip` and take the optimiser step; returns the norm (float).
 
@@ -187,7 +185,6 @@ def clip_and_step(opt, grads, clip):
         raise FloatingPointError(f"the gradient norm is {value}")
     return value
 
-
 def host_copy(t):
     """(t copied to pinned host memory without a wait, the CUDA event read() waits for; None on a CPU)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
@@ -197,12 +194,10 @@ def host_copy(t):
     ready.record(torch.cuda.current_stream(t.device))
     return host, ready
 
-
 def read(host, ready):
     if ready is not None:
         ready.synchronize()
     return host
-
 
 def add_into(buf):
     """A post-accumulate-grad hook: add the fresh gradient into `buf` (an fp32 view) and free it."""

@@ -33,7 +33,6 @@ import environment
 from pipeline import ReorderBuffer, Run, Stop
 from replicas import Replicas
 
-
 class Trainer:
     def __init__(self, cfg, log, env=None):
         self.cfg, self.log, self.env_at_start, self.env_change_said = cfg, log, env, False
@@ -411,7 +410,6 @@ class Trainer:
         """Training time of the whole run, the runs it resumed included: what --max-minutes budgets."""
         return self.seconds_before + time.time() - self.t_start
 
-
 def log_line(step, x, total_steps, cfg):
     bs = cfg.block_size
     progress = f"{step}/{total_steps}"
@@ -424,7 +422,6 @@ def log_line(step, x, total_steps, cfg):
             f"{x['sync_ms']:.0f}ms | mem " + (f"{x['mem_gib']:.1f}GiB" if "mem_gib" in x else "-")
             + f" | ETA {x['eta_min']:.1f}min" + (f" | checkpoint pause {x['ckpt_pause_s']:.2f}s (not in the rates)"
                                                  if x["ckpt_pause_s"] else ""))
-
 
 def prepare_batches(cfg, dcfg, items):
     """(micro-batches with their anchors, loss-weight sum, real tokens, FLOPs) of one replica's step."""
@@ -439,7 +436,6 @@ def prepare_batches(cfg, dcfg, items):
         prepared.append((S, ids, lm, feats, anchors, valid))
     return prepared, wsum, tokens, flops
 
-
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
     """Anchors drawn per (sample, epoch) with their own generator: the same sample gets the same
     anchors however the batches are split across replicas, and a resumed run draws them again."""
@@ -447,7 +443,6 @@ def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
                                generator=torch.Generator().manual_seed(seed * 1_000_003 + int(sid) * 7919 + int(epoch)))
              for r, (sid, epoch) in enumerate(sample_keys)]
     return torch.cat([a for a, _ in drawn]), torch.cat([v for _, v in drawn])
-
 
 def over_ranks(world, values, op="SUM"):
     """A list of numbers, each reduced over the ranks (op: SUM or MAX): a collective, every rank calls it at the
@@ -458,13 +453,11 @@ def over_ranks(world, values, op="SUM"):
     dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return t.tolist()
 
-
 def gather_ints(world, value):
     """[value of rank 0, value of rank 1, ...]."""
     values = [0] * world
     values[dist.get_rank() if world > 1 else 0] = value
     return [int(v) for v in over_ranks(world, values)]
-
 
 def keep_metrics_upto(path, step):
     """Drop the records of steps after `step` (trained again after a resume), atomically."""
@@ -478,7 +471,6 @@ def keep_metrics_upto(path, step):
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
-
 
 class Logger:
     """print + append to <out_dir>/train.log. Under torchrun, rank r > 0 writes train.rank<r>.log and
@@ -494,7 +486,6 @@ class Logger:
             if self.rank == 0 or msg.lstrip().startswith(("[FATAL]", "WARNING", "error")):
                 print(msg if self.rank == 0 else f"[rank {self.rank}] {msg}", flush=True)
             self.f.write(msg + "\n")
-
 
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
@@ -512,7 +503,6 @@ def main(argv=None):
     if rc:
         os._exit(rc)          # do not wait for threads stuck in device work: stop within seconds
     return rc
-
 
 if __name__ == "__main__":
     sys.exit(main())

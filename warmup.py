@@ -14,7 +14,6 @@ import compiled
 import config
 from master_adamw import cast_weights
 
-
 def build_drafters(cfg):
     """The drafter replicas and the shape plan train_dflash.py builds for `cfg`, without the target's weights: its
     meta-device model gives the embedding and LM head shapes and whether they are one tensor; empty tensors stand in."""
@@ -35,7 +34,6 @@ def build_drafters(cfg):
         cast_weights(drafters[-1].parameters(), config.param_dtype(d))     # as the trainer's optimiser does
     return dcfg, drafters, config.shape_plan(cfg, dcfg, config.batch_memory(dcfg, tcfg, tdevs, ddevs))
 
-
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     cfg.target = config.target_and_data(cfg)[0]      # the embedded default, prepared once
@@ -51,7 +49,6 @@ def main(argv=None):
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
           f"attention {attn}")
     print(compiled.format_table(compiled.warm_up(drafters, shapes, cfg.gamma, attn, cfg.on_unwarmed, targets=targets)))
-
 
 if __name__ == "__main__":
     main()
