@@ -79,8 +79,7 @@ class DFlashConfig:
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         xf = x.float()
@@ -124,8 +123,7 @@ class Attention(nn.Module):
         k, v = self.kv(x, cos_q, sin_q)
         if k_ctx is not None:      # training: the context comes with the call (decoding keeps it in its cache)
             k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
-        o = attend(q, k, v)
-        return self.o_proj(o.transpose(1, 2).reshape(B, L, self.nh * self.hd))
+        return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(B, L, self.nh * self.hd))
 
 class MLP(nn.Module):
     def __init__(self, c):
@@ -170,26 +168,25 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
 
     def attach_target(self, target):
-        self.embed_weight = target.get_input_embeddings().weight.detach()
-        self.lm_head_weight = target.get_output_embeddings().weight.detach()
+        self.embed_weight, self.lm_head_weight = (target.get_input_embeddings().weight.detach(),
+                                                  target.get_output_embeddings().weight.detach())
         return self
 
     def rope(self, positions, dtype):
-        """cos/sin of shape (B, 1, L, head_dim) for integer positions (B, L), gathered from the tables."""
+        """cos/sin (B, 1, L, head_dim) of positions (B, L)."""
         c, s = self.rope_cos[positions], self.rope_sin[positions]
         return torch.cat([c, c], dim=-1)[:, None].to(dtype), torch.cat([s, s], dim=-1)[:, None].to(dtype)
 
-    def context(self, target_feats):
-        """(B, S, n_ctx*H) target features -> (B, S, H), shared by all layers."""
+    def context(self, target_feats):   # shared by all layers
         return self.hidden_norm(self.fc(target_feats))
 
     def body(self, target_feats, block_ids, ctx_pos, block_pos, attend):
-        """Drafter trunk: the final-normed hidden states of the block tokens (B, Lq, H)."""
+        """The final-normed hidden states of the block tokens; each layer projects the shared context to its own
+        keys/values."""
         ctx = self.context(target_feats)
         h = F.embedding(block_ids, self.embed_weight).to(ctx.dtype)
-        cos_c, sin_c = self.rope(ctx_pos, ctx.dtype)
-        cos_q, sin_q = self.rope(block_pos, ctx.dtype)
-        for layer in self.layers:      # each layer projects the shared context to its own keys/values
+        (cos_c, sin_c), (cos_q, sin_q) = self.rope(ctx_pos, ctx.dtype), self.rope(block_pos, ctx.dtype)
+        for layer in self.layers:
             h = layer(h, *layer.self_attn.kv(ctx, cos_c, sin_c), cos_q, sin_q, attend)
         return self.norm(h)
 
@@ -262,10 +259,9 @@ def sample_anchors(loss_mask, lengths, num_anchors, block_size, generator=None):
     """Random anchors per sequence from positions p <= len-bs with loss_mask[p] and loss_mask[p+1]: anchors (B, A)
     long (sorted, padding 0), valid (B, A) bool; drawn on the CPU with `generator`: a resumed run draws the same."""
     lm = loss_mask.detach().to("cpu", torch.bool)
-    B = lm.shape[0]
-    anchors = torch.zeros(B, num_anchors, dtype=torch.long)
-    valid = torch.zeros(B, num_anchors, dtype=torch.bool)
-    for b in range(B):
+    anchors = torch.zeros(len(lm), num_anchors, dtype=torch.long)
+    valid = torch.zeros(len(lm), num_anchors, dtype=torch.bool)
+    for b in range(len(lm)):
         last = int(lengths[b]) - block_size          # the whole block fits inside the sequence
         if last < 0:
             continue
@@ -281,8 +277,7 @@ def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id,
     block i = [input_ids[a_i], MASK x (bs-1)] at positions a_i .. a_i+bs-1;
     label[i,k] = input_ids[a_i + k] (same position, NO shift); k = 0 carries no loss;
     w[i,k] = exp(-(k-1)/gamma) * loss_mask[a_i+k] * (a_i+k < S) * (k > 0) * valid_i."""
-    B, S = input_ids.shape
-    dev = input_ids.device
+    S, dev = input_ids.shape[1], input_ids.device
     anchors, valid = anchors.to(dev), valid.to(dev)
     k = torch.arange(block_size, device=dev)
     pos = anchors[:, :, None] + k                                  # (B, A, bs)
@@ -318,11 +313,10 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
         correct = torch.empty(size * k, device=h.device, dtype=torch.bool)
         for s in range(0, size * k, size):
-            e = s + size
-            part, correct[s:e], g = ce(h[s:e] @ weight.t(), labels[s:e], w[s:e])
+            part, correct[s:s + size], g = ce(h[s:s + size] @ weight.t(), labels[s:s + size], w[s:s + size])
             loss += part
             if need_grad:
-                grad_h[s:e] = (g @ weight).to(h.dtype)
+                grad_h[s:s + size] = (g @ weight).to(h.dtype)
         ctx.save_for_backward(grad_h[:N] if need_grad else None)
         correct = correct[:N]
         ctx.mark_non_differentiable(correct)
@@ -351,9 +345,8 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum.clamp(min=1e-6),
                                              chunk_rows, ce)
     sup = (w > 0).view(B * A, bs - 1)
-    hits = (correct.view(B * A, bs - 1) & sup).sum(0).float()
     counts = sup.sum(0).float()
-    return loss, hits / counts.clamp(min=1), counts
+    return loss, (correct.view(B * A, bs - 1) & sup).sum(0).float() / counts.clamp(min=1), counts
 
 def simulated_tau(acc):
     """1 + sum_k prod_{j<=k} acc_j: the acceptance length if position errors were independent."""
@@ -368,8 +361,7 @@ def dense_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
 def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma, trunk=dense_trunk,
                          weight_sum=None):
     """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk on GPUs) -> loss."""
-    c = drafter.config
-    B, S = input_ids.shape
+    c, (B, S) = drafter.config, input_ids.shape
     anchors, valid = to_device(anchors, input_ids.device), to_device(valid, input_ids.device)
     block_ids, block_pos, labels, weights = make_blocks(
         input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
@@ -397,16 +389,14 @@ def matmul_flops(c, S, A):
     return 2 * fc + 3 * c.num_draft_layers * layer + head
 
 def step_flops(c, S, A, ctx):
-    """Matmuls plus attention over the visible keys only (ctx context keys, the mean anchor position, + the block's
-    own bs), forward (QK^T and PV) and backward (2x the forward)."""
+    """Matmuls plus attention over the visible keys only: ctx context keys (the mean anchor position) and the
+    block's own, forward (QK^T and PV) and backward (2x the forward)."""
     return matmul_flops(c, S, A) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
         c.num_attention_heads * c.head_dim * (ctx + c.block_size)
 
 def batch_flops(c, S, anchors, valid):
-    """FLOPs of one drafter step on a (B, S) batch: its shape as it runs (padding included: the MFU is of the
-    device), attention from each row's own valid anchors."""
-    A = anchors.shape[1]
-    return sum(step_flops(c, S, A, float(a[v].float().mean()) if bool(v.any()) else 0.0)
+    """One drafter step on a (B, S) batch as it runs (padding included: the MFU is the device's)."""
+    return sum(step_flops(c, S, anchors.shape[1], float(a[v].float().mean()) if bool(v.any()) else 0.0)
                for a, v in zip(anchors, valid))
 
 # ---- 4. The target's features
