@@ -118,7 +118,6 @@ def run_exercise(kind, mode, threads, seconds, device):
             "flag_raises": len(events), "flag_up_after_run": _fx_flag(), "raises": _group_raises(events)}
 
 def run_child(spec):
-    """One mode of the exercise in a child process with an empty compile cache: its result."""
     print(f"[diagnose] mode {spec['mode']}: {spec['threads']} threads, {spec['kind']} on {spec['device']}, "
           f"{spec['seconds']:g} s, cold cache (compiles take a while)...", file=sys.stderr, flush=True)
     code = ("import json, sys, compile_race\n"

@@ -18,7 +18,6 @@ from environment import (collect_env, diff_env, format_packages, format_report, 
                          natural_race_expected, _fx_flag_thread_local)
 
 def _against(folder, cache_dir):
-    """(JSON object, text) of what changed since the checkpoint in folder, in the cache that run used by default."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     if not os.path.isfile(path := os.path.join(folder, "env.json")):

@@ -37,15 +37,14 @@ def collect_env(cache_dir=None):
     parts = {"hostname": socket.gethostname, "platform": platform.platform, "cpu_count": os.cpu_count,
              # as is: a venv's python is a symlink to the base interpreter, and the venv is what runs
              "python_executable": lambda: sys.executable, "python_prefix": lambda: sys.prefix,
-             "versions": _versions, "gpus": _gpus, "env_vars": _env_vars,
-             "compile_cache": lambda: _cache_state(cache_dir), "project": _git_state,
+             "versions": _versions, "gpus": _gpus, "env_vars": _env_vars, "project": _git_state,
+             "compile_cache": lambda: _cache_state(cache_dir), "natural_race_expected": natural_race_expected,
              "packages": lambda: {n: v for n, v, _ in sorted(installed_packages(), key=lambda r: r[0].lower())}}
     for key, fn in parts.items():
         try:
             env[key] = fn()
         except Exception as e:
             env[key] = {"error": f"{type(e).__name__}: {e}"}
-    env["natural_race_expected"] = natural_race_expected()
     return env
 
 def _versions():
@@ -181,7 +180,6 @@ TRAINER_SET_VARS = {"env_vars.TORCHINDUCTOR_CACHE_DIR", "env_vars.TRITON_CACHE_D
 TRAINER_DEFAULT_VARS = {"env_vars.TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "env_vars.TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 def diff_env(old, new):
-    """[(dotted field, old value, new value)] for every field that differs, sorted by field."""
     # a JSON round trip makes tuples lists and keys strings on both sides, as in env.json
     old, new = json.loads(json.dumps(old, default=str)), json.loads(json.dumps(new, default=str))
     fo, fn = _flatten(old), _flatten(new)
