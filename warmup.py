@@ -1,10 +1,7 @@
-"""Compile every (drafter device x shape bucket), and the target's layers, before training: fills the compile cache.
+"""Fill the compile cache ahead of train_dflash.py: its warm-up (compiled.warm_up) of every (drafter device x shape
+bucket) and of the target's layers, on random weights of the target's shape (a compile reads shapes, not values).
 
     python warmup.py --target Qwen/Qwen3-8B --drafter-devices cuda:5,cuda:6,cuda:7 [train_dflash.py options]
-
-train_dflash.py runs the same warm-up (compiled.warm_up) before its threads start; the inductor/triton cache
-persists (--compile-cache, default <out_dir>/compile_cache), so a later start loads every shape in seconds. This
-script fills it ahead without the target's weights: random ones of its shape (a compile reads shapes, not values).
 """
 import sys
 
@@ -28,10 +25,9 @@ def build_drafters(cfg):
     emb = torch.empty(m_emb.shape, dtype=tdtype, device=tdevs[0])
     # tied: a second view, not the same object, as the trainer's two .detach() calls (dynamo guards on it)
     head = emb.detach() if m_head is m_emb else torch.empty(m_head.shape, dtype=tdtype, device=tdevs[0])
-    drafters = []
-    for d in ddevs:
-        drafters.append(config.new_drafter(dcfg, emb, head, d, cfg.seed))
-        cast_weights(drafters[-1].parameters(), config.param_dtype(d))     # as the trainer's optimiser does
+    drafters = [config.new_drafter(dcfg, emb, head, d, cfg.seed) for d in ddevs]
+    for dr, d in zip(drafters, ddevs):
+        cast_weights(dr.parameters(), config.param_dtype(d))     # as the trainer's optimiser does
     return dcfg, drafters, config.shape_plan(cfg, dcfg, config.batch_memory(dcfg, tcfg, tdevs, ddevs))
 
 def main(argv=None):
