@@ -31,9 +31,8 @@ from master_adamw import MasterAdamW
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
-TINY = dict(model_type="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-            rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+TINY = dict(QWEN3_8B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
 NAIVE_FLEX = torch.compile(flex_attention, dynamic=False)    # the naive setup's only compiled call
 
 def parse_args(argv):
@@ -95,9 +94,9 @@ def main(argv=None):
     res["peak_tflops"] = peak / 1e12
     log(f"[bench] {res['device']} torch {torch.__version__}: matmul peak {peak / 1e12:.0f} TFLOP/s")
 
-    def timed(name, fn):      # median seconds per call; the rounds' min-max goes to res["spread_ms"]
+    def timed(name, fn):      # median seconds per call, recorded in ms; the rounds' min-max goes to res["spread_ms"]
         t, spread = compiled.median_time(fn, a.steps, dev, a.rounds)
-        res["spread_ms"][name] = [round(1e3 * s, 2) for s in spread]
+        res[name], res["spread_ms"][name] = 1e3 * t, [round(1e3 * s, 2) for s in spread]
         return t
 
     # --- the models, then the trainer's cold warm-up: the drafter's shapes, and the target's on a GPU
@@ -132,8 +131,7 @@ def main(argv=None):
             return target_fwd()
     t_target, t_eager = timed("target_ms", target_fwd), timed("target_eager_ms", target_eager)
     n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
-    res.update(target_ms=1e3 * t_target, target_eager_ms=1e3 * t_eager, target_tok_s=B * S / t_target,
-               target_mfu=2 * n_params * B * S / t_target / peak)
+    res.update(target_tok_s=B * S / t_target, target_mfu=2 * n_params * B * S / t_target / peak)
     log(f"[bench] target forward ({len(target.model.layers)} layers, {B} x {S} tokens, {attn}): "
         f"{1e3 * t_target:.1f} ms = {B * S / t_target:,.0f} tok/s, MFU {res['target_mfu']:.1%} "
         f"(eager {1e3 * t_eager:.1f} ms)")
@@ -160,8 +158,8 @@ def main(argv=None):
     t_ours = timed("drafter_ms", step)
     flops = dm.batch_flops(dcfg, S, anchors, valid)
     mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-    res.update(drafter_ms=1e3 * t_ours, drafter_tok_s=B * S / t_ours, drafter_mfu=flops / t_ours / peak,
-               drafter_tflop_per_step=flops / 1e12, drafter_peak_mem_gib=mem)
+    res.update(drafter_tok_s=B * S / t_ours, drafter_mfu=flops / t_ours / peak, drafter_tflop_per_step=flops / 1e12,
+               drafter_peak_mem_gib=mem)
     log(f"[bench] drafter step (ours): {1e3 * t_ours:.1f} ms = {B * S / t_ours:,.0f} target tok/s, "
         f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {mem:.1f} GiB" if mem is not None else ""))
 
@@ -170,7 +168,7 @@ def main(argv=None):
         compiled.GATE.on_unwarmed = "compile"
         step(naive=True)
         t_naive = timed("naive_ms", lambda: step(naive=True))
-        res.update(naive_ms=1e3 * t_naive, naive_mfu=flops / t_naive / peak, speedup_vs_naive=t_naive / t_ours)
+        res.update(naive_mfu=flops / t_naive / peak, speedup_vs_naive=t_naive / t_ours)
         log(f"[bench] drafter step (naive): {1e3 * t_naive:.1f} ms, MFU {res['naive_mfu']:.1%}; "
             f"ours is {t_naive / t_ours:.2f}x faster")
     res["sum_of_parts_tok_s"] = B * S / (t_target + t_ours)
@@ -190,7 +188,6 @@ def main(argv=None):
     return report(a, res)
 
 def report(a, res):
-    """The results as JSON on stdout, and in --json FILE."""
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:
@@ -210,14 +207,14 @@ def naive_loss(drafter, feats, ids, lm, anchors, valid, dev):
     return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048,
                           ce=kernels.ce_chunk_eager)[0]
 
-def layouts(n, tokens, t_target, t_drafter, sync=0.95):
+def layouts(n, tokens, t_target, t_drafter):
     """Every layout of n GPUs, best first, with its predicted tokens/s from one target forward and one drafter step
     of `tokens`: all n doing both roles (the sum of its parts, as the pipeline measures), and k target GPUs feeding
-    n - k drafter GPUs (the slower side binds). `sync`: the assumed gradient-sync efficiency of several replicas."""
+    n - k drafter GPUs (the slower side binds)."""
     gpus = lambda ids: ",".join(f"cuda:{i}" for i in ids)
-    eff = lambda replicas: sync if replicas > 1 else 1.0
-    rows = [dict(name=f"{n} GPU{'s' * (n > 1)} both roles", target_devices=gpus(range(n)), drafter_devices=gpus(range(n)),
-                 tok_s=n * eff(n) * tokens / (t_target + t_drafter), binds="both")]
+    eff = lambda replicas: 0.95 if replicas > 1 else 1.0   # the assumed gradient-sync efficiency of several replicas
+    rows = [dict(name=f"{n} GPU{'s' * (n > 1)} both roles", target_devices=gpus(range(n)),
+                 drafter_devices=gpus(range(n)), tok_s=n * eff(n) * tokens / (t_target + t_drafter), binds="both")]
     for k in range(1, n):
         target, drafter = k / t_target, (n - k) * eff(n - k) / t_drafter
         rows.append(dict(name=f"{k} target + {n - k} drafter", target_devices=gpus(range(k)),
@@ -233,14 +230,14 @@ def format_layouts(rows):
 
 def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     """train_dflash.py on synthetic full-length samples: median tokens/s after its first log line, warm-up, busy."""
-    out = os.path.join(tmp, "pipeline_out")
+    devices = {"target": a.target_devices or str(dev), "drafter": a.drafter_devices or str(dev)}
     cmd = [sys.executable, "-u", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dflash.py"),
            "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S),
            # --all-shapes warms every default bucket (the warm start of all shapes); only the S bucket trains
            *([] if a.all_shapes else ["--buckets", str(S)]),
-           "--num-anchors", str(A), "--target-devices", a.target_devices or str(dev),
-           "--drafter-devices", a.drafter_devices or str(dev), "--max-steps", str(a.pipeline_steps),
-           "--log-interval", "5", "--ckpt-interval", "100000", "--compile-cache", cache, "--out-dir", out]
+           "--num-anchors", str(A), "--target-devices", devices["target"], "--drafter-devices", devices["drafter"],
+           "--max-steps", str(a.pipeline_steps), "--log-interval", "5", "--ckpt-interval", "100000",
+           "--compile-cache", cache, "--out-dir", os.path.join(tmp, "pipeline_out")]
     log("[bench] pipeline: " + " ".join(cmd))
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -254,8 +251,7 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     res = {"pipeline_tok_s": statistics.median(rates[1:]) if len(rates) > 1 else float("nan"),
            "pipeline_tok_s_spread": [min(rates[1:]), max(rates[1:])] if len(rates) > 2 else None,
            "warmup_warm_cache_s": float(warm.group(1)) if warm else None,
-           "pipeline_busy": busy.group(0) if busy else None, "pipeline_wall_s": wall,
-           "pipeline_devices": {"target": a.target_devices or str(dev), "drafter": a.drafter_devices or str(dev)}}
+           "pipeline_busy": busy.group(0) if busy else None, "pipeline_wall_s": wall, "pipeline_devices": devices}
     for line in text.splitlines():
         if line.startswith(("step ", "[warmup]", "[replicas]", "[run] start-up")) or "busy" in line:
             log("  | " + line)
