@@ -1,11 +1,10 @@
-"""Benchmark on one device: target forward, drafter step (ours vs the naive setup), warm-up, pipeline.
+"""Benchmark on one device: target forward (compiled and eager), drafter step, warm-up, pipeline, layouts.
 
     python bench.py                    # Qwen3-8B-shaped random target, 5-layer drafter, S 3072, 512 anchors
     python bench.py --tiny             # the same code at toy size (CPU: seconds)
     python bench.py --all-shapes       # cold warm-up of every default bucket, then the pipeline's warm start
     python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1   # the loop, any layout
 
-Naive is what public DFlash trainers run: only flex_attention compiled, create_block_mask every step.
 Times are the median of --rounds rounds of --steps calls back to back.
 """
 import argparse
@@ -19,12 +18,10 @@ import tempfile
 import time
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import compiled
 import config
 import dflash_model as dm
-import kernels
 import replicas
 from master_adamw import MasterAdamW
 
@@ -33,7 +30,6 @@ QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, interme
                 max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
 TINY = dict(QWEN3_8B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
-NAIVE_FLEX = torch.compile(flex_attention, dynamic=False)    # the naive setup's only compiled call
 
 def parse_args(argv):
     p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,42 +133,30 @@ def main(argv=None):
         f"(eager {1e3 * t_eager:.1f} ms)")
     feats = target_fwd()
 
-    # --- the drafter, ours: timed steps
+    # --- the drafter: timed steps
     lm = torch.ones(B, S, device=dev)
     lm[:, : S // 10] = 0
     anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size, torch.Generator().manual_seed(0))
 
-    def step(naive=False):
+    def step():
         with compiled.autocast(dev):
-            loss = (naive_loss(drafter, feats, ids, lm, anchors, valid, dev) if naive else
-                    dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn))[0])
-        if naive:   # its compiled flex backward compiles lazily: through the gate too
-            compiled.GATE.run("naive_bwd", dev, (B, S, A), loss.backward)
-        else:
-            compiled.backward(loss, dev, (B, S, A), attn)
+            loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn))[0]
+        compiled.backward(loss, dev, (B, S, A), attn)
         # the trainer's lone-replica step: the norm read by the host, the clip inside the update
         replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)
         opt.zero_grad(set_to_none=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    t_ours = timed("drafter_ms", step)
+    t_drafter = timed("drafter_ms", step)
     flops = dm.batch_flops(dcfg, S, anchors, valid)
     mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-    res.update(drafter_tok_s=B * S / t_ours, drafter_mfu=flops / t_ours / peak, drafter_tflop_per_step=flops / 1e12,
+    res.update(drafter_tok_s=B * S / t_drafter, drafter_mfu=flops / t_drafter / peak, drafter_tflop_per_step=flops / 1e12,
                drafter_peak_mem_gib=mem)
-    log(f"[bench] drafter step (ours): {1e3 * t_ours:.1f} ms = {B * S / t_ours:,.0f} target tok/s, "
+    log(f"[bench] drafter step: {1e3 * t_drafter:.1f} ms = {B * S / t_drafter:,.0f} target tok/s, "
         f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {mem:.1f} GiB" if mem is not None else ""))
 
-    # --- the drafter, naive: its flex compile is an unwarmed key of the warm gate, which compiles it exclusively
-    if attn == "flex":
-        compiled.GATE.on_unwarmed = "compile"
-        step(naive=True)
-        t_naive = timed("naive_ms", lambda: step(naive=True))
-        res.update(naive_mfu=flops / t_naive / peak, speedup_vs_naive=t_naive / t_ours)
-        log(f"[bench] drafter step (naive): {1e3 * t_naive:.1f} ms, MFU {res['naive_mfu']:.1%}; "
-            f"ours is {t_naive / t_ours:.2f}x faster")
-    res["sum_of_parts_tok_s"] = B * S / (t_target + t_ours)
-    res["layouts"] = layouts(a.node_gpus, B * S, t_target, t_ours)
+    res["sum_of_parts_tok_s"] = B * S / (t_target + t_drafter)
+    res["layouts"] = layouts(a.node_gpus, B * S, t_target, t_drafter)
     log(f"[bench] predicted layouts of {a.node_gpus} such GPUs (from the two times above):\n"
         + format_layouts(res["layouts"]))
     del target, drafter, opt, feats
@@ -193,19 +177,6 @@ def report(a, res):
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     return res
-
-def naive_loss(drafter, feats, ids, lm, anchors, valid, dev):
-    """The public trainers' setup: eager trunk, compiled flex only (flex's own GQA, torch's tiles),
-    eager create_block_mask every step, LM head + eager CE in chunks of 2048."""
-    c, (B, S), A = drafter.config, ids.shape, anchors.shape[1]
-    block_ids, block_pos, labels, weights = dm.make_blocks(ids, lm, anchors, valid, c.block_size, c.mask_token_id, 7.0)
-    bm = create_block_mask(dm.make_mask_mod(anchors.to(dev), S, c.block_size), B, None, A * c.block_size,
-                           S + A * c.block_size, device=dev)
-    attend = lambda q, k, v: compiled.GATE.run("naive_flex", dev, tuple(q.shape) + tuple(k.shape), NAIVE_FLEX,
-                                         q, k, v, block_mask=bm, enable_gqa=True)
-    hidden = drafter.body(feats, block_ids, torch.arange(S, device=dev).expand(B, S), block_pos, attend)
-    return dm.dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_rows=2048,
-                          ce=kernels.ce_chunk_eager)[0]
 
 def layouts(n, tokens, t_target, t_drafter):
     """Every layout of n GPUs, best first, with its predicted tokens/s from one target forward and one drafter step

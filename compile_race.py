@@ -39,37 +39,32 @@ def _group_raises(events):
     return sorted(({"count": len(ts), "threads": Counter(ts), "tracing_frame": key[0], "requested_by": key[1],
                     "user_frame": key[2]} for key, ts in groups.items()), key=lambda gr: -gr["count"])
 
-def run_exercise(kind, mode, threads, seconds, device):
+def run_exercise(mode, threads, seconds, device):
     """The threaded exercise in this process: meaningful only in a fresh one with a cold cache (run_child)."""
     import compiled
     from torch.nn.attention.flex_attention import create_block_mask
     thread_local = _fx_flag_thread_local()   # no other thread yet: safe
     gate, dev = compiled.GATE, torch.device(device)
     gate.set_recompile_limit(max(8, threads + 2))
-    # Each thread's (label, args). flex: the drafter's attention, small on CPU where the compile dominates anyway;
-    # eager create_block_mask uses vmap, not make_fx: it does not raise the FX flag.
-    if kind == "tiny":
-        inputs = [(f"n{64 * i}", (torch.randn(64 * i, device=dev),)) for i in range(1, threads + 1)]
-    else:
-        B, H, D, L1, dtype = (1, 4, 64, 128, torch.float32) if dev.type == "cpu" else (1, 8, 128, 1024, torch.bfloat16)
-        inputs = [(f"L{L}", (*(torch.randn(B, H, L, D, device=dev, dtype=dtype) for _ in range(3)),
-                             create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B, None, L, L, device=dev)))
-                  for L in range(L1, L1 * (threads + 1), L1)]
+    # Each thread's (label, args): the drafter's attention, small on CPU where the compile dominates anyway; eager
+    # create_block_mask uses vmap, not make_fx: it does not raise the FX flag.
+    B, H, D, L1, dtype = (1, 4, 64, 128, torch.float32) if dev.type == "cpu" else (1, 8, 128, 1024, torch.bfloat16)
+    inputs = [(f"L{L}", (*(torch.randn(B, H, L, D, device=dev, dtype=dtype) for _ in range(3)),
+                         create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B, None, L, L, device=dev)))
+              for L in range(L1, L1 * (threads + 1), L1)]
     inputs = {f"worker-{i}-{label}": args for i, (label, args) in enumerate(inputs)}
     stats = {n: dict(name=n, shape=list(args[0].shape), calls=0, fx_errors=0, other_errors=0, exposed_calls=0)
              for n, args in inputs.items()}
     samples, called, barrier = [], set(), threading.Barrier(threads)
-    compiled_fn = compiled.compiled_flex if kind == "flex" else torch.compile(
-        lambda x: torch.sin(x) * 2 + torch.cos(x), dynamic=False, fullgraph=True)
 
     def fn(*args):   # a call that STARTS while the flag is up is the one that fails (compiled.py's torch notes)
         if _fx_flag() and (s := stats.get(threading.current_thread().name)):
             s["exposed_calls"] += 1
-        return compiled_fn(*args)
+        return compiled.compiled_flex(*args)
 
     @torch.no_grad()
     def one_call(x, *a):   # nogate: the compiled function called directly; x's shape tells the threads apart
-        return fn(x, *a) if mode == "nogate" else gate.run(kind, x.device, x.shape, fn, x, *a)
+        return fn(x, *a) if mode == "nogate" else gate.run("flex", x.device, x.shape, fn, x, *a)
 
     def worker(me, args):
         gate.configure_thread()   # dynamo's config is per thread (compiled.py's torch notes)
@@ -109,7 +104,7 @@ def run_exercise(kind, mode, threads, seconds, device):
     for t in workers:
         t.join()
     per, rates = list(stats.values()), [s["calls_per_s"] for s in stats.values()]
-    return {"mode": mode, "exercise": kind, "device": str(dev), "threads": threads, "seconds": seconds,
+    return {"mode": mode, "exercise": "flex", "device": str(dev), "threads": threads, "seconds": seconds,
             "torch": torch.__version__, "torch_git": torch.version.git_version,
             "flex_fx_flag_thread_local": thread_local, "natural_race_expected": natural_race_expected(thread_local),
             **{k: sum(s[k] for s in per) for k in ("fx_errors", "other_errors", "exposed_calls")},
@@ -118,7 +113,7 @@ def run_exercise(kind, mode, threads, seconds, device):
             "flag_raises": len(events), "flag_up_after_run": _fx_flag(), "raises": _group_raises(events)}
 
 def run_child(spec):
-    print(f"[diagnose] mode {spec['mode']}: {spec['threads']} threads, {spec['kind']} on {spec['device']}, "
+    print(f"[diagnose] mode {spec['mode']}: {spec['threads']} threads, flex on {spec['device']}, "
           f"{spec['seconds']:g} s, cold cache (compiles take a while)...", file=sys.stderr, flush=True)
     code = ("import json, sys, compile_race\n"
             "print(json.dumps(compile_race.run_exercise(**json.loads(sys.argv[1])), default=str))")

@@ -2,7 +2,7 @@
 
     python diagnose.py                            this machine's environment + the 15 newest packages
     python diagnose.py --against out/step_000690  what changed since that checkpoint's env.json
-    python diagnose.py --race-test [--threads 3 --seconds 20 --modes nogate,gate,warm --exercise tiny]
+    python diagnose.py --race-test [--threads 3 --seconds 20 --modes nogate,gate,warm]
         threads compiling at once, without and with the gate: errors, calls/s, who raises the FX flag
 
 The race (compiled.py's notes on torch versions): while one thread compiles, a compiled call in another fails or
@@ -47,7 +47,6 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=20.0, help="per mode")
     ap.add_argument("--modes", default="nogate,gate", help="comma list of nogate,gate,warm")
-    ap.add_argument("--exercise", choices=("flex", "tiny"), default="flex", help="tiny: a pointwise function (quick)")
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu", help="default: %(default)s")
     ap.add_argument("--cache-dir", help="compile cache to describe (default: the checkpoint's, or the current one)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -56,7 +55,7 @@ def main(argv=None):
         import compile_race
         if bad := set(a.modes.split(",")) - set(compile_race.MODES):
             ap.error(f"unknown mode(s) {sorted(bad)}: use {', '.join(compile_race.MODES)}")
-        results = [compile_race.run_child(dict(kind=a.exercise, mode=m, threads=a.threads, seconds=a.seconds,
+        results = [compile_race.run_child(dict(mode=m, threads=a.threads, seconds=a.seconds,
                                                 device=a.device)) for m in a.modes.split(",")]
         obj = {"command": "race-test", "device": a.device, "modes": results}
         text, rc = compile_race.format_race_table(results), int(any(r.get("failed") for r in results))
