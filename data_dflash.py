@@ -244,9 +244,8 @@ def prompt_ids(tokenizer, conversations, max_tokens, known=()):
     """Per conversation so far, (chat-template ids + generation prompt, None, cut) or (None, why it is not answered,
     None), tokenized in one batch. known[i]: an earlier call's `cut` (the render up to its last special token, and its
     ids); a render that starts with it has only the rest tokenized, as fast tokenizers split at special tokens first."""
-    fast = getattr(tokenizer, "is_fast", False)
     cuts = {i: tokenizer.convert_ids_to_tokens(i) for i, t in tokenizer.added_tokens_decoder.items()
-            if fast and t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)}
+            if tokenizer.is_fast and t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)}
     out, texts, done = [None] * len(conversations), {}, {}
     for i, messages in enumerate(conversations):
         roles = [m["role"] for m in messages if m["role"] != "system"]
@@ -268,7 +267,7 @@ def prompt_ids(tokenizer, conversations, max_tokens, known=()):
         out[i] = (ids, None, cut) if len(ids) <= max_tokens else (None, "prompt longer than max length", None)
     return out
 
-def _assistant_spans(tokenizer, messages, text, max_chars=None):
+def _assistant_spans(tokenizer, messages, text, max_chars):
     """Spans of `text` (the full render) the assistant generates, before max_chars: from the end of the render up to
     turn i (+ generation prompt) to that of the render with it, when both are prefixes of `text`; else (Qwen3 gives
     only the last reply an empty think block) the reply's content found in `text`, then the end-of-turn marker."""
