@@ -230,9 +230,7 @@ def same_settings(path, settings):
 
 def main(argv=None):
     a, t_start = parse_args(sys.argv[1:] if argv is None else argv), time.time()
-    if not a.target:  # the embedded default: its target, and its data unless --data is given
-        a.target, data_jsonl = data_dflash.prepare_embedded_default(a.cache_dir)
-        a.data = a.data or [data_jsonl]
+    a.target, a.data = config.target_and_data(a)
     if missing := [f for f in a.data if not os.path.isfile(f)]:
         raise SystemExit(f"error: data file not found: {', '.join(missing)}")
     settings = {"target": a.target, "target_sha256": weights_hash(a.target),   # what decides the result
