@@ -104,7 +104,9 @@ class Shard:
             self.cut[k] = cut
             r = self.regen[k]
             chain = sum(m["role"] == "assistant" for m in self.convs[k][len(r):])
-            seed = hash_ints(a.seed, self.i, k, len(r))   # the answer's sampling noise: its own, whoever decodes it
+            # the answer's sampling noise, its own whoever decodes it; sha256: hash() is not documented to be stable
+            key = repr((a.seed, self.i, k, len(r))).encode()
+            seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 2
             out.append(((self.i, k), ids, min(a.max_new_tokens, a.max_length - len(ids)), chain, seed))
         return out
 
@@ -121,10 +123,6 @@ class Shard:
         self.st["answers"] += 1
         self.regen[k].append({"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True).strip()})
         return True
-
-def hash_ints(*xs):
-    """A 62-bit integer of integers, stable across Python versions (hash() is not documented to be)."""
-    return int.from_bytes(hashlib.sha256(repr(xs).encode()).digest()[:8], "little") >> 2
 
 # ---- workers: one process per device, shards from a queue
 
