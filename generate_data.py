@@ -53,7 +53,6 @@ def parse_args(argv):
     return a
 
 def weights_hash(target):
-    """sha256 over the folder's *.safetensors files (a hub name stands for itself)."""
     if not os.path.isdir(target):
         return f"hub:{target}"
     h = hashlib.sha256()
@@ -216,7 +215,6 @@ def run_workers(a, pending, shards_dir, n_shards):
 # ---- main: settings, shards, then the output and its manifest
 
 def same_settings(path, settings):
-    """False if `path` does not exist, True if it holds `settings`, else an error."""
     if not os.path.exists(path):
         return False
     with open(path) as f:
