@@ -67,9 +67,9 @@ def prompts_from(files, tokenizer, n, skip, max_tokens):
     """The ids of usable prompts skip .. skip + n (each conversation up to its first reply)."""
     out = []
     for msgs in data_dflash.load_conversations(files)[0]:
-        first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), 0)
-        ids = data_dflash.prompt_ids(tokenizer, [msgs[:first]], max_tokens)[0][0] if first else None
-        out += [ids] if ids else []
+        first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")   # not 0: leading replies are dropped
+        if ids := data_dflash.prompt_ids(tokenizer, [msgs[:first]], max_tokens)[0][0]:
+            out.append(ids)
         if len(out) >= skip + n:
             break
     if len(out) < skip + n:
