@@ -187,8 +187,7 @@ def names_a_file(name):
         name.endswith((".json", ".jsonl"))
 
 def identity(name):
-    """A local file's absolute path, size and mtime (an edited file is read again), or a hub data set's name; a name
-    that looks like a path but is no file is an error here, before any slow loading."""
+    """A data name's cache key (an edited file is read again); a missing file fails here, before any slow loading."""
     if os.path.isfile(path := os.path.abspath(os.path.expanduser(name))):
         st = os.stat(path)
         return (path, st.st_size, st.st_mtime_ns)
