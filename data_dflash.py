@@ -333,13 +333,6 @@ def _encode(tokenizer, conversations, max_length):
         out[i] = (np.asarray(ids[:max_length], dtype=np.int32), mask, cut is not None)
     return out
 
-def tokenize_conversation(tokenizer, messages, max_length) -> tuple[list[int], list[int]]:
-    """(input ids by the chat template, loss mask 1 on assistant replies), truncated to max_length."""
-    item = _encode(tokenizer, [messages], max_length)[0]
-    if isinstance(item, Exception):
-        raise item
-    return item[0].tolist(), item[1].tolist()
-
 def _generate(tokenizer, files, max_length, min_supervised, max_conversations, heldout, source):
     """A row per kept sample, then one whose `meta` holds the counts and held-out conversations, which the cache serves
     too. `source` (this file's text) is only for the fingerprint."""

@@ -12,6 +12,15 @@ import torch
 import data_dflash as D
 from test_train import run_cmd
 
+
+def tokenize_conversation(tokenizer, messages, max_length):
+    """(input ids by the chat template, loss mask 1 on assistant replies) of one conversation, as the trainer
+    tokenises it, truncated to max_length."""
+    item = D._encode(tokenizer, [messages], max_length)[0]
+    if isinstance(item, Exception):
+        raise item
+    return item[0].tolist(), item[1].tolist()
+
 # a Qwen2.5-like ChatML template: default system prompt, no {% generation %} markers
 QWEN_TEMPLATE = (
     "{%- if messages[0].role == 'system' -%}"
@@ -150,7 +159,7 @@ def test_processes_preparing_the_embedded_default_at_once_build_it_once(smollm, 
 @pytest.mark.parametrize("conv", [CONV, CONV_SYS])
 def test_mask_smollm2_template(smollm, conv):
     tok = smollm["tok"]
-    ids, mask = D.tokenize_conversation(tok, conv, 512)
+    ids, mask = tokenize_conversation(tok, conv, 512)
     assert ids == tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
     want = [m["content"] + "<|im_end|>" for m in conv if m["role"] == "assistant"]
     assert _masked_runs(tok, ids, mask) == want
@@ -161,7 +170,7 @@ def test_mask_smollm2_template(smollm, conv):
 
 @pytest.mark.parametrize("conv", [CONV, CONV_SYS])
 def test_mask_qwen_style_template(qwen_tok, conv):
-    ids, mask = D.tokenize_conversation(qwen_tok, conv, 512)
+    ids, mask = tokenize_conversation(qwen_tok, conv, 512)
     text = qwen_tok.apply_chat_template(conv, tokenize=False)
     assert text.startswith("<|im_start|>system\n")  # the default system prompt when none is given
     assert qwen_tok.decode(ids, skip_special_tokens=False) == text
@@ -170,9 +179,9 @@ def test_mask_qwen_style_template(qwen_tok, conv):
 
 
 def test_mask_truncated(qwen_tok):
-    ids_full, mask_full = D.tokenize_conversation(qwen_tok, CONV, 10_000)
+    ids_full, mask_full = tokenize_conversation(qwen_tok, CONV, 10_000)
     first_reply = mask_full.index(1) + 5
-    ids, mask = D.tokenize_conversation(qwen_tok, CONV, first_reply)
+    ids, mask = tokenize_conversation(qwen_tok, CONV, first_reply)
     assert len(ids) == len(mask) == first_reply
     assert ids == ids_full[:first_reply] and mask == mask_full[:first_reply]
 
@@ -182,13 +191,13 @@ def test_template_that_marks_only_the_last_reply_masks_every_reply():
     not a prefix of the whole conversation's. Each reply is then found in the whole render: masked are
     exactly its content + <|im_end|> (the last one with its think block, which the target generates)."""
     tok = _tiny_tokenizer(THINK_TEMPLATE)
-    ids, mask = D.tokenize_conversation(tok, CONV, 512)
+    ids, mask = tokenize_conversation(tok, CONV, 512)
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(CONV, tokenize=False)
     assert _masked_runs(tok, ids, mask) == [CONV[1]["content"] + "<|im_end|>",
                                             "<think>\n\n</think>\n\n" + CONV[3]["content"] + "<|im_end|>"]
     conv = [dict(m) for m in CONV]
     conv[1]["content"] += "\n"                 # a reply ending in whitespace keeps its end-of-turn token
-    ids, mask = D.tokenize_conversation(tok, conv, 512)
+    ids, mask = tokenize_conversation(tok, conv, 512)
     assert _masked_runs(tok, ids, mask)[0] == CONV[1]["content"] + "\n<|im_end|>"
 
 
@@ -222,7 +231,7 @@ def test_prompt_ids_of_a_conversations_next_turn_tokenize_only_what_follows_its_
 def test_inconsistent_template_is_a_clear_error_or_a_counted_skip(tmp_path):
     tok = _tiny_tokenizer(COUNTING_TEMPLATE)
     with pytest.raises(D.ChatTemplateError, match="not prefix-consistent.*4 turns"):
-        D.tokenize_conversation(tok, CONV, 512)
+        tokenize_conversation(tok, CONV, 512)
     path = _write_jsonl(tmp_path / "d.jsonl", [_sharegpt(CONV)] * 3)
     logs = []
     data = D.build_dataset(tok, [path], 128, 4, str(tmp_path / "cache"), log=logs.append)

@@ -10,6 +10,7 @@ import data_dflash as D
 import decoding
 import generate_data as G
 from test_train import _save_tiny, broken, embedded, run_cmd, tok  # noqa: F401 - fixtures
+from test_data import tokenize_conversation
 
 NEW = 12  # new tokens per answer: a tiny random model rarely stops by itself
 
@@ -63,7 +64,7 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
             assert conv[t]["content"] == tok.decode(new, skip_special_tokens=True).strip()
             assert conv[t]["content"] != before[0][t]["content"]
     assert any(c[2]["content"] for c in convs), "every answer empty: the test would prove little"
-    ids, mask = D.tokenize_conversation(tok, convs[0], 256)
+    ids, mask = tokenize_conversation(tok, convs[0], 256)
     assert sum(mask) > 0
     data = D.build_dataset(tok, [str(out)], 256, 4, str(tmp_path / "cache"))
     assert data["stats"]["samples"] == 3
