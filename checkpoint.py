@@ -1,14 +1,6 @@
-"""Checkpoints: a host snapshot taken in the step loop, written by a background thread, verified on resume.
-
-    out/step_000690/
-        drafter/      config.json + model.safetensors: the serving format (dflash_model.save_drafter)
-        state.pt      optimiser (fp32 masters, moments, steps), schedule, step, data position, config,
-                      the masters by name, a digest of the optimiser state
-        env.json      the environment the run started in (diagnose.py --against compares with it)
-        DONE          written last: the files and their sizes
-
-Written into step_N.tmp and renamed into place, so a crash leaves the previous ones intact. A resume takes the
-newest intact one: its files match DONE, its state.pt loads and its optimiser state gives the saved digest.
+"""Checkpoints, laid out as README's "What a run writes" says: a host snapshot taken in the step loop, written by a
+background thread into step_N.tmp and renamed into place (a crash leaves the previous ones intact). A resume takes
+the newest intact one: its files match DONE, its state.pt loads and its optimiser state gives the saved digest.
 """
 import hashlib
 import json
@@ -41,8 +33,6 @@ def damage(path):
             return f"{name} has {os.path.getsize(full)} bytes, {size} were written"
 
 def load_newest(out_dir, log):
-    """(path, state) of the newest intact checkpoint in out_dir, (None, None) if there is none; each damaged
-    one newer than it is named. All of them damaged is an error."""
     ckpts = list_checkpoints(out_dir)
     for path in reversed(ckpts):
         why = damage(path)
@@ -60,9 +50,7 @@ def load_newest(out_dir, log):
     return None, None
 
 class Checkpointer:
-    """save() snapshots the state into reused host buffers in the step loop (a fraction of a second); a background
-    thread writes the files while training goes on. One write at a time: a save waits for the last and says so (a
-    slow disk is not a slow GPU). A failed write stops the run. Called from the step loop's thread only."""
+    """One write at a time, in the background: a save waits for the last and says so (a slow disk is not a slow GPU)."""
 
     def __init__(self, run, out_dir, keep_last, log):
         self.run, self.out_dir, self.keep_last, self.log = run, out_dir, keep_last, log
@@ -135,9 +123,8 @@ def to_host(obj, memo, pool):
     return memo[id(obj)][1]
 
 class HostPool:
-    """Host snapshot buffers reused from one checkpoint to the next, in order (one of another shape or dtype is
-    replaced). Pinned for a GPU tensor, so its copy runs asynchronously at bus speed (fresh pageable memory would
-    pause the step loop); torch rounds each pinned one up to a power of 2."""
+    """Host buffers reused, in order, from one checkpoint to the next: torch rounds each pinned one up to a power of 2.
+    Pinned for a GPU tensor, so its copy runs asynchronously (fresh pageable memory would pause the step loop)."""
 
     def __init__(self):
         self.bufs, self.i, self.devices = [], 0, set()

@@ -3,8 +3,7 @@
 fp32 weights under bf16 autocast cost two extra passes a step (cast to bf16 in the forward, gradients back to fp32).
 Here the matmuls read bf16 weights, and one pass per tensor updates master and moments and writes the bf16 weight.
 The numbers are autocast's (its bf16 copy of an fp32 weight is this weight; a bf16 gradient cast to fp32 is exact),
-the update torch.optim.AdamW's. The clip factor (`grad_scale`, on the device) is applied in the pass; a nan factor
-stores nothing. On CUDA the pass is kernels.py's Triton kernel (checked on first use), else torch ops.
+the update torch.optim.AdamW's. The clip factor is applied in the same pass (no scaling pass); a nan one stores nothing.
 """
 import math
 
@@ -15,15 +14,12 @@ import kernels
 STATE_FORMAT = "master_adamw/1"
 
 def cast_weights(params, dtype):
-    """Cast parameters in place (their .data), so modules keep their Parameter objects. Unlike
-    Module.to(dtype) this leaves buffers alone (the drafter's rope tables stay fp32)."""
+    """In place (.data): modules keep their Parameter objects, and unlike Module.to(dtype) buffers stay fp32."""
     for p in params:
         p.data = p.data.to(dtype)
 
 class MasterAdamW(torch.optim.Optimizer):
-    """AdamW whose fp32 state includes the master weights: built from the fp32 model, whose parameters are then
-    cast to `param_dtype` in place. step(grads=..., grad_scale=...) takes the gradients from a list (e.g. views of
-    the fp32 buffer where they are summed) instead of p.grad, and a device scalar multiplying them (the clip)."""
+    """Built from the fp32 model. step() takes the gradients as a list: views of the fp32 buffer they are summed in."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, param_dtype=torch.bfloat16):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -87,8 +83,7 @@ class MasterAdamW(torch.optim.Optimizer):
                 **{k: [self.state[p][k] for p in params] for k in ("step", "master", "exp_avg", "exp_avg_sq")}}
 
     def load_state_dict(self, sd):
-        """Restores masters, moments, steps and group settings, and writes the weights from the masters, copying
-        into this optimiser's own fp32 tensors: torch.optim's load would round them."""
+        """Copied into this optimiser's own fp32 tensors (torch.optim's load would round them), then the weights."""
         if sd.get("format") != STATE_FORMAT:
             raise ValueError(f"not a {STATE_FORMAT} optimiser state (format {sd.get('format')!r}): written by "
                              "another optimiser or an older version of this trainer")

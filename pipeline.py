@@ -1,7 +1,5 @@
-"""The thread plumbing of one training run: a stop flag every thread watches, bounded queues, and the reorder
-buffer between the target threads and the step loop. Any exception in any thread is recorded with its traceback
-and stops the whole run: every blocking wait here wakes at least every 0.2 s to look at the stop flag, so no
-thread hangs on a partner that died.
+"""The threads of a run: any exception in any thread is recorded with its traceback and stops the whole run. Every
+blocking wait here looks at the stop flag every 0.2 s, so no thread hangs on a partner that died.
 """
 import queue
 import threading
@@ -13,8 +11,6 @@ class Stop(Exception):
     """Raised inside a thread when another thread failed: unwind quietly."""
 
 class Run:
-    """Shared state of one run: the stop flag, the failures, and waits that watch both."""
-
     def __init__(self):
         self.stop, self.failures = threading.Event(), []
 
@@ -33,7 +29,6 @@ class Run:
         return self.retry(lambda: q.get(timeout=0.2))
 
     def retry(self, queue_op):
-        """queue_op() (it gives up after 0.2 s) again and again until it succeeds or the run stops."""
         while True:
             self.check()
             try:
@@ -55,9 +50,8 @@ class Run:
         return t
 
 class ReorderBuffer:
-    """Features arrive from several target threads out of order; the step loop takes batch j, in order. Bounded:
-    only indices in [lo, lo + capacity) are accepted, lo = the next index to be taken, so a fast target thread
-    cannot run away, and nothing deadlocks (the next index always fits)."""
+    """Features from the target threads, out of order, taken in order. Only [lo, lo + capacity) is accepted, lo being
+    the next to take: a fast target thread cannot run away, and the next index always fits (no deadlock)."""
 
     def __init__(self, run, start, capacity):
         self.run, self.lo, self.cap, self.items, self.cond = run, start, capacity, {}, threading.Condition()

@@ -1,8 +1,5 @@
-"""The drafter replicas of a run, one per drafter device, and the optimiser step that keeps them equal.
-
-Each step sums the replicas' gradients (a flat fp32 buffer per replica: in-process NCCL between GPUs, a plain sum
-on one device; all-reduced across torchrun ranks), clips them by their global norm and runs the same MasterAdamW
-step on every replica. The replicas must stay bit-identical: fingerprints of their weights and fp32 masters are
+"""The drafter replicas, one per drafter device, and the step that keeps them equal: the summed gradients, one clip,
+the same MasterAdamW step on each. They must stay bit-identical: fingerprints of their weights and fp32 masters are
 compared every log interval (across ranks too), at every checkpoint and at the end of the run.
 """
 import math
@@ -15,12 +12,9 @@ import config
 from master_adamw import MasterAdamW
 
 class Replicas:
-    """The drafter replicas, their MasterAdamW optimisers, schedules and gradient buffers."""
-
     def __init__(self, dcfg, emb, head, devices, cfg, world, lr_lambda, log):
         self.world, self.pending_fp = world, None
         self.drafters = [config.new_drafter(dcfg, emb, head, d, cfg.seed) for d in devices]   # identical replicas
-        # fp32 masters and moments in the optimiser; on a GPU one pass per tensor also writes the bf16 weights
         self.opts = [MasterAdamW(dr.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                  param_dtype=config.param_dtype(d)) for dr, d in zip(self.drafters, devices)]
         self.scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) for opt in self.opts]
@@ -50,7 +44,6 @@ class Replicas:
                 flat.zero_()
 
     def reduce(self, stats_list):
-        """Sum the replicas' gradient buffers (and the ranks'), and their stats; the stats to the host."""
         flats = self.flats
         if len(flats) > 1:
             if all(f.is_cuda for f in flats) and len({f.device for f in flats}) == len(flats):
@@ -69,16 +62,15 @@ class Replicas:
         return stats.to("cpu")
 
     def step(self, clip):
-        """Clip and step every replica; returns the gradient norm (the same on every replica)."""
         for dr, opt, sched, grads in zip(self.drafters, self.opts, self.scheds, self.grads):
             gnorm = clip_and_step(opt, grads if grads is not None else [p.grad for p in dr.parameters()], clip)
             sched.step()
         self.zero_grads()
-        return gnorm
+        return gnorm          # the same on every replica
 
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint_state(self):
-        """What a checkpoint saves of the replicas (replica 0's state; the others are identical)."""
+        """Replica 0's state: the others are identical."""
         dr, opt = self.drafters[0], self.opts[0]
         opt_state = opt.state_dict()
         masters = dict(zip([n for n, _ in dr.named_parameters()], opt.masters()))
@@ -102,22 +94,19 @@ class Replicas:
 
     # --- bit-identical replicas --------------------------------------------------------------------
     def tensors(self, r):
-        """(names, tensors) of replica r: its weights and the fp32 masters (bf16 weights can hide a
-        master that differs below their rounding)."""
+        """Replica r's weights and fp32 masters: bf16 weights can hide a master that differs below their rounding."""
         names, tensors = map(list, zip(*self.drafters[r].named_parameters()))
         return names + [n + " (master)" for n in names], tensors + self.opts[r].masters()
 
     def watch(self, step, interval):
-        """Every step: compare the fingerprints queued an interval ago (ready by now: this step's stats
-        came after them on every stream); every interval: queue new ones, without a wait."""
+        """Compares the fingerprints queued an interval ago: ready by now, as this step's stats came after them."""
         if len(self.drafters) > 1 or self.world > 1:
             self.check_fingerprints()
             if step % interval == 0:
                 self.queue_fingerprints(step)
 
     def queue_fingerprints(self, step):
-        """Queue every replica's fingerprint, copied to the host without a wait; check_fingerprints()
-        compares them at the next step. Across ranks, replica 0's min and max (equal iff all agree)."""
+        """Copied to the host without a wait; across ranks, replica 0's min and max (equal iff all agree)."""
         pending = []
         for r in range(len(self.drafters)):
             rows = [ck.fingerprint(self.tensors(r)[1])]
@@ -129,7 +118,6 @@ class Replicas:
         self.pending_fp = (step, pending)
 
     def check_fingerprints(self):
-        """Raise (stopping the run) if the last queued fingerprints differ, naming the tensors."""
         if self.pending_fp is None:
             return
         (step, pending), self.pending_fp = self.pending_fp, None
@@ -147,7 +135,6 @@ class Replicas:
                 for i in (fps[r] != fps[0]).nonzero()[:, 0].tolist()]
 
     def digests(self):
-        """Each replica's fingerprint as a digest; replicas that differ are an error naming the tensors."""
         fps = [ck.fingerprint(self.tensors(r)[1]).cpu() for r in range(len(self.drafters))]
         bad = self.differing(fps)
         if bad:
@@ -166,12 +153,8 @@ class Replicas:
             f"({n:,} parameters each; fingerprint {self.digests()[0]})")
 
 def clip_and_step(opt, grads, clip):
-    """Clip the gradients' global norm to `clip` and take the optimiser step; returns the norm (float).
-
-    clip_grad_norm_'s factor, min(1, clip / (norm + 1e-6)), stays on the device and MasterAdamW's pass applies
-    it: no scaling pass, no host sync. The host queues the step BEFORE it waits for the norm, so the device updates
-    while the host waits (waiting first would idle the device). A nan/inf norm makes the factor nan and the update
-    store nothing; then FloatingPointError, with the step counts put back."""
+    """clip_grad_norm_'s factor, applied on the device in MasterAdamW's pass (no scaling pass, no host sync). The step
+    is queued BEFORE the host waits for the norm, so the device updates meanwhile; a nan/inf norm stores nothing."""
     norms = torch._foreach_norm([g for g in grads if g is not None], 2.0, dtype=torch.float32)   # fp32 for bf16
     norm = torch.linalg.vector_norm(torch.stack(norms))
     scale = torch.where(torch.isfinite(norm), (clip / (norm + 1e-6)).clamp(max=1.0), math.nan)
@@ -200,7 +183,6 @@ def read(host, ready):
     return host
 
 def add_into(buf):
-    """A post-accumulate-grad hook: add the fresh gradient into `buf` (an fp32 view) and free it."""
     def hook(p):
         buf.add_(p.grad)
         p.grad = None

@@ -1,9 +1,5 @@
 """Train a DFlash drafter: target threads produce hidden states, drafter threads train replicas.
 
-    python train_dflash.py --target Qwen/Qwen3-8B --data sharegpt.json \\
-        --target-devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4 --drafter-devices cuda:5,cuda:6,cuda:7
-    python train_dflash.py                      # the embedded default: SmolLM2-135M-Instruct + ShareGPT
-
     loader -> [bounded queue] -> a thread per target device (no grad, cut after the deepest feature layer)
     -> [reorder buffer] -> Trainer.loop, the main thread: each step hands every drafter thread its micro-batches
     (forward + backward on its replica), then sums the gradients, clips, steps every replica, logs, checkpoints.
@@ -40,7 +36,6 @@ class Trainer:
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
     def train(self):
-        """The whole run; returns the exit status."""
         cfg, log = self.cfg, self.log
         old = ck.list_checkpoints(cfg.out_dir)
         if old and not cfg.resume:   # a new run would interleave its checkpoints with the old ones
@@ -135,15 +130,13 @@ class Trainer:
                                  self.lr_factor, self.log)
 
     def lr_factor(self, s):
-        """Linear warm-up, then cosine decay to 0, at the middle of step s (0-based): no step runs at lr 0.
-        Under a time budget the elapsed share counts too (the same on every rank)."""
+        """At the middle of step s (0-based): no step runs at lr 0. Under a time budget the elapsed share counts too."""
         progress, warm = min(1.0, max((s + 0.5) / self.total_steps, self.time_frac)), self.cfg.warmup_frac
         if progress < warm:
             return progress / warm
         return 0.5 * (1 + math.cos(math.pi * (progress - warm) / (1 - warm)))
 
     def resume(self):
-        """The newest intact checkpoint's weights, optimiser, schedule, step, data position and budget used."""
         self.step, self.cursor, self.seconds_before = 0, 0, 0.0
         if not self.cfg.resume:
             return
@@ -294,8 +287,6 @@ class Trainer:
             self.run.put(self.outbox[r], self.forward_backward(r, step, work, wsum))
 
     def forward_backward(self, r, step, work, wsum):
-        """Replica r's part of a step (its gradients add up in its buffer); its sums (loss, hits and counts
-        per block position, real tokens, FLOPs) on its device."""
         dev, dr, t0 = self.ddevs[r], self.replicas.drafters[r], time.time()
         prepared, _, n_tok, flops = work
         loss_sum, hits, counts = 0.0, 0, 0
@@ -316,8 +307,7 @@ class Trainer:
 
     # --- what a run reports --------------------------------------------------------------------------
     def interval(self, step, tot, seen):
-        """The log line's figures since the last line (less a checkpoint's pause: the rates say how fast
-        training runs), and the sums they start from next time."""
+        """The log line's figures since the last one, a checkpoint's pause left out of the rates."""
         now, cfg, last = time.time(), self.cfg, self.last
         dt = max(now - seen["t"] - (tot["pause"] - seen["pause"]), 1e-9)
         busy = tuple(sum(v) / len(v) for v in self.busy.values())             # mean per device
@@ -352,7 +342,6 @@ class Trainer:
                      + (f" --against {last[-1]}" if last else ""))
 
     def finish(self, threads, tot):
-        """After the loop: the failures, or the bit-identity check, the summary and the process group's end."""
         log, cfg = self.log, self.cfg
         ckpt = (ck.list_checkpoints(cfg.out_dir) or [None])[-1]     # the writer is done: the last checkpoint
         if self.run.failures:
@@ -424,7 +413,6 @@ def log_line(step, x, total_steps, cfg):
                                                  if x["ckpt_pause_s"] else ""))
 
 def prepare_batches(cfg, dcfg, items):
-    """(micro-batches with their anchors, loss-weight sum, real tokens, FLOPs) of one replica's step."""
     prepared, wsum, tokens, flops = [], 0.0, 0.0, 0.0
     for S, sids, ids, lm, lengths, feats in items:
         A = config.anchors_for(cfg, S, cfg.block_size)
@@ -437,16 +425,14 @@ def prepare_batches(cfg, dcfg, items):
     return prepared, wsum, tokens, flops
 
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
-    """Anchors drawn per (sample, epoch) with their own generator: the same sample gets the same
-    anchors however the batches are split across replicas, and a resumed run draws them again."""
+    """Drawn per (sample, epoch) with their own generator: the same however batches are split, and again on resume."""
     drawn = [dm.sample_anchors(lm[r: r + 1], lengths[r: r + 1], A, block_size,
                                generator=torch.Generator().manual_seed(seed * 1_000_003 + int(sid) * 7919 + int(epoch)))
              for r, (sid, epoch) in enumerate(sample_keys)]
     return torch.cat([a for a, _ in drawn]), torch.cat([v for _, v in drawn])
 
 def over_ranks(world, values, op="SUM"):
-    """A list of numbers, each reduced over the ranks (op: SUM or MAX): a collective, every rank calls it at the
-    same point."""
+    """Each number reduced over the ranks (SUM or MAX): a collective, so every rank calls it at the same point."""
     if world == 1:
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
@@ -454,7 +440,6 @@ def over_ranks(world, values, op="SUM"):
     return t.tolist()
 
 def gather_ints(world, value):
-    """[value of rank 0, value of rank 1, ...]."""
     values = [0] * world
     values[dist.get_rank() if world > 1 else 0] = value
     return [int(v) for v in over_ranks(world, values)]
@@ -473,9 +458,6 @@ def keep_metrics_upto(path, step):
     os.replace(path + ".tmp", path)
 
 class Logger:
-    """print + append to <out_dir>/train.log. Under torchrun, rank r > 0 writes train.rank<r>.log and
-    prints only failures and warnings."""
-
     def __init__(self, out_dir, rank=0):
         os.makedirs(out_dir, exist_ok=True)
         self.f = open(os.path.join(out_dir, "train.log" if rank == 0 else f"train.rank{rank}.log"), "a", buffering=1)
