@@ -30,49 +30,37 @@ class MasterAdamW(torch.optim.Optimizer):
                              "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
                              "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format)}
         cast_weights(self.params(), param_dtype)
-        self.ones = {}                    # device -> 1.0 (the grad scale when none is given)
 
     def params(self):
         return [p for group in self.param_groups for p in group["params"]]
 
     @torch.no_grad()
-    def step(self, closure=None, *, grads=None, grad_scale=None):
-        if closure is not None:
-            raise ValueError("MasterAdamW.step takes no closure")
-        params = self.params()
-        grads = [p.grad for p in params] if grads is None else list(grads)
-        if len(grads) != len(params):
-            raise ValueError(f"{len(grads)} gradients for {len(params)} parameters")
-        grads, nan_scale = iter(grads), None
-        for group in self.param_groups:
+    def step(self, grads, grad_scale=None):
+        pairs = [(group, p) for group in self.param_groups for p in group["params"]]
+        if len(grads) != len(pairs):
+            raise ValueError(f"{len(grads)} gradients for {len(pairs)} parameters")
+        nan_scale = None
+        for (group, p), g in zip(pairs, grads):
+            if g is None:
+                continue
+            if g.shape != p.shape:
+                raise ValueError(f"gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                g = next(grads)
-                if g is None:
-                    continue
-                if g.shape != p.shape:
-                    raise ValueError(f"gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
-                st = self.state[p]
-                st["step"] += 1
-                t = st["step"]
-                args = (beta1, beta2, group["eps"], 1 - group["lr"] * group["weight_decay"],
-                        group["lr"] / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t))
-                if p.device.type == "cuda" and kernels.triton is not None:
-                    scale = grad_scale if grad_scale is not None else self._one(p.device)
-                    kernels.adamw_triton(p, g.contiguous(), st, scale.float(), *args)
-                else:
-                    if nan_scale is None:     # once per step: a host sync on a GPU (only without Triton)
-                        nan_scale = grad_scale is not None and bool(torch.isnan(grad_scale))
-                    if not nan_scale:         # a nan factor stores nothing, as the kernel
-                        kernels.adamw_torch(p, g, st, grad_scale, *args)
-
-    def _one(self, dev):
-        if dev not in self.ones:
-            self.ones[dev] = torch.ones((), device=dev)
-        return self.ones[dev]
+            st = self.state[p]
+            st["step"] += 1
+            t = st["step"]
+            args = (beta1, beta2, group["eps"], 1 - group["lr"] * group["weight_decay"],
+                    group["lr"] / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t))
+            if p.device.type == "cuda" and kernels.triton is not None:
+                scale = grad_scale if grad_scale is not None else torch.ones((), device=p.device)
+                kernels.adamw_triton(p, g.contiguous(), st, scale.float(), *args)
+            else:
+                if nan_scale is None:     # once per step: a host sync on a GPU (only without Triton)
+                    nan_scale = grad_scale is not None and bool(torch.isnan(grad_scale))
+                if not nan_scale:         # a nan factor stores nothing, as the kernel
+                    kernels.adamw_torch(p, g, st, grad_scale, *args)
 
     def masters(self):
-        """fp32 master weights, in parameter order."""
         return [self.state[p]["master"] for p in self.params()]
 
     def state_dict(self):
