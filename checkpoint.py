@@ -54,24 +54,22 @@ class Checkpointer:
 
     def __init__(self, run, out_dir, keep_last, log):
         self.run, self.out_dir, self.keep_last, self.log = run, out_dir, keep_last, log
-        self.pool, self.writer = HostPool(), None
+        self.pool, self.writer, self.writing = HostPool(), None, None   # writing: the step the writer writes
 
     def save(self, step, state, drafter, env_fn):
-        """Snapshot `state` (torch.save'd) and the drafter's state_dict (saved in the serving format), and write
-        them with env_fn()'s env.json in the background. Returns the seconds the step loop paused."""
         busy, t0 = self.writer is not None and self.writer.is_alive(), time.time()
-        waited_for = self.wait()
-        if busy and not self.run.stop.is_set():
-            self.log(f"[ckpt] step {step}: waited {time.time() - t0:.1f}s for the write of checkpoint {waited_for} "
+        self.wait()
+        self.run.check()               # no new snapshot once the run is stopping
+        if busy:
+            self.log(f"[ckpt] step {step}: waited {time.time() - t0:.1f}s for the write of checkpoint {self.writing} "
                      "(one write at a time, and writing takes longer than --ckpt-interval steps of training: the "
                      "wait is in this interval's rates; raise --ckpt-interval or write to a faster disk)")
-        self.run.check()               # no new snapshot once the run is stopping
         t0 = time.time()
         self.pool.start()              # the last write is done: its buffers are free
         state, serving = to_host(state, {}, self.pool), to_host(drafter.state_dict(), {}, self.pool)
         self.pool.finish()             # the asynchronous device -> host copies have landed
         self.writer = self.run.start_thread("checkpoint-writer", self._write, step, state, serving, drafter, env_fn)
-        self.writer.step = step
+        self.writing = step
         return time.time() - t0
 
     def _write(self, step, state, serving, drafter, env_fn):
@@ -94,19 +92,15 @@ class Checkpointer:
             self.log(f"[ckpt] the write of checkpoint {step} failed ({free:.2f} GiB free on {self.out_dir}'s "
                      "file system); its partial folder was removed")
             raise
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        shutil.rmtree(final, ignore_errors=True)      # a damaged one of an earlier run
         os.replace(tmp, final)
         for old in list_checkpoints(self.out_dir)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         self.log(f"[ckpt] {final} (written in {time.time() - t0:.1f}s, in the background)")
 
     def wait(self):
-        """Block until the checkpoint being written (if any) is on disk; its step, or None."""
-        writer, self.writer = self.writer, None
-        if writer is not None:
-            writer.join()
-        return writer.step if writer else None
+        if self.writer is not None:
+            self.writer.join()
 
 # --- Host snapshots -------------------------------------------------------------------------------
 def to_host(obj, memo, pool):
