@@ -82,7 +82,7 @@ class Replicas:
 
     def load(self, state, path):
         for dr, opt, sched in zip(self.drafters, self.opts, self.scheds):
-            dr.load_state_dict(state["master_weights"], strict=True)
+            dr.load_state_dict(state["master_weights"])
             try:
                 opt.load_state_dict(state["optimizer"])      # fp32 masters and moments; weights written from them
             except ValueError as e:
@@ -169,13 +169,8 @@ def clip_and_step(opt, grads, clip):
     return value
 
 def host_copy(t):
-    """(t copied to pinned host memory without a wait, the CUDA event read() waits for; None on a CPU)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
-    if not t.is_cuda:
-        return host, None
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(t.device))
-    return host, ready
+    return host, torch.cuda.current_stream(t.device).record_event() if t.is_cuda else None
 
 def read(host, ready):
     if ready is not None:
