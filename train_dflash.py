@@ -54,7 +54,7 @@ class Trainer:
             log(f"[run] already at step {self.step} of {self.total_steps}: nothing to do")
             return 0
         # the budget's rule (see loop), applied to the end the checkpointed step predicted for its successor
-        if cfg.max_minutes and self.step and self.next_end_s >= 60 * cfg.max_minutes:
+        if cfg.max_minutes and self.next_end_s >= 60 * cfg.max_minutes:
             log(f"[run] the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
                 f"{self.step}: nothing to do (a larger --max-minutes continues)")
             return 0
@@ -78,12 +78,10 @@ class Trainer:
     def setup(self):
         cfg, log = self.cfg, self.log
         if self.world > 1:
-            kw = {}
-            if torch.cuda.is_available():   # before any collective: else every rank's NCCL runs on cuda:0
-                local = int(os.environ.get("LOCAL_RANK", 0))
+            local, cuda = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.is_available()
+            if cuda:   # before any collective: else every rank's NCCL runs on cuda:0
                 torch.cuda.set_device(local)
-                kw["device_id"] = torch.device("cuda", local)
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **kw)
+            dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device("cuda", local) if cuda else None)
             log(f"[dist] rank {self.rank}/{self.world} backend {dist.get_backend()}")
         self.tdevs, self.ddevs = config.resolve_devices(cfg)
         self.attn = config.resolve_attn(cfg, self.ddevs)
@@ -162,10 +160,8 @@ class Trainer:
 
     # --- the loop ------------------------------------------------------------------------------------
     def loop(self):
-        """The training loop, in the main thread; the threads produce features and run forward/backward."""
         cfg, log, run, reps, bs = self.cfg, self.log, self.run, self.replicas, self.cfg.block_size
         R, rank0, budget = len(self.ddevs), self.rank == 0, 60 * cfg.max_minutes
-        os.makedirs(cfg.out_dir, exist_ok=True)
         metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
         if rank0 and os.path.exists(metrics_path):     # a resume: a killed run's later steps go
             keep_metrics_upto(metrics_path, self.step)
@@ -379,11 +375,8 @@ class Trainer:
         return 0
 
     def checkpoint_env(self):
-        """env.json: the environment the run STARTED in (its code and packages were loaded then), the
-        compile cache as it is now, and under changed_during_run what differs now."""
+        """env.json: the environment the run STARTED in (its code and packages were loaded then), and what changed."""
         now = environment.collect_env(self.cfg.compile_cache)
-        if self.env_at_start is None:
-            return now
         # the cache grows, and this process's own variables change only by its libraries (inductor exports some)
         changed = [r for r in environment.diff_env(self.env_at_start, now)
                    if not r[0].startswith(("compile_cache.", "env_vars."))]
@@ -401,9 +394,8 @@ class Trainer:
 
 def log_line(step, x, total_steps, cfg):
     bs = cfg.block_size
-    progress = f"{step}/{total_steps}"
-    if cfg.max_minutes:       # the budget, not the step count, ends such a run
-        progress = f"{step} ({x['budget_used']:.0%} of {cfg.max_minutes:g} min)"
+    progress = (f"{step} ({x['budget_used']:.0%} of {cfg.max_minutes:g} min)" if cfg.max_minutes
+                else f"{step}/{total_steps}")
     return (f"step {progress} | loss {x['loss']:.4f} | acc@1 {x['acc@1']:.3f} acc@{bs - 1} {x[f'acc@{bs - 1}']:.3f} "
             f"| sim_tau {x['sim_tau']:.2f} | lr {x['lr']:.2e} | gnorm {x['grad_norm']:.2f} | {x['tok_s']:,.0f} tok/s "
             f"| MFU drafter {x['mfu_drafter']:.1%} | busy target {x['busy_target']:.0%} drafter "
