@@ -49,8 +49,7 @@ def kv_shape(c, rows, length):
 
 class Engine:
     """The target over a static cache of `rows` rows of `length` tokens, returning the outputs of `feature_layers`
-    too (a drafter's input). compile: the decoder layers run compiled, the attention outside their graphs (a prefill
-    through graphs dynamic in rows and length: its shapes change with every batch)."""
+    too (a drafter's input). compile: the decoder layers run compiled, the attention outside their graphs."""
     PREFILL_TOKENS = 65536     # tokens per prefill batch (padding included)
     CALL_TOKENS = 2048         # a prefill batch's fixed cost, in padded tokens
 
@@ -73,8 +72,7 @@ class Engine:
                   for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.model, self.rows, self.length, self.layers = model, rows, length, list(feature_layers)
-        self.layer_step = torch.compile(_layer_step, dynamic=False) if compile else _layer_step
-        self.layer_prefill = torch.compile(_layer_prefill, dynamic=True) if compile else _layer_step
+        self.layer_step = torch.compile(_layer_step, dynamic=False) if compile else None
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)   # each row's first position in a step
         self.all_rows = torch.arange(rows, device=dev)[:, None]
         self.ids, self.graphs, self.at, self.starts, self.seen = {}, {}, None, None, 0
@@ -95,10 +93,9 @@ class Engine:
         self.at, self.prefill_step, self.starts = (rows, positions), prefill, starts
         h, outs = m.embed_tokens(ids), {}
         pe = m.rotary_emb(h, positions)
-        # a compile that cannot happen (dynamo's recompile limit) raises: never eager layers unnoticed
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            for i, layer in enumerate(m.layers):
-                h = outs[i] = (self.layer_prefill if prefill else self.layer_step)(layer, h, pe, positions, self)
+        run = self.layer_step if self.layer_step and not prefill else _layer_step   # prefill shapes vary: eager
+        for i, layer in enumerate(m.layers):
+            h = outs[i] = run(layer, h, pe, positions, self)
         return m.norm(h), (torch.cat([outs[i] for i in self.layers], -1) if self.layers else None)
 
     def attend(self, layer, q, k, v, scale):
@@ -179,16 +176,14 @@ class Engine:
         self.pos.fill_(-1)
         self.pos[:n].copy_(torch.as_tensor(pos))
 
-        def run():
-            at = torch.where(self.pos[:, None] < 0, self.length - 1, self.pos[:, None] + offsets)
-            h, feats = self.forward(buf, self.all_rows, at)
+        def run():   # a compile that cannot happen (dynamo's recompile limit) raises: never eager layers unnoticed
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                at = torch.where(self.pos[:, None] < 0, self.length - 1, self.pos[:, None] + offsets)
+                h, feats = self.forward(buf, self.all_rows, at)
             return self.model.lm_head(h).float(), feats
         return replay(self.graphs, T, run, dev)
 
 def _layer_step(layer, h, pe, positions, engine):
-    return layer(h, position_embeddings=pe, position_ids=positions, engine=engine)
-
-def _layer_prefill(layer, h, pe, positions, engine):   # the same: a code object of its own, a dynamo cache of its own
     return layer(h, position_embeddings=pe, position_ids=positions, engine=engine)
 
 @torch.compiler.disable   # a compiled layer breaks its graph here: the cache rows and the row kernel run as they are

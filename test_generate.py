@@ -227,10 +227,9 @@ def test_prefill_batches_hold_every_prompt_once_longest_first_at_the_least_cost(
 
 
 def test_a_compiled_engine_decodes_as_the_eager_one(target, tok, monkeypatch):
-    """compile=True (a GPU's regeneration): the decoder layers of each step and each prefill compiled (a prefill's
-    graphs dynamic in its shape), the attention outside the graphs; the same greedy answers, and the same features
-    for a drafter, as the eager engine. A step shape past dynamo's recompile limit is an error, not a step of eager
-    layers."""
+    """compile=True (a GPU's regeneration): the decoder layers of each step compiled, the attention outside the
+    graphs; the same greedy answers, and the same features for a drafter, as the eager engine. A step shape
+    past dynamo's recompile limit is an error, not a step of eager layers."""
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(target).eval()
@@ -238,9 +237,6 @@ def test_a_compiled_engine_decodes_as_the_eager_one(target, tok, monkeypatch):
     out = {}
     for compile in (False, True):
         engine = decoding.Engine(model, 4, 64, (0, 1), compile=compile)
-        graphs = counters["stats"]["unique_graphs"]
-        engine.prefill([0, 1, 2], prompts)
-        assert (counters["stats"]["unique_graphs"] > graphs) is compile, "a prefill compiled iff compile=True"
         answers = decoding.speculate(engine, prompts, 10, [])
         logits, feats = engine.step(torch.tensor([[5], [6], [7]]), [30, 31, 32])
         out[compile] = answers, logits[:3], feats[:3]
