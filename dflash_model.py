@@ -313,10 +313,11 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
         correct = torch.empty(size * k, device=h.device, dtype=torch.bool)
         for s in range(0, size * k, size):
-            part, correct[s:s + size], g = ce(h[s:s + size] @ weight.t(), labels[s:s + size], w[s:s + size])
+            e = s + size
+            part, correct[s:e], g = ce(h[s:e] @ weight.t(), labels[s:e], w[s:e])
             loss += part
             if need_grad:
-                grad_h[s:s + size] = (g @ weight).to(h.dtype)
+                grad_h[s:e] = (g @ weight).to(h.dtype)
         ctx.save_for_backward(grad_h[:N] if need_grad else None)
         correct = correct[:N]
         ctx.mark_non_differentiable(correct)
