@@ -171,11 +171,12 @@ def _check_adamw_kernel(dev):
 
 # ---- 3. Decoding attention: each row of a static KV cache read up to its own length
 
-def row_attention_torch(q, k, v, lens, causal, scale):
-    """q (R, H, T, D) against a cache k, v (R, L, KV heads, D): query t of row r sees the keys j < lens[r] + t
-    (causal) or j < lens[r] (all of its block): -> (R, T, H, D). SDPA over the cache up to the longest row, masked."""
+def row_attention_torch(q, k, v, lens, causal, scale, rows=None):
+    """q (R, H, T, D) against the cache rows `rows` (R,) (default 0..R-1) of k, v (rows, L, KV heads, D): query t of
+    row r sees the keys j < lens[r] + t (causal) or j < lens[r] (all of its block): -> (R, T, H, D). SDPA over the
+    cache up to the longest row, masked."""
     n = min(k.shape[1], int(lens.max()) + q.shape[2])   # the keys some row sees (a sync: no CUDA graph runs this)
-    k, v = k[:, :n], v[:, :n]
+    k, v = (c[:len(q), :n] if rows is None else c[rows, :n] for c in (k, v))
     j, t = torch.arange(n, device=q.device), torch.arange(q.shape[2], device=q.device)
     visible = j < (lens[:, None, None] + (t[None, :, None] if causal else 0))
     out = torch.nn.functional.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale=scale,
@@ -184,31 +185,33 @@ def row_attention_torch(q, k, v, lens, causal, scale):
 
 if triton is not None:
     @triton.jit
-    def _row_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lens_ptr, scale, sq_r, sq_h, sq_t, sk_r, sk_l, sk_h,
-                              so_r, so_t, so_h, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    def _row_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lens_ptr, rows_ptr, scale, L, sq_r, sq_h, sq_t, sk_r,
+                              sk_l, sk_h, so_r, so_t, so_h, T, G: tl.constexpr, D: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                               CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-        # one program per (row, KV head): its G query heads x T positions are the rows of one tile, so each key
-        # is read once for all of them, and only the keys the row has (a flash-attention loop over them)
+        # one program per (row, KV head, tile of queries): the tile's rows are positions x the G query heads of the
+        # KV head, so each key is read once for all of them, and only the keys the row has (a flash-attention loop)
         r, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        m = tl.arange(0, BLOCK_M)
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         t, head = m // G, g * G + m % G
         d = tl.arange(0, BLOCK_D)
         qm = (m < T * G)[:, None] & (d < D)[None, :]
         q = tl.load(q_ptr + r * sq_r + head[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=qm, other=0.0)
         n = tl.load(lens_ptr + r)
+        cache_row = tl.load(rows_ptr + r).to(tl.int64)
         precision: tl.constexpr = "ieee" if IEEE else None     # fp32 tiles: exact products, not tf32
-        if CAUSAL:
-            lim, end = n + t, n + T - 1
+        if CAUSAL:   # the tile's last query sees the keys before n + its position
+            lim, end = n + t, n + tl.minimum(T - 1, (tl.program_id(2) * BLOCK_M + BLOCK_M - 1) // G)
         else:
             lim, end = n + 0 * t, n
+        lim, end = tl.minimum(lim, L), tl.minimum(end, L)     # a prefill's padding queries run past the L keys
         best = tl.full([BLOCK_M], -1e30, tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for start in range(0, end, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             km = (j < end)[:, None] & (d < D)[None, :]
-            kv_off = r * sk_r + j[:, None] * sk_l + g * sk_h + d[None, :]
+            kv_off = cache_row * sk_r + j[:, None] * sk_l + g * sk_h + d[None, :]
             k = tl.load(k_ptr + kv_off, mask=km, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=precision)
             s = tl.where(j[None, :] < lim[:, None], s * scale, -1e30)
@@ -224,29 +227,33 @@ if triton is not None:
         tl.store(o_ptr + r * so_r + t[:, None] * so_t + head[:, None] * so_h + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=qm)
 
-def _row_attention_triton_unchecked(q, k, v, lens, causal, scale):
+def _row_attention_triton_unchecked(q, k, v, lens, causal, scale, rows=None):
     (R, H, T, D), fp32 = q.shape, q.dtype == torch.float32   # fp32 tiles take twice the registers
     G = H // k.shape[2]
     out = torch.empty(R, T, H, D, device=q.device, dtype=q.dtype)
+    rows = torch.arange(R, device=q.device) if rows is None else rows.contiguous()
     p2 = lambda x: 1 << (max(x, 16) - 1).bit_length()
+    block_m = min(p2(T * G), 64 if fp32 else 128)     # a prefill's long prompts: tiles of queries
     with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
-        _row_attention_kernel[(R, k.shape[2])](
-            q, k, v, out, lens, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            out.stride(0), out.stride(1), out.stride(2), T=T, G=G, D=D, BLOCK_M=p2(T * G), BLOCK_D=p2(D),
+        _row_attention_kernel[(R, k.shape[2], triton.cdiv(T * G, block_m))](
+            q, k, v, out, lens.contiguous(), rows, scale, k.shape[1], q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+            k.stride(2), out.stride(0), out.stride(1), out.stride(2), T=T, G=G, D=D, BLOCK_M=block_m, BLOCK_D=p2(D),
             BLOCK_N=32 if fp32 else 64, CAUSAL=causal, IEEE=fp32, num_warps=8 if fp32 else 4)
     return out
 
-def row_attention(q, k, v, lens, causal, scale):
+def row_attention(q, k, v, lens, causal, scale, rows=None):
     """row_attention_torch's result, on a GPU from one Triton kernel reading each row's keys only up to its length
     (SDPA reads every row's whole cache); checked on each (device, dtype, causal)'s first call, before any capture."""
     if not q.is_cuda or triton is None:
-        return row_attention_torch(q, k, v, lens, causal, scale)
-    _check_once(_ROW_CHECKED, (q.device, q.dtype, causal), _check_row_attention, q, k, v, lens, causal, scale)
-    return _row_attention_triton_unchecked(q, k, v, lens, causal, scale)
+        return row_attention_torch(q, k, v, lens, causal, scale, rows)
+    tiles = q.shape[2] * q.shape[1] // k.shape[2] > 64   # a prefill's queries take several tiles: checked apart
+    _check_once(_ROW_CHECKED, (q.device, q.dtype, causal, tiles), _check_row_attention, q, k, v, lens, causal,
+                scale, rows)
+    return _row_attention_triton_unchecked(q, k, v, lens, causal, scale, rows)
 
-def _check_row_attention(q, k, v, lens, causal, scale):
-    got = _row_attention_triton_unchecked(q, k, v, lens, causal, scale).float()
-    ref = row_attention_torch(q, k, v, lens, causal, scale).float()
+def _check_row_attention(q, k, v, lens, causal, scale, rows=None):
+    got = _row_attention_triton_unchecked(q, k, v, lens, causal, scale, rows).float()
+    ref = row_attention_torch(q, k, v, lens, causal, scale, rows).float()
     err, tol = float((got - ref).abs().max()), (1e-4 if q.dtype == torch.float32 else 2e-2) * float(ref.abs().max())
     if not err <= tol + 1e-6:
         raise RuntimeError(f"the Triton row-attention kernel disagrees with SDPA on {q.device} ({q.dtype}): max "

@@ -122,14 +122,19 @@ def test_row_attention_kernel_equals_masked_sdpa_and_its_check_catches_a_wrong_k
         import kernels as K
         torch.manual_seed(0)
         for R, H, KV, T, D, L, causal in [(3, 9, 3, 1, 64, 200, True), (2, 4, 2, 16, 32, 300, True),
-                                           (2, 4, 2, 16, 24, 100, False), (1, 2, 2, 5, 16, 70, True)]:
+                                           (2, 4, 2, 16, 24, 100, False), (1, 2, 2, 5, 16, 70, True),
+                                           (2, 9, 3, 50, 16, 120, True),    # a prefill: several tiles of queries
+                                           (2, 9, 3, 50, 16, 40, True)]:    # and queries past the cache's end
             for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-                q, k, v = (torch.randn(*s).to(dtype) for s in ((R, H, T, D), (R, L, KV, D), (R, L, KV, D)))
-                lens = torch.randint(1, L - T, (R,))
-                got = K._row_attention_triton_unchecked(q, k, v, lens, causal, D ** -0.5)
-                ref = K.row_attention_torch(q, k, v, lens, causal, D ** -0.5)
-                assert got.shape == (R, T, H, D) and (got.float() - ref.float()).abs().max() < tol, (got - ref).abs().max()
+                q, k, v = (torch.randn(*s).to(dtype) for s in ((R, H, T, D), (R + 2, L, KV, D), (R + 2, L, KV, D)))
+                lens = torch.randint(1, max(2, L - T), (R,))
+                for rows in (None, torch.randperm(R + 2)[:R]):   # the cache rows of q's rows: 0.. or any
+                    got = K._row_attention_triton_unchecked(q, k, v, lens, causal, D ** -0.5, rows)
+                    ref = K.row_attention_torch(q, k, v, lens, causal, D ** -0.5, rows)
+                    assert got.shape == (R, T, H, D) and (got.float() - ref.float()).abs().max() < tol, (got - ref).abs().max()
                 K._check_row_attention(q, k, v, lens, causal, D ** -0.5)
+        ref = K.row_attention_torch(q, k, v, lens, causal, D ** -0.5, torch.tensor([1, 0]))
+        assert torch.equal(ref, K.row_attention_torch(q, k[[1, 0]], v[[1, 0]], lens, causal, D ** -0.5))
         K._row_attention_triton_unchecked = lambda q, *a: torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
         try:
             K._check_row_attention(q, k, v, lens, causal, D ** -0.5)
@@ -147,10 +152,11 @@ def test_row_attention_kernel_compiles_for_the_h200_ahead_of_time():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import kernels as K
-    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "lens_ptr": "*i64", "scale": "fp32",
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "lens_ptr": "*i64", "rows_ptr": "*i64",
+           "scale": "fp32", "L": "i64", "T": "i32",
            **{s: "i64" for s in ("sq_r", "sq_h", "sq_t", "sk_r", "sk_l", "sk_h", "so_r", "so_t", "so_h")},
-           **{c: "constexpr" for c in ("T", "G", "D", "BLOCK_M", "BLOCK_D", "BLOCK_N", "CAUSAL", "IEEE")}}
-    consts = {"T": 16, "G": 3, "D": 64, "BLOCK_M": 64, "BLOCK_D": 64, "BLOCK_N": 64, "CAUSAL": True, "IEEE": False}
+           **{c: "constexpr" for c in ("G", "D", "BLOCK_M", "BLOCK_D", "BLOCK_N", "CAUSAL", "IEEE")}}
+    consts = {"G": 3, "D": 64, "BLOCK_M": 64, "BLOCK_D": 64, "BLOCK_N": 64, "CAUSAL": True, "IEEE": False}
     k = triton.compile(ASTSource(fn=K._row_attention_kernel, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert len(k.asm["cubin"]) > 1000 and ".entry _row_attention_kernel" in k.asm["ptx"]
