@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
 
@@ -39,10 +38,6 @@ def replay(graphs, key, fn, device):
     g.replay()
     return out
 
-# Prefill's shapes change with every batch; cuDNN's attention (sdpa's first choice on recent GPUs) plans each new
-# shape anew, which costs more than the attention itself, so prefill takes the kernels that need no plan.
-PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
 def kv_shape(c, rows, length):
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return rows, length, c.num_key_value_heads, head_dim
@@ -50,8 +45,9 @@ def kv_shape(c, rows, length):
 class Engine:
     """The target over a static cache of `rows` rows of `length` tokens, returning the outputs of `feature_layers`
     too (a drafter's input). compile: the decoder layers run compiled, the attention outside their graphs."""
-    PREFILL_TOKENS = 65536     # tokens per prefill batch (padding included)
+    PREFILL_TOKENS = 65536     # padded tokens per prefill batch at most (but a lone prompt)
     CALL_TOKENS = 2048         # a prefill batch's fixed cost, in padded tokens
+    GRAPH_TOKENS = 16384       # a batch of at most these, padded to powers of two, is a graph replay (see shape)
 
     def __init__(self, model, rows, length, feature_layers=(), compile=False):
         c, base = model.config, getattr(model, "model", None)   # refused: not Llama-like, or windows a context reaches
@@ -75,7 +71,7 @@ class Engine:
         self.layer_step = torch.compile(_layer_step, dynamic=False) if compile else None
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)   # each row's first position in a step
         self.all_rows = torch.arange(rows, device=dev)[:, None]
-        self.ids, self.graphs, self.at, self.starts, self.seen = {}, {}, None, None, 0
+        self.inputs, self.graphs, self.prefill_graphs, self.at = {}, {}, {}, None
 
     @staticmethod
     def fit(model, length, most=512):
@@ -86,76 +82,80 @@ class Engine:
         per_row = 2 * c.num_hidden_layers * math.prod(kv_shape(c, 1, length)) * model.dtype.itemsize
         return max(1, min(most, torch.cuda.mem_get_info(model.device)[0] // 2 // per_row))
 
-    def forward(self, ids, rows, positions, prefill=False, starts=None):
-        """Final-normed hidden states of ids (n, T) at positions (n, T) of rows (n, 1), and features or None.
-        A prefill from starts (n,) on attends to the rows' cached keys before them too, else only to itself."""
+    def forward(self, ids, rows, positions, lens, layer_step=None):
+        """Final-normed hidden states of ids (n, T) at positions (n, T) of cache rows (n, 1), and features or None.
+        Query t of row i sees the row's keys before lens[i] + t: lens[i] is its first position + 1."""
         m = self.model.model
-        self.at, self.prefill_step, self.starts = (rows, positions), prefill, starts
+        self.at = rows, positions.clamp(max=self.length - 1), lens    # past the end: garbage, at the last position
         h, outs = m.embed_tokens(ids), {}
         pe = m.rotary_emb(h, positions)
-        run = self.layer_step if self.layer_step and not prefill else _layer_step   # prefill shapes vary: eager
         for i, layer in enumerate(m.layers):
-            h = outs[i] = run(layer, h, pe, positions, self)
+            h = outs[i] = (layer_step or _layer_step)(layer, h, pe, positions, self)
         return m.norm(h), (torch.cat([outs[i] for i in self.layers], -1) if self.layers else None)
 
     def attend(self, layer, q, k, v, scale):
-        rows, positions = self.at
-        if self.prefill_step:   # a padding token past a row's end writes to its last position, which no prompt
-            positions = positions.clamp(max=self.length - 1)   # reaches (an answer has one token at least)
+        rows, positions, lens = self.at   # a token's keys join its row's cache, then it reads the row up to itself
         self.k[layer][rows, positions] = k.transpose(1, 2)
         self.v[layer][rows, positions] = v.transpose(1, 2)
-        if not self.prefill_step:
-            return kernels.row_attention(q, self.k[layer], self.v[layer], self.pos.clamp(min=0) + 1, True, scale)
-        g = q.shape[1] // k.shape[1]   # KV heads repeated: flash and memory-efficient SDPA take no grouped heads
-        if self.starts is None:   # prompts from position 0: their own causal attention is all there is
-            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-            with sdpa_kernel(PREFILL_SDPA):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
-        n, T = self.seen, q.shape[2]      # the rest of a prompt: query t at starts + t sees the keys up to itself
-        k, v = (c[layer][rows[:, 0], :n].transpose(1, 2).repeat_interleave(g, 1) for c in (self.k, self.v))
-        t = torch.arange(T, device=q.device)[:, None]
-        seen = torch.arange(n, device=q.device) <= self.starts[:, None, None] + t
-        with sdpa_kernel(PREFILL_SDPA):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None], scale=scale).transpose(1, 2)
+        return kernels.row_attention(q, self.k[layer], self.v[layer], lens, True, scale, rows[:, 0])
 
     @torch.no_grad()
     def prefill(self, rows, prompts, features=None, starts=None):
         """Write the prompts into cache rows `rows`: their next-token logits (n, V). starts[i]: the first
         starts[i] tokens of prompts[i] are in its row already (an earlier turn's), so only the rest is computed.
         features(rows, feats, lens), if given, takes each batch's features as it is prefilled (a drafter's context,
-        from position 0): no tensor holds every prompt's."""
+        from position 0): no tensor holds every prompt's. A batch runs in the shape() it is padded to: a padding
+        token writes to its row's last position, which no prompt reaches (an answer has one token at least), a
+        padding row to the batch's first row's."""
         dev, logits, starts = self.model.device, None, starts or [0] * len(prompts)
         for take in self.batches([len(p) - s for p, s in zip(prompts, starts)]):
-            lens = torch.tensor([len(prompts[i]) - starts[i] for i in take])
-            begin = torch.tensor([starts[i] for i in take])
-            ids = torch.zeros(len(take), int(lens.max()), dtype=torch.long)
+            n, T = len(take), max(len(prompts[i]) - starts[i] for i in take)
+            R, T_pad, graph = self.shape(n, T)
+            at = torch.full((R, T_pad + 3), self.length - 1, dtype=torch.long)   # positions | row, lens, last
+            ids, at[:, -3], at[:, -2], at[:, -1] = torch.zeros(R, T_pad, dtype=torch.long), rows[take[0]], 1, 0
             for j, i in enumerate(take):
-                ids[j, :lens[j]] = torch.tensor(prompts[i][starts[i]:])
-            self.seen = int((begin + lens).max())
-            h, f = self.forward(ids.to(dev), torch.tensor([rows[i] for i in take], device=dev)[:, None],
-                                (begin[:, None] + torch.arange(ids.shape[1])).to(dev), prefill=True,
-                                starts=begin.to(dev) if begin.any() else None)
-            at = torch.tensor(take, device=dev)
-            out = self.model.lm_head(h[torch.arange(len(take), device=dev), lens.to(dev) - 1]).float()
+                new = prompts[i][starts[i]:]
+                ids[j, :len(new)], at[j, :len(new)] = torch.tensor(new), torch.arange(starts[i], len(prompts[i]))
+                at[j, -3:] = torch.tensor([rows[i], starts[i] + 1, len(new) - 1])
+            ids, at = ids.to(dev), at.to(dev)
+            if graph:   # a graph reads the tensors it was captured with: these stay
+                ids, at = (b.copy_(x) for b, x in zip(self.inputs.setdefault((R, T_pad), (ids, at)), (ids, at)))
+
+            def run(ids=ids, at=at):
+                h, f = self.forward(ids, at[:, -3:-2], at[:, :-3], at[:, -2])
+                return h[torch.arange(len(h), device=dev), at[:, -1]], f
+            h, f = replay(self.prefill_graphs, (R, T_pad), run, dev) if graph else run()
+            out = self.model.lm_head(h[:n]).float()
             logits = out.new_empty(len(prompts), out.shape[1]) if logits is None else logits
-            logits[at] = out
+            logits[torch.tensor(take, device=dev)] = out
             if features is not None:
-                features([rows[i] for i in take], f, lens.tolist())
+                features([rows[i] for i in take], f if f is None else f[:n, :T],
+                         [len(prompts[i]) - starts[i] for i in take])
         return logits
 
     @classmethod
+    def shape(cls, n, T):
+        """(rows, tokens, graph) a batch of n prompts of up to T new tokens runs in. A small batch is one CUDA-graph
+        replay, its rows and tokens padded to powers of two, so that few shapes are captured (eager, its hundreds of
+        small kernels cost more host time than their work); a larger one runs eager in its own shape (its work
+        outweighs the launches, and padding would add to it)."""
+        R, T_pad = pad(n), pad(T)
+        return (R, T_pad, True) if R * T_pad <= cls.GRAPH_TOKENS else (n, T, False)
+
+    @classmethod
     def batches(cls, lens):
-        """Prompt indices in right-padded batches, longest first: the split of the length order with the fewest
-        padded tokens (+ CALL_TOKENS a batch), none over PREFILL_TOKENS unless it is one prompt."""
+        """Prompt indices in batches, longest first: the split of the length order with the fewest padded tokens
+        (in their shape(), + CALL_TOKENS a batch), none over PREFILL_TOKENS unless it is one prompt."""
         order = sorted(range(len(lens)), key=lambda i: -lens[i])
         L = [lens[i] for i in order]
         cost, start = [0] + [math.inf] * len(L), [0] * (len(L) + 1)
         for j in range(1, len(L) + 1):     # the best split of the first j: its last batch is L[i:j], padded to L[i]
             for i in range(j - 1, -1, -1):
-                if i < j - 1 and (j - i) * L[i] > cls.PREFILL_TOKENS:
+                padded = math.prod(cls.shape(j - i, L[i])[:2])
+                if i < j - 1 and padded > cls.PREFILL_TOKENS:
                     break
-                if cost[i] + (j - i) * L[i] + cls.CALL_TOKENS < cost[j]:
-                    cost[j], start[j] = cost[i] + (j - i) * L[i] + cls.CALL_TOKENS, i
+                if cost[i] + padded + cls.CALL_TOKENS < cost[j]:
+                    cost[j], start[j] = cost[i] + padded + cls.CALL_TOKENS, i
         out, j = [], len(L)
         while j:
             out.append(order[start[j]:j])
@@ -165,12 +165,12 @@ class Engine:
     @torch.no_grad()
     def step(self, ids, pos):
         """Logits (rows, T, V) and features of ids (n, T) fed to rows [0, n) from positions pos (n,) on. A row at a
-        position < 0, or past n, idles: it writes to its last position only (which no prompt reaches, see attend),
+        position < 0, or past n, idles: it writes to its last position only (which no prompt reaches, see prefill),
         so a row kept for a conversation's next turn keeps its cache."""
         (n, T), dev = ids.shape, self.pos.device
-        if T not in self.ids:    # a graph reads the tensors it was captured with: these stay
-            self.ids[T] = torch.zeros(self.rows, T, dtype=torch.long, device=dev), torch.arange(T, device=dev)
-        buf, offsets = self.ids[T]
+        if T not in self.inputs:    # a graph reads the tensors it was captured with: these stay
+            self.inputs[T] = torch.zeros(self.rows, T, dtype=torch.long, device=dev), torch.arange(T, device=dev)
+        buf, offsets = self.inputs[T]
         buf[:n].copy_(ids)
         buf[n:] = 0
         self.pos.fill_(-1)
@@ -179,9 +179,12 @@ class Engine:
         def run():   # a compile that cannot happen (dynamo's recompile limit) raises: never eager layers unnoticed
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
                 at = torch.where(self.pos[:, None] < 0, self.length - 1, self.pos[:, None] + offsets)
-                h, feats = self.forward(buf, self.all_rows, at)
+                h, feats = self.forward(buf, self.all_rows, at, self.pos.clamp(min=0) + 1, self.layer_step)
             return self.model.lm_head(h).float(), feats
         return replay(self.graphs, T, run, dev)
+
+def pad(n):
+    return 1 << (n - 1).bit_length()   # the next power of two
 
 def _layer_step(layer, h, pe, positions, engine):
     return layer(h, position_embeddings=pe, position_ids=positions, engine=engine)

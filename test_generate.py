@@ -1,6 +1,7 @@
 """CPU tests of generate_data.py: a tiny random Llama target (test_train's helper, SmolLM2 tokenizer)
 regenerates the assistant turns of small chat files. Faults are injected by the tests (test_train.break_)."""
 import json
+import math
 import os
 
 import pytest
@@ -139,8 +140,8 @@ def test_empty_input_and_a_restart_with_other_settings_are_errors(target, tmp_pa
 
 def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target, tok, monkeypatch):
     """More prompts than engine rows, of other lengths and budgets: every answer equals HF greedy decoding of that
-    prompt alone, so row reuse, right-padded prefill (in one batch or split by length) and per-row positions leak
-    nothing between answers."""
+    prompt alone, so row reuse, padded prefill (rows and tokens; in one batch or split by length) and per-row
+    positions leak nothing between answers."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     ref = AutoModelForCausalLM.from_pretrained(target).eval()
@@ -161,7 +162,8 @@ def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(
     # sampling inside a nucleus of one token is greedy decoding; sampled answers do not depend on the rows
     assert decode(3, decoding.picker(0.7, 1e-6)) == got
     assert decode(2, decoding.picker(1.0, 0.9)) == decode(5, decoding.picker(1.0, 0.9)) != got
-    monkeypatch.setattr(decoding.Engine, "CALL_TOKENS", 0)   # no cost to a batch: prompts of one length each
+    monkeypatch.setattr(decoding.Engine, "CALL_TOKENS", 0)   # no cost to a batch: prompts of one length each,
+    monkeypatch.setattr(decoding.Engine, "GRAPH_TOKENS", 0)  # each batch in its own shape, not padded
     assert len(decoding.Engine.batches([len(p) for p in prompts[:5]])) == 5
     assert decode(5, decoding.picker(0, 1)) == got
 
@@ -208,18 +210,21 @@ def test_a_next_turn_takes_its_answers_row_and_prefills_only_what_the_row_does_n
 
 
 def test_prefill_batches_hold_every_prompt_once_longest_first_at_the_least_cost():
-    """Engine.batches: a split of the prompts in length order, no batch over PREFILL_TOKENS padded (but a lone
-    prompt), whose padded tokens + CALL_TOKENS a batch cost no more than filling each batch to the budget, or
-    than batches of one."""
+    """Engine.batches: a split of the prompts in length order, no batch over PREFILL_TOKENS padded (a small batch's
+    rows and length to powers of two, a graph's shape; but a lone prompt), whose padded tokens + CALL_TOKENS a
+    batch cost no more than filling each batch to the budget, or than batches of one."""
     lens = torch.randint(1, 3000, (300,), generator=torch.Generator().manual_seed(0)).tolist() + [70000, 5]
     got = decoding.Engine.batches(lens)
     order = [i for b in got for i in b]
     assert sorted(order) == list(range(len(lens))) and [lens[i] for i in order] == sorted(lens, reverse=True)
-    assert all(len(b) == 1 or len(b) * lens[b[0]] <= decoding.Engine.PREFILL_TOKENS for b in got)
-    cost = lambda bs: sum(len(b) * lens[b[0]] + decoding.Engine.CALL_TOKENS for b in bs)
+    padded = lambda b, extra=0: math.prod(decoding.Engine.shape(len(b) + extra, lens[b[0]])[:2])
+    assert [decoding.pad(n) for n in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
+    assert decoding.Engine.shape(3, 100) == (4, 128, True) and decoding.Engine.shape(100, 300) == (100, 300, False)
+    assert all(len(b) == 1 or padded(b) <= decoding.Engine.PREFILL_TOKENS for b in got)
+    cost = lambda bs: sum(padded(b) + decoding.Engine.CALL_TOKENS for b in bs)
     filled = []
     for i in order:   # each batch filled while the next prompt fits the budget
-        if filled and (len(filled[-1]) + 1) * lens[filled[-1][0]] <= decoding.Engine.PREFILL_TOKENS:
+        if filled and padded(filled[-1], 1) <= decoding.Engine.PREFILL_TOKENS:
             filled[-1].append(i)
         else:
             filled.append([i])
