@@ -139,7 +139,7 @@ class Engine:
         replay, its rows and tokens padded to powers of two, so that few shapes are captured (eager, its hundreds of
         small kernels cost more host time than their work); a larger one runs eager in its own shape (its work
         outweighs the launches, and padding would add to it)."""
-        R, T_pad = pad(n), pad(T)
+        R, T_pad = kernels.pow2(n), kernels.pow2(T)
         return (R, T_pad, True) if R * T_pad <= cls.GRAPH_TOKENS else (n, T, False)
 
     @classmethod
@@ -182,9 +182,6 @@ class Engine:
                 h, feats = self.forward(buf, self.all_rows, at, self.pos.clamp(min=0) + 1, self.layer_step)
             return self.model.lm_head(h).float(), feats
         return replay(self.graphs, T, run, dev)
-
-def pad(n):
-    return 1 << (n - 1).bit_length()   # the next power of two
 
 def _layer_step(layer, h, pe, positions, engine):
     return layer(h, position_embeddings=pe, position_ids=positions, engine=engine)

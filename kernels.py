@@ -227,28 +227,37 @@ if triton is not None:
         tl.store(o_ptr + r * so_r + t[:, None] * so_t + head[:, None] * so_h + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=qm)
 
+def pow2(n):
+    return 1 << (n - 1).bit_length()   # the least power of two >= n
+
+def _query_tile(q, k):
+    """(queries x grouped heads per tile, tiles): a decoding step's in one tile, a prefill's long prompts in several;
+    fp32 tiles take twice the registers."""
+    m = q.shape[2] * q.shape[1] // k.shape[2]
+    tile = min(pow2(max(m, 16)), 64 if q.dtype == torch.float32 else 128)
+    return tile, -(-m // tile)
+
 def _row_attention_triton_unchecked(q, k, v, lens, causal, scale, rows=None):
-    (R, H, T, D), fp32 = q.shape, q.dtype == torch.float32   # fp32 tiles take twice the registers
-    G = H // k.shape[2]
+    (R, H, T, D), fp32 = q.shape, q.dtype == torch.float32
     out = torch.empty(R, T, H, D, device=q.device, dtype=q.dtype)
     rows = torch.arange(R, device=q.device) if rows is None else rows.contiguous()
-    p2 = lambda x: 1 << (max(x, 16) - 1).bit_length()
-    block_m = min(p2(T * G), 64 if fp32 else 128)     # a prefill's long prompts: tiles of queries
+    tile, tiles = _query_tile(q, k)
     with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
-        _row_attention_kernel[(R, k.shape[2], triton.cdiv(T * G, block_m))](
-            q, k, v, out, lens.contiguous(), rows, scale, k.shape[1], q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-            k.stride(2), out.stride(0), out.stride(1), out.stride(2), T=T, G=G, D=D, BLOCK_M=block_m, BLOCK_D=p2(D),
-            BLOCK_N=32 if fp32 else 64, CAUSAL=causal, IEEE=fp32, num_warps=8 if fp32 else 4)
+        _row_attention_kernel[(R, k.shape[2], tiles)](
+            q, k, v, out, lens.contiguous(), rows, scale, k.shape[1], q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1), out.stride(2), T=T,
+            G=H // k.shape[2], D=D, BLOCK_M=tile, BLOCK_D=pow2(max(D, 16)), BLOCK_N=32 if fp32 else 64,
+            CAUSAL=causal, IEEE=fp32, num_warps=8 if fp32 else 4)
     return out
 
 def row_attention(q, k, v, lens, causal, scale, rows=None):
     """row_attention_torch's result, on a GPU from one Triton kernel reading each row's keys only up to its length
-    (SDPA reads every row's whole cache); checked on each (device, dtype, causal)'s first call, before any capture."""
+    (SDPA reads every row's whole cache); checked on the first call of each (device, dtype, causal, one query tile
+    or several), before any capture."""
     if not q.is_cuda or triton is None:
         return row_attention_torch(q, k, v, lens, causal, scale, rows)
-    tiles = q.shape[2] * q.shape[1] // k.shape[2] > 64   # a prefill's queries take several tiles: checked apart
-    _check_once(_ROW_CHECKED, (q.device, q.dtype, causal, tiles), _check_row_attention, q, k, v, lens, causal,
-                scale, rows)
+    _check_once(_ROW_CHECKED, (q.device, q.dtype, causal, _query_tile(q, k)[1] > 1), _check_row_attention, q, k, v,
+                lens, causal, scale, rows)
     return _row_attention_triton_unchecked(q, k, v, lens, causal, scale, rows)
 
 def _check_row_attention(q, k, v, lens, causal, scale, rows=None):

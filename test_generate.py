@@ -10,6 +10,7 @@ import torch
 import data_dflash as D
 import decoding
 import generate_data as G
+import kernels
 from test_train import _save_tiny, broken, embedded, run_cmd, tok  # noqa: F401 - fixtures
 from test_data import tokenize_conversation
 
@@ -218,7 +219,7 @@ def test_prefill_batches_hold_every_prompt_once_longest_first_at_the_least_cost(
     order = [i for b in got for i in b]
     assert sorted(order) == list(range(len(lens))) and [lens[i] for i in order] == sorted(lens, reverse=True)
     padded = lambda b, extra=0: math.prod(decoding.Engine.shape(len(b) + extra, lens[b[0]])[:2])
-    assert [decoding.pad(n) for n in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
+    assert [kernels.pow2(n) for n in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
     assert decoding.Engine.shape(3, 100) == (4, 128, True) and decoding.Engine.shape(100, 300) == (100, 300, False)
     assert all(len(b) == 1 or padded(b) <= decoding.Engine.PREFILL_TOKENS for b in got)
     cost = lambda bs: sum(padded(b) + decoding.Engine.CALL_TOKENS for b in bs)
