@@ -117,9 +117,12 @@ class Engine:
                 new = prompts[i][starts[i]:]
                 ids[j, :len(new)], at[j, :len(new)] = torch.tensor(new), torch.arange(starts[i], len(prompts[i]))
                 at[j, -3:] = torch.tensor([rows[i], starts[i] + 1, len(new) - 1])
-            ids, at = ids.to(dev), at.to(dev)
-            if graph:   # a graph reads the tensors it was captured with: these stay
-                ids, at = (b.copy_(x) for b, x in zip(self.inputs.setdefault((R, T_pad), (ids, at)), (ids, at)))
+            if graph and (R, T_pad) in self.inputs:   # a graph reads the tensors it was captured with: these stay
+                ids, at = (b.copy_(x) for b, x in zip(self.inputs[R, T_pad], (ids, at)))
+            else:
+                ids, at = ids.to(dev), at.to(dev)
+                if graph:
+                    self.inputs[R, T_pad] = ids, at
 
             def run(ids=ids, at=at):
                 h, f = self.forward(ids, at[:, -3:-2], at[:, :-3], at[:, -2])
