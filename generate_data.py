@@ -136,7 +136,7 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
     engine = decoding.Engine(model, decoding.Engine.fit(model, a.max_length, most=1024), a.max_length,
                              compile=device.startswith("cuda"))
     print(f"[gen] {device}: {engine.rows} rows of {a.max_length} tokens", flush=True)
-    shards, no_more, decoded = {}, False, 0
+    shards, queued, decoded = {}, iter(jobs.get, None), 0   # up to this worker's None: the next one is another's
 
     def write(sh):
         del shards[sh.i]
@@ -149,12 +149,7 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
               f"answers, {sh.st['generated_tokens']:,} tokens | {progress(shards_dir, n_shards, t_run)}", flush=True)
 
     def more():   # the first turns of the next shard from the queue, [] once it is empty
-        nonlocal no_more
-        while not no_more:
-            job = jobs.get()
-            if job is None:
-                no_more = True
-                break
+        for job in queued:
             sh = shards[job[0]] = Shard(*job, tok, a, stops)
             if first := sh.next_turns(range(len(sh.convs))):
                 return first
