@@ -15,7 +15,6 @@ What torch does, by version (the one place this is written down):
 """
 import functools
 import itertools
-import json
 import os
 import statistics
 import threading
@@ -29,7 +28,7 @@ from torch.nn.attention.flex_attention import flex_attention
 import config
 import data_dflash
 import dflash_model as dm
-from environment import CACHE_INFO_FILE
+from environment import CACHE_INFO_FILE, cache_info
 
 # ---- 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every key the
 # run uses; then warmed keys share it under dynamo's "fail_on_recompile" stance, so nothing compiles behind its
@@ -229,24 +228,16 @@ def use_compile_cache(cache_dir, log=print):
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     import triton
-    info_path = os.path.join(cache_dir, CACHE_INFO_FILE)
     build = {"torch": torch.__version__, "torch_git": torch.version.git_version, "cuda": torch.version.cuda,
              "triton": triton.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-    old = None
-    if os.path.exists(info_path):
-        try:
-            with open(info_path) as f:
-                old = json.load(f)
-            if not isinstance(old, dict):
-                raise ValueError(f"a JSON {type(old).__name__}, not an object")
-        except (OSError, ValueError) as e:     # only the notice depends on it: say so, go on
-            old = {"unreadable": f"{type(e).__name__}: {e}"}
+    old = cache_info(cache_dir)     # an unreadable record is replaced: only the notice depends on it
     if old is None or {k: old.get(k) for k in build} != build:
         if old is not None:
             log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
                 "its entries will not match (expect cold compiles)")
         # torchrun ranks share the cache: write_json writes a temporary file and renames it (no half files)
-        data_dflash.write_json(info_path, {**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        data_dflash.write_json(os.path.join(cache_dir, CACHE_INFO_FILE),
+                               {**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return cache_dir
 
 def _cache_counters():
@@ -282,9 +273,8 @@ def warm_target(target, B, S, layer_ids):
     ids = torch.randint(0, target.config.vocab_size, (B, S), device=dev)
     tol, errs = (1e-4 if dtype == torch.float32 else 0.1), []
     for last_len in (S, S // 2):
-        lengths = torch.full((B, 1), S, device=dev)
-        lengths[-1] = last_len
-        am = torch.arange(S, device=dev)[None] < lengths
+        am = torch.ones(B, S, dtype=torch.bool, device=dev)
+        am[-1, last_len:] = False
         with torch.no_grad():
             got = dm.target_forward(target, ids, am, layer_ids).float()
             with torch.compiler.set_stance("force_eager"):     # the reference, deliberately eager

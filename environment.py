@@ -102,7 +102,7 @@ def _cache_state(cache_dir):
     chosen = cache_dir or _env_vars().get("TORCHINDUCTOR_CACHE_DIR")   # as recorded: inductor's export is no choice
     source = "argument" if cache_dir else "TORCHINDUCTOR_CACHE_DIR" if chosen else "inductor default"
     path = chosen or _default_cache_dir()
-    c = {"path": os.path.abspath(path), "source": source, "exists": os.path.isdir(path), "info": None}
+    c = {"path": os.path.abspath(path), "source": source, "exists": os.path.isdir(path), "info": cache_info(path)}
     files = []
     for root, _, names in os.walk(c["path"]):
         for name in names:
@@ -111,13 +111,20 @@ def _cache_state(cache_dir):
     mtimes = [st.st_mtime for name, st in files if not name.endswith(".lock")]   # filelock may touch it at each lock
     c.update(size_bytes=sum(st.st_size for _, st in files), file_count=len(files),
              oldest_mtime=min(mtimes, default=None), newest_mtime=max(mtimes, default=None))
-    if os.path.isfile(info := os.path.join(c["path"], CACHE_INFO_FILE)):
-        try:
-            with open(info) as f:
-                c["info"] = json.load(f)
-        except Exception as e:
-            c["info"] = {"error": f"unreadable {CACHE_INFO_FILE}: {e}"}
     return c
+
+def cache_info(cache_dir):
+    """The build record compiled.use_compile_cache writes: None if absent, {"error": why} if unreadable."""
+    try:
+        with open(os.path.join(cache_dir, CACHE_INFO_FILE)) as f:
+            info = json.load(f)
+        if not isinstance(info, dict):
+            raise ValueError(f"a JSON {type(info).__name__}, not an object")
+        return info
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return {"error": f"unreadable {CACHE_INFO_FILE}: {type(e).__name__}: {e}"}
 
 def _git_state(path=HERE):
     """A git command that fails leaves its fields None and says why in "error": a failure must not read as clean."""
