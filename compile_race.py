@@ -46,13 +46,12 @@ def run_exercise(mode, threads, seconds, device):
     thread_local = _fx_flag_thread_local()   # no other thread yet: safe
     gate, dev = compiled.GATE, torch.device(device)
     gate.set_recompile_limit(max(8, threads + 2))
-    # Each thread's (label, args): the drafter's attention, small on CPU where the compile dominates anyway; eager
+    # Each thread's args, by its name: the drafter's attention, small on CPU where the compile dominates anyway; eager
     # create_block_mask uses vmap, not make_fx: it does not raise the FX flag.
     B, H, D, L1, dtype = (1, 4, 64, 128, torch.float32) if dev.type == "cpu" else (1, 8, 128, 1024, torch.bfloat16)
-    inputs = [(f"L{L}", (*(torch.randn(B, H, L, D, device=dev, dtype=dtype) for _ in range(3)),
-                         create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B, None, L, L, device=dev)))
-              for L in range(L1, L1 * (threads + 1), L1)]
-    inputs = {f"worker-{i}-{label}": args for i, (label, args) in enumerate(inputs)}
+    inputs = {f"worker-{i}-L{L}": (*(torch.randn(B, H, L, D, device=dev, dtype=dtype) for _ in range(3)),
+                                   create_block_mask(lambda b, h, q, kv: q >= kv, B, None, L, L, device=dev))
+              for i, L in enumerate(range(L1, L1 * (threads + 1), L1))}
     stats = {n: dict(name=n, shape=list(args[0].shape), calls=0, fx_errors=0, other_errors=0, exposed_calls=0)
              for n, args in inputs.items()}
     samples, called, barrier = [], set(), threading.Barrier(threads)
