@@ -64,11 +64,10 @@ class MasterAdamW(torch.optim.Optimizer):
         return [self.state[p]["master"] for p in self.params()]
 
     def state_dict(self):
-        params = self.params()
         return {"format": STATE_FORMAT,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "group_sizes": [len(g["params"]) for g in self.param_groups],
-                **{k: [self.state[p][k] for p in params] for k in ("step", "master", "exp_avg", "exp_avg_sq")}}
+                **{k: [self.state[p][k] for p in self.params()] for k in ("step", "master", "exp_avg", "exp_avg_sq")}}
 
     def load_state_dict(self, sd):
         """Copied into this optimiser's own fp32 tensors (torch.optim's load would round them), then the weights."""
