@@ -193,9 +193,9 @@ class Trainer:
                 items = [self.buf.take(j) for j in range(j0, j0 + self.per_step)]
                 work = [prepare_batches(cfg, self.dcfg, items[r::R]) for r in range(R)]
                 # one loss normaliser over replicas x micro-batches x ranks: the step is one over their concatenation
-                wsum = over_ranks(self.world, [sum(w[1] for w in work)])[0]
+                wsum, tokens, flops = over_ranks(self.world, [sum(w[i] for w in work) for i in (1, 2, 3)])
                 for r in range(R):
-                    run.put(self.inbox[r], (step, work[r], wsum))
+                    run.put(self.inbox[r], (step, work[r][0], wsum))
                 sums = [run.get(q) for q in self.outbox]    # every replica's backward is done
                 t0 = time.time()
                 stats = reps.reduce(sums)                     # the gradients and the sums, over replicas and ranks
@@ -213,8 +213,8 @@ class Trainer:
                                              "stepping, the checkpoints are intact. Usual causes: too high --lr, "
                                              "or a bad batch / target feature") from None
                 tot["sync"] += time.time() - t0
-                loss, hits, counts, tokens, flops = stats.split([1, bs - 1, bs - 1, 1, 1])
-                tot["tokens"], tot["flops"] = tot["tokens"] + float(tokens), tot["flops"] + float(flops)
+                loss, hits, counts = stats.split([1, bs - 1, bs - 1])
+                tot["tokens"], tot["flops"] = tot["tokens"] + tokens, tot["flops"] + flops
                 acc = (hits / counts.clamp(min=1)).tolist()
                 self.last = {"step": step, "loss": float(loss), "acc": [round(a, 4) for a in acc],
                              "sim_tau": round(dm.simulated_tau(acc), 4), "lr": lr, "grad_norm": gnorm,
@@ -279,12 +279,11 @@ class Trainer:
         if self.ddevs[r].type == "cuda":
             torch.cuda.set_device(self.ddevs[r])
         while True:
-            step, work, wsum = self.run.get(self.inbox[r])
-            self.run.put(self.outbox[r], self.forward_backward(r, step, work, wsum))
+            step, prepared, wsum = self.run.get(self.inbox[r])
+            self.run.put(self.outbox[r], self.forward_backward(r, step, prepared, wsum))
 
-    def forward_backward(self, r, step, work, wsum):
+    def forward_backward(self, r, step, prepared, wsum):
         dev, dr, t0 = self.ddevs[r], self.replicas.drafters[r], time.time()
-        prepared, _, n_tok, flops = work
         loss_sum, hits, counts = 0.0, 0, 0
         for S, ids, lm, feats, anchors, valid in prepared:
             shape = (ids.shape[0], S, anchors.shape[1])
@@ -298,8 +297,7 @@ class Trainer:
             loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
         compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
         self.busy["drafter"][r] += time.time() - t0
-        return torch.cat([loss_sum.float().view(1), hits.float(), counts.float(),
-                          torch.tensor([n_tok, flops], device=dev)])
+        return torch.cat([loss_sum.float().view(1), hits.float(), counts.float()])
 
     # --- what a run reports --------------------------------------------------------------------------
     def interval(self, step, tot, seen):
