@@ -185,7 +185,7 @@ class Trainer:
         self.t_start, t_prev = time.time(), self.seconds_before        # t_prev: the last step's end, budget clock
         tot = {"tokens": 0.0, "flops": 0.0, "sync": 0.0, "pause": 0.0}   # this run's sums
         seen = dict(tot, t=self.t_start, busy=(0.0, 0.0), step=self.step)    # the sums at the last log line
-        self.losses, self.last, tok_hist, self.busy_at_last = [], None, [], self.busy
+        self.losses, tok_hist = [], []
         try:
             for step in range(self.step + 1, self.total_steps + 1):     # 1-based: the step being taken
                 # this step's micro-batches in stream order: replica r takes every R-th, grad_accum of them
@@ -345,21 +345,20 @@ class Trainer:
             return 1
         for t in threads:    # a thread still inside torch at interpreter exit aborts the process
             t.join(60)
-        final_step = self.last["step"] if self.last else self.step
-        self.replicas.check_identical(final_step, log)
+        last, losses, busy = self.last, self.losses, self.busy_at_last     # a step ran: else a failure is reported
+        self.replicas.check_identical(last["step"], log)
         # the training window ends at the last step, not the final checkpoint's write
-        elapsed = max((self.last["time"] if self.last else time.time()) - self.t_start, 1e-9)
+        elapsed = max(last["time"] - self.t_start, 1e-9)
         share = lambda xs: [f"{x / elapsed:.0%}" for x in xs]
-        busy, losses = self.busy_at_last, self.losses
         prompts = self.heldout or "YOUR_PROMPTS.jsonl (no held-out conversations: --heldout 0 or synthetic data)"
         n = max(1, min(20, len(losses) // 5))
         log("\n".join([
             "=" * 72, "summary",
-            f"  steps          {final_step} (this run: from {self.step})",
+            f"  steps          {last['step']} (this run: from {self.step})",
             f"  tokens/s       {tot['tokens'] / elapsed:,.0f} (target tokens, {elapsed / 60:.1f} min)",
             f"  loss           {losses[0]:.4f} -> {losses[-1]:.4f} (mean of the first / last {n} steps: "
-            f"{statistics.mean(losses[:n]):.4f} -> {statistics.mean(losses[-n:]):.4f})" if losses else "  loss -",
-            f"  simulated tau  {self.last['sim_tau']:.2f}" if self.last else "  simulated tau -",
+            f"{statistics.mean(losses[:n]):.4f} -> {statistics.mean(losses[-n:]):.4f})",
+            f"  simulated tau  {last['sim_tau']:.2f}",
             f"  busy           target {share(busy['target'])} drafter {share(busy['drafter'])} (share of the "
             f"training time on device work); optimiser step + gradient sync {tot['sync'] / elapsed:.0%}",
             f"  checkpoint     {ckpt or 'none'}",
