@@ -164,10 +164,10 @@ def bucket_list(cfg):
     return sorted({int(x) for x in cfg.buckets.split(",")} | {cfg.max_length}) if cfg.buckets else \
         data_dflash.default_buckets(cfg.max_length)
 
-def anchors_for(cfg, S, block_size):
+def anchors_for(cfg, S):
     """num_anchors, capped by the S - block + 1 start positions, rounded up to fill flex's 128-row tiles."""
-    m = 128 // math.gcd(block_size, 128)
-    return max(m, math.ceil(min(cfg.num_anchors, S - block_size + 1) / m) * m)
+    m = 128 // math.gcd(cfg.block_size, 128)
+    return max(m, math.ceil(min(cfg.num_anchors, S - cfg.block_size + 1) / m) * m)
 
 # An automatic micro-batch on a GPU holds at least this much drafter work: the per-step costs (launches, optimiser,
 # gradient sum) stay small next to it while a small data set still gets many steps.
@@ -176,8 +176,8 @@ STEP_FLOPS = 25e12
 def batch_size_for(cfg, dcfg, S, memory=0):
     """Rows per micro-batch of bucket S, at most tokens_per_batch // S: the blocks of tokens_per_batch // max_length
     full-length sequences (auto: one, on a GPU at least STEP_FLOPS of work within `memory`): steps cost the same."""
-    A, tokens = anchors_for(cfg, S, dcfg.block_size), cfg.tokens_per_batch or cfg.max_length
-    blocks = max(1, tokens // cfg.max_length) * anchors_for(cfg, cfg.max_length, dcfg.block_size)
+    A, tokens = anchors_for(cfg, S), cfg.tokens_per_batch or cfg.max_length
+    blocks = max(1, tokens // cfg.max_length) * anchors_for(cfg, cfg.max_length)
     rows = min(tokens // S, blocks // A)
     if not cfg.tokens_per_batch and memory:
         blocks = max(blocks, STEP_FLOPS / dm.matmul_flops(dcfg, 0, 1))
@@ -207,7 +207,7 @@ def batch_memory(dcfg, tcfg, tdevs, ddevs):
 
 def shape_plan(cfg, dcfg, memory=0):
     """Every (B, S, A) the drafter can see: one per bucket. This is what the warm-up compiles."""
-    return [(batch_size_for(cfg, dcfg, S, memory), S, anchors_for(cfg, S, dcfg.block_size)) for S in bucket_list(cfg)]
+    return [(batch_size_for(cfg, dcfg, S, memory), S, anchors_for(cfg, S)) for S in bucket_list(cfg)]
 
 # --- Target and drafter ---------------------------------------------------------------------------
 def target_and_data(cfg):

@@ -404,8 +404,7 @@ def log_line(step, x, total_steps, cfg):
 def prepare_batches(cfg, dcfg, items):
     prepared, wsum, tokens, flops = [], 0.0, 0.0, 0.0
     for S, sids, ids, lm, lengths, feats in items:
-        A = config.anchors_for(cfg, S, cfg.block_size)
-        anchors, valid = sample_anchors_for(cfg.seed, sids, lm, lengths, A, cfg.block_size)
+        anchors, valid = sample_anchors_for(cfg.seed, sids, lm, lengths, config.anchors_for(cfg, S), cfg.block_size)
         weights = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3]
         wsum += float(weights[:, :, 1:].sum())
         tokens += float(lengths.sum())
