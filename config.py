@@ -86,8 +86,7 @@ def parse_args(argv):
         arg = extra[0]
         if not arg.startswith("-"):
             raise SystemExit(f"error: unexpected argument {arg!r} (options are --name value)")
-        known = [a for action in p._actions for a in action.option_strings]
-        close = difflib.get_close_matches(arg.split("=")[0], known, n=3, cutoff=0.6)
+        close = difflib.get_close_matches(arg.split("=")[0], p._option_string_actions, n=3, cutoff=0.6)
         raise SystemExit(f"error: unknown option {arg}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
     cfg = TrainConfig(**vars(args))
     bs = cfg.block_size     # every bad option next, in one line, before any slow set-up
@@ -276,8 +275,7 @@ def load_model(path, device, dtype):
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except Exception as e:    # no such folder or hub name, missing or cut weights: name it, in one line
-        why = f"{type(e).__name__}: {first_line(e)}"
-        raise SystemExit(f"error: cannot load the target {path!r}: {why}") from None
+        raise SystemExit(f"error: cannot load the target {path!r}: {type(e).__name__}: {first_line(e)}") from None
     return model.to(device).eval().requires_grad_(False)
 
 def load_target(path, device, dtype, layer_ids, log=print, random_weights=False):
