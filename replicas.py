@@ -107,24 +107,19 @@ class Replicas:
 
     def queue_fingerprints(self, step):
         """Copied to the host without a wait; across ranks, replica 0's min and max (equal iff all agree)."""
-        pending = []
-        for r in range(len(self.drafters)):
-            rows = [ck.fingerprint(self.tensors(r)[1])]
-            if r == 0 and self.world > 1:
-                rows += [rows[0].clone(), rows[0].clone()]
-                dist.all_reduce(rows[1], op=dist.ReduceOp.MIN)
-                dist.all_reduce(rows[2], op=dist.ReduceOp.MAX)
-            pending.append(host_copy(torch.stack(rows)))
-        self.pending_fp = (step, pending)
+        fps = [ck.fingerprint(self.tensors(r)[1]) for r in range(len(self.drafters))]
+        if self.world > 1:
+            fps += [fps[0].clone(), fps[0].clone()]
+            dist.all_reduce(fps[-2], op=dist.ReduceOp.MIN)
+            dist.all_reduce(fps[-1], op=dist.ReduceOp.MAX)
+        self.pending_fp = (step, [host_copy(fp) for fp in fps])
 
     def check_fingerprints(self):
         if self.pending_fp is None:
             return
         (step, pending), self.pending_fp = self.pending_fp, None
-        fps = [read(host, ready) for host, ready in pending]
-        bad = self.differing([fp[0] for fp in fps])
-        if self.world > 1:
-            bad += self.differing([fps[0][1], fps[0][2]], who="another rank")
+        fps, R = [read(host, ready) for host, ready in pending], len(self.drafters)
+        bad = self.differing(fps[:R]) + self.differing(fps[R:], who="another rank")    # none: one rank
         if bad:
             raise RuntimeError(f"drafter replicas diverged by step {step}: {len(bad)} tensor fingerprint(s) differ, "
                                f"first {bad[:5]} (a bug, not noise: replicas must stay bit-identical)")
