@@ -130,9 +130,7 @@ class Trainer:
     def lr_factor(self, s):
         """At the middle of step s (0-based): no step runs at lr 0. Under a time budget the elapsed share counts too."""
         progress, warm = min(1.0, max((s + 0.5) / self.total_steps, self.time_frac)), self.cfg.warmup_frac
-        if progress < warm:
-            return progress / warm
-        return 0.5 * (1 + math.cos(math.pi * (progress - warm) / (1 - warm)))
+        return progress / warm if progress < warm else 0.5 * (1 + math.cos(math.pi * (progress - warm) / (1 - warm)))
 
     def resume(self):
         self.step, self.cursor, self.seconds_before = 0, 0, 0.0
