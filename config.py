@@ -6,7 +6,6 @@ import difflib
 import json
 import math
 import os
-from dataclasses import dataclass, field
 
 import torch
 
@@ -16,9 +15,9 @@ import dflash_model as dm
 def opt(default, help):
     """A config field with its --help line (a list default is copied for each instance)."""
     kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
-    return field(**kw, metadata={"help": help})
+    return dataclasses.field(**kw, metadata={"help": help})
 
-@dataclass
+@dataclasses.dataclass
 class TrainConfig:
     # model and data
     target: str = opt("", "HF folder or hub name of the target; '' = the embedded default (SmolLM2-135M-Instruct); "
