@@ -238,11 +238,10 @@ def choose_mask_token_id(tokenizer, vocab_size):
         return vocab["<|MASK|>"]
     if len(tokenizer) < vocab_size:
         return len(tokenizer)
-    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    used = {None, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
     for tok in getattr(tokenizer, "all_special_tokens", []) + sorted(getattr(tokenizer, "added_tokens_encoder", {})):
-        tid = vocab.get(tok)
-        if tid is not None and tid not in used and tok not in (tokenizer.chat_template or ""):
-            return tid
+        if vocab.get(tok) not in used and tok not in (tokenizer.chat_template or ""):
+            return vocab[tok]
     raise ValueError("no spare or unused special token to use as the mask token; pass --mask-token-id")
 
 def make_drafter_config(cfg, tcfg, tok):
