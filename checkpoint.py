@@ -1,7 +1,6 @@
 """Checkpoints, laid out as README's "What a run writes" says: a host snapshot taken in the step loop, written by a
 background thread into step_N.tmp and renamed into place (a crash leaves the previous ones intact). A resume takes
-the newest intact one: its files match DONE, its state.pt loads and its optimiser state gives the saved digest.
-"""
+the newest intact one: its files match DONE, its state.pt loads and its optimiser state gives the saved digest."""
 import hashlib
 import json
 import os

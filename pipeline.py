@@ -1,6 +1,5 @@
 """The threads of a run: any exception in any thread is recorded with its traceback and stops the whole run. Every
-blocking wait here looks at the stop flag every 0.2 s, so no thread hangs on a partner that died.
-"""
+blocking wait here looks at the stop flag every 0.2 s, so no thread hangs on a partner that died."""
 import queue
 import threading
 import traceback

@@ -1,7 +1,6 @@
 """The drafter replicas, one per drafter device, and the step that keeps them equal: the summed gradients, one clip,
 the same MasterAdamW step on each. They must stay bit-identical: fingerprints of their weights and fp32 masters are
-compared every log interval (across ranks too), at every checkpoint and at the end of the run.
-"""
+compared every log interval (across ranks too), at every checkpoint and at the end of the run."""
 import math
 
 import torch
