@@ -437,10 +437,8 @@ def keep_metrics_upto(path, step):
             return json.loads(line)["step"] <= step
         except (ValueError, KeyError, TypeError):    # a line cut by a kill mid-write
             return False
-    with open(path) as f:
-        keep = [line for line in f if upto(line)]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
+    with open(path) as f, open(path + ".tmp", "w") as out:
+        out.writelines(line for line in f if upto(line))
     os.replace(path + ".tmp", path)
 
 class Logger:
