@@ -24,7 +24,7 @@ import data_dflash
 import decoding
 
 # with the target and the sources, what decides the result (the batch size does not, for greedy decoding)
-SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples")
+SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples", "dtype")
 
 def parse_args(argv):
     p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -40,6 +40,9 @@ def parse_args(argv):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed: with it, each answer's draws depend on its conversation and turn only")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the target's weights and cache: auto = bfloat16 on GPUs, float32 on a CPU (eval_dflash.py "
+                        "verifies in float32)")
     p.add_argument("--shard-size", type=int, default=1024, help="conversations per shard (the restart unit)")
     p.add_argument("--devices", default="", help="comma-separated (default: every visible GPU, else cpu)")
     a = p.parse_args(argv)
@@ -50,6 +53,8 @@ def parse_args(argv):
     n_gpu = torch.cuda.device_count()
     a.devices = a.devices.split(",") if a.devices else [f"cuda:{i}" for i in range(n_gpu)] or ["cpu"]
     config.check_devices(a.devices)
+    if a.dtype == "auto":   # config.param_dtype's, one for all devices: resolved, as the precision decides the answers
+        a.dtype = "bfloat16" if all(torch.device(d).type == "cuda" for d in a.devices) else "float32"
     return a
 
 def weights_hash(target):
@@ -131,7 +136,7 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     tok = config.load_target_config(a.target)[1]
-    model = config.load_model(a.target, device, config.param_dtype(device))
+    model = config.load_model(a.target, device, getattr(torch, a.dtype))
     stops = decoding.stop_token_ids(tok, model)
     engine = decoding.Engine(model, decoding.Engine.fit(model, a.max_length, most=1024), a.max_length,
                              compile=device.startswith("cuda"))

@@ -139,6 +139,18 @@ def test_empty_input_and_a_restart_with_other_settings_are_errors(target, tmp_pa
         generate(target, src, tmp_path / "y.jsonl", "--max-length", 512)
 
 
+def test_the_target_decodes_in_the_dtype_asked_for_and_the_manifest_records_it(target, tmp_path, monkeypatch):
+    """--dtype bfloat16 on a CPU: the target is loaded in it and the manifest says so; a restart with --dtype auto
+    (float32 on a CPU) is refused, as the precision decides the answers."""
+    loaded, load = [], G.config.load_model
+    monkeypatch.setattr(G.config, "load_model", lambda *a: loaded.append((m := load(*a)).dtype) or m)
+    src, out = chats(tmp_path / "in.jsonl", 1), tmp_path / "out.jsonl"
+    assert generate(target, src, out, "--dtype", "bfloat16") == 0
+    assert loaded == [torch.bfloat16] and manifest(out)["settings"]["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit, match="other settings \\(dtype\\)"):
+        generate(target, src, out, "--dtype", "auto")
+
+
 def test_the_embedded_default_without_its_packages_is_a_one_line_error(tmp_path, monkeypatch):
     """generate_data.py (as every script, through data_dflash) names the missing package and the pip command."""
     import importlib.util
