@@ -28,67 +28,89 @@ def _check_once(checked, dev, check, *args):
 
 # ---- 1. Cross entropy of one chunk of logits
 
-def ce_chunk_eager(logits, y, w):
-    """One chunk of the weighted CE from its (n, V) logits: (sum of w*CE, correct, dCE/dlogits * w). correct: the
-    label's logit is the row's maximum (argmax up to ties, without an index-tracking pass over every logit)."""
+def ce_chunk_eager(logits, y, w, teacher=None, alpha=0.0):
+    """One chunk of the weighted loss from its (n, V) logits: (sum of w*loss, correct, dloss/dlogits * w). The loss is
+    the CE to the labels y, or with teacher logits (n, V) (1 - alpha) CE + alpha KL(teacher's softmax || softmax).
+    correct: the label's logit is the row's maximum (argmax up to ties, without an index-tracking pass)."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     tgt = x.gather(1, y[:, None]).squeeze(1)
-    loss = ((lse - tgt) * w).sum()
-    correct = tgt >= x.amax(-1)
-    g = torch.softmax(x, dim=-1)
-    g[torch.arange(len(y), device=x.device), y] -= 1.0
+    rows, correct, g = lse - tgt, tgt >= x.amax(-1), torch.softmax(x, dim=-1)
+    g[torch.arange(len(y), device=x.device), y] -= 1.0 if teacher is None else 1.0 - alpha
+    if teacher is not None:
+        t = teacher.float()
+        p = torch.softmax(t, dim=-1)
+        kl = lse - torch.logsumexp(t, dim=-1) - (p * (x - t)).sum(-1)
+        rows, g = (1 - alpha) * rows + alpha * kl, g - alpha * p
     g *= w[:, None]
-    return loss, correct, g.to(logits.dtype)
+    return (rows * w).sum(), correct, g.to(logits.dtype)
 
 if triton is not None:
     @triton.jit
-    def _ce_rows_kernel(x_ptr, g_ptr, y_ptr, w_ptr, loss_ptr, correct_ptr, stride, V: tl.constexpr,
-                        BLOCK: tl.constexpr):
-        # one program per row: pass 1 keeps a running max and rescaled sum over the row, pass 2
-        # writes (softmax - onehot) * w; the label's logit is one scalar load, not a gather pass
+    def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, y_ptr, w_ptr, loss_ptr, correct_ptr, stride, alpha, V: tl.constexpr,
+                        BLOCK: tl.constexpr, TEACHER: tl.constexpr):
+        # one program per row: pass 1 keeps a running max and rescaled sum over the row (and the teacher's, with the
+        # teacher-weighted logit gap for the KL), pass 2 writes the gradient; the label's logit is one scalar load
         row = tl.program_id(0).to(tl.int64)
-        x_row, g_row = x_ptr + row * stride, g_ptr + row * stride
+        x_row, t_row, g_row = x_ptr + row * stride, t_ptr + row * stride, g_ptr + row * stride
         cols = tl.arange(0, BLOCK)
         m = tl.max(tl.full([BLOCK], -1e30, tl.float32), 0)
         s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        mt, st, gap = m, s, s
         for start in range(0, V, BLOCK):
             x = tl.load(x_row + start + cols, mask=start + cols < V, other=-1e30).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
+            if TEACHER:
+                t = tl.load(t_row + start + cols, mask=start + cols < V, other=-1e30).to(tl.float32)
+                mt_new = tl.maximum(mt, tl.max(t, 0))
+                e = tl.exp(t - mt_new)
+                st = st * tl.exp(mt - mt_new) + tl.sum(e, 0)
+                gap = gap * tl.exp(mt - mt_new) + tl.sum(e * (x - t), 0)
+                mt = mt_new
         y = tl.load(y_ptr + row)
         w = tl.load(w_ptr + row)
         tgt = tl.load(x_row + y).to(tl.float32)
-        tl.store(loss_ptr + row, (m + tl.log(s) - tgt) * w)
+        loss = m + tl.log(s) - tgt
+        hard = w
+        if TEACHER:
+            loss = (1 - alpha) * loss + alpha * (m + tl.log(s) - mt - tl.log(st) - gap / st)
+            hard = w * (1 - alpha)
+        tl.store(loss_ptr + row, loss * w)
         tl.store(correct_ptr + row, tgt >= m)
         for start in range(0, V, BLOCK):
             c = start + cols
             x = tl.load(x_row + c, mask=c < V, other=0.0).to(tl.float32)
-            g = tl.exp(x - m) * (w / s) - tl.where(c == y, w, 0.0)
+            g = tl.exp(x - m) * (w / s) - tl.where(c == y, hard, 0.0)
+            if TEACHER:
+                t = tl.load(t_row + c, mask=c < V, other=0.0).to(tl.float32)
+                g -= tl.exp(t - mt) * (w * alpha / st)
             tl.store(g_row + c, g.to(g_ptr.dtype.element_ty), mask=c < V)
 
-def _ce_chunk_triton_unchecked(logits, y, w):
+def _ce_chunk_triton_unchecked(logits, y, w, teacher=None, alpha=0.0):
     n, V = logits.shape
     logits = logits.contiguous()
+    t = logits if teacher is None else teacher.contiguous()
     g = torch.empty_like(logits)
     loss = torch.empty(n, device=logits.device, dtype=torch.float32)
     correct = torch.empty(n, device=logits.device, dtype=torch.bool)
     # Triton launches on the CURRENT device's stream (a CPU device: the Triton interpreter, in tests)
     with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
-        _ce_rows_kernel[(n,)](logits, g, y.contiguous(), w.float().contiguous(), loss, correct,
-                              logits.stride(0), V=V, BLOCK=4096, num_warps=8)
+        _ce_rows_kernel[(n,)](logits, t, g, y.contiguous(), w.float().contiguous(), loss, correct, logits.stride(0),
+                              float(alpha), V=V, BLOCK=4096, TEACHER=teacher is not None, num_warps=8)
     return loss.sum(), correct, g
 
-def ce_chunk_triton(logits, y, w):
+def ce_chunk_triton(logits, y, w, teacher=None, alpha=0.0):
     """ce_chunk_eager's result from one Triton kernel, two passes over the logits: faster than inductor's, and
     nothing to compile through the gate."""
-    _check_once(_CE_CHECKED, logits.device, _check_ce_kernel, logits[:16], y[:16], w[:16])
-    return _ce_chunk_triton_unchecked(logits, y, w)
+    _check_once(_CE_CHECKED, (logits.device, teacher is not None), _check_ce_kernel, logits[:16], y[:16], w[:16],
+                None if teacher is None else teacher[:16], alpha)
+    return _ce_chunk_triton_unchecked(logits, y, w, teacher, alpha)
 
-def _check_ce_kernel(logits, y, w):
+def _check_ce_kernel(logits, y, w, teacher, alpha):
     w = torch.linspace(0.5, 1.5, len(w), device=w.device)    # real weights may be 0 on these rows
-    got, ref = _ce_chunk_triton_unchecked(logits, y, w), ce_chunk_eager(logits, y, w)
+    got, ref = _ce_chunk_triton_unchecked(logits, y, w, teacher, alpha), ce_chunk_eager(logits, y, w, teacher, alpha)
     loss_ok = abs(float(got[0]) - float(ref[0])) <= 1e-4 * max(abs(float(ref[0])), 1.0)
     g_err = float((got[2].float() - ref[2].float()).abs().max())
     g_ok = g_err <= 1e-2 * float(ref[2].float().abs().max()) + 1e-6

@@ -35,13 +35,15 @@ def test_ce_kernel_equals_the_eager_ce_and_its_check_catches_a_wrong_kernel():
             y[:2] = logits[:2].float().argmax(-1)             # labels that are the row maximum
             w = torch.rand(n)
             w[2] = 0.0                                        # a row that is not scored
-            loss, correct, g = dm._ce_chunk_triton_unchecked(logits, y, w)
-            ref_loss, ref_correct, ref_g = dm.ce_chunk_eager(logits, y, w)
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-            assert torch.equal(correct, ref_correct) and correct[:2].all(), (correct, ref_correct)
-            assert g.dtype == torch.bfloat16 and g.shape == logits.shape
-            torch.testing.assert_close(g.float(), ref_g.float(), rtol=2 ** -7, atol=1e-6)
-            assert g[2].abs().max() == 0                      # weight 0: no gradient
+            teacher = (torch.randn(n, V) * 3).to(torch.bfloat16)
+            for args in [(), (teacher, 0.0), (teacher, 0.3), (teacher, 1.0)]:   # CE, then mixed with the KL
+                loss, correct, g = dm._ce_chunk_triton_unchecked(logits, y, w, *args)
+                ref_loss, ref_correct, ref_g = dm.ce_chunk_eager(logits, y, w, *args)
+                torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+                assert torch.equal(correct, ref_correct) and correct[:2].all(), (correct, ref_correct)
+                assert g.dtype == torch.bfloat16 and g.shape == logits.shape
+                torch.testing.assert_close(g.float(), ref_g.float(), rtol=2 ** -7, atol=1e-6)
+                assert g[2].abs().max() == 0                      # weight 0: no gradient
             print("case", n, V, "ok")
         # "correct" = the label's logit is the row max; a tie with an earlier max counts
         logits = torch.tensor([[0.0, 3.0, 1.0, -2.0], [5.0, 3.0, 1.0, 4.0], [2.0, 2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 9.0]])
@@ -52,12 +54,13 @@ def test_ce_kernel_equals_the_eager_ce_and_its_check_catches_a_wrong_kernel():
         logits = (torch.randn(20, 3000) * 3).to(torch.bfloat16)
         y, w = torch.randint(0, 3000, (20,)), torch.zeros(20)
         dm.ce_chunk_triton(logits, y, w)
-        assert dm._CE_CHECKED == {torch.device("cpu")}, dm._CE_CHECKED
+        dm.ce_chunk_triton(logits, y, w, logits.flip(0), 0.5)      # the KL path is checked apart
+        assert dm._CE_CHECKED == {(torch.device("cpu"), False), (torch.device("cpu"), True)}, dm._CE_CHECKED
         # a kernel that computes a wrong gradient is an error that says so
         right = dm._ce_chunk_triton_unchecked
         dm._ce_chunk_triton_unchecked = lambda *a: (lambda r: (r[0], r[1], r[2] * 1.5))(right(*a))
         try:
-            dm._check_ce_kernel(logits[:16], y[:16], w[:16])
+            dm._check_ce_kernel(logits[:16], y[:16], w[:16], None, 0.0)
             raise SystemExit("the check passed a wrong kernel")
         except RuntimeError as e:
             assert "the Triton CE kernel disagrees with the eager CE on cpu" in str(e), e
