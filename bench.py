@@ -50,6 +50,8 @@ def parse_args(argv):
     p.add_argument("--device", default="", help="device of the one-device measurements (default cuda:0, or cpu)")
     p.add_argument("--node-gpus", type=int, default=8,
                    help="print the predicted tokens/s of every layout of a node of this many such GPUs")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="the drafter step with this weight on the KL to the target (train_dflash.py --distill)")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)
     if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
@@ -98,7 +100,8 @@ def main(argv=None):
     # --- the models, then the trainer's cold warm-up: the drafter's shapes, and the target's on a GPU
     target_cfg, _ = config.load_target_config(tcfg.target)
     dcfg = config.make_drafter_config(tcfg, target_cfg, None)
-    target = config.load_target(tcfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log)
+    target = config.load_target(tcfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log,
+                                whole=a.distill > 0)
     plan = config.shape_plan(tcfg, dcfg, config.batch_memory(dcfg, target_cfg, [dev], [dev]))
     B = res["B"] = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
     drafter = config.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
@@ -120,7 +123,7 @@ def main(argv=None):
 
     def target_fwd():
         with torch.no_grad():
-            return dm.target_forward(target, ids, am, dcfg.target_layer_ids)
+            return dm.target_forward(target, ids, am, dcfg.target_layer_ids, final=a.distill > 0)
 
     def target_eager():       # the eager baseline, deliberately uncompiled: only timed against the compiled one
         with torch.compiler.set_stance("force_eager"):
@@ -140,7 +143,8 @@ def main(argv=None):
 
     def step():
         with compiled.autocast(dev):
-            loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn))[0]
+            loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn),
+                                           distill=a.distill)[0]
         compiled.backward(loss, dev, (B, S, A), attn)
         # the trainer's lone-replica step: the norm read by the host, the clip inside the update
         replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)
@@ -148,7 +152,7 @@ def main(argv=None):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t_drafter = timed("drafter_ms", step)
-    flops = dm.batch_flops(dcfg, S, anchors, valid)
+    flops = dm.batch_flops(dcfg, S, anchors, valid, teacher=a.distill > 0)
     mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     res.update(drafter_tok_s=B * S / t_drafter, drafter_mfu=flops / t_drafter / peak,
                drafter_tflop_per_step=flops / 1e12, drafter_peak_mem_gib=mem)

@@ -38,6 +38,8 @@ class TrainConfig:
     tokens_per_batch: int = opt(0, "target tokens per micro-batch; 0 = auto: one max_length sequence's blocks, on "
                                    "a GPU at least 25 TFLOP of drafter work within half the memory the weights leave")
     min_supervised: int = opt(32, "samples with fewer assistant tokens are skipped")
+    distill: float = opt(0.0, "weight of the KL to the target's next-token distribution in the loss, the rest on "
+                              "the labels (0 = labels only); the target then runs its whole depth")
     # optimisation
     lr: float = opt(6e-4, "peak learning rate (AdamW, cosine decay)")
     warmup_frac: float = opt(0.04, "linear warm-up share of the run")
@@ -100,7 +102,8 @@ def parse_args(argv):
         (not cfg.clip > 0, f"--clip must be > 0, got {cfg.clip}"),
         (not cfg.lr > 0 or cfg.weight_decay < 0 or cfg.epochs <= 0 or cfg.max_steps < 0 or cfg.max_minutes < 0,
          "need --lr > 0, --weight-decay >= 0, --epochs > 0, --max-steps >= 0, --max-minutes >= 0"),
-        (not 0 <= cfg.warmup_frac < 1 or cfg.heldout < 0, "need 0 <= --warmup-frac < 1 and --heldout >= 0")] if bad]
+        (not 0 <= cfg.warmup_frac < 1 or cfg.heldout < 0, "need 0 <= --warmup-frac < 1 and --heldout >= 0"),
+        (not 0 <= cfg.distill <= 1, f"--distill must lie in [0, 1], got {cfg.distill}")] if bad]
     if cfg.buckets:
         try:
             if not all(2 * bs <= int(x) <= cfg.max_length for x in cfg.buckets.split(",")):
@@ -276,9 +279,9 @@ def load_model(path, device, dtype):
         raise SystemExit(f"error: cannot load the target {path!r}: {type(e).__name__}: {first_line(e)}") from None
     return model.to(device).eval().requires_grad_(False)
 
-def load_target(path, device, dtype, layer_ids, log=print, random_weights=False):
-    """The target cut after the deepest captured layer, hooked to keep the captured outputs (dm.capture).
-    random_weights or random:<config.json>: seeded random weights of its shape (benchmarks, warmup.py)."""
+def load_target(path, device, dtype, layer_ids, log=print, random_weights=False, whole=False):
+    """The target cut after the deepest captured layer (whole: all of it, for its final hidden states), hooked to keep
+    the captured outputs (dm.capture). random_weights or random:<config.json>: seeded random weights of its shape."""
     from transformers import AutoConfig, AutoModelForCausalLM
     if random_weights or path.startswith("random:"):
         tcfg = load_target_config(path)[0] if path.startswith("random:") else AutoConfig.from_pretrained(path)
@@ -288,9 +291,10 @@ def load_target(path, device, dtype, layer_ids, log=print, random_weights=False)
         source = f"random weights of {path.removeprefix('random:')}'s shape"
     else:
         model, source = load_model(path, device, dtype), path
-    base, n_keep = model.model, max(layer_ids) + 1
+    base, n_keep = model.model, len(model.model.layers) if whole else max(layer_ids) + 1
     if n_keep < len(base.layers):
         base.layers, base.norm = base.layers[:n_keep], torch.nn.Identity()
     dm.capture(model, layer_ids)
-    log(f"[target] {source} on {device}: kept {len(base.layers)}/{model.config.num_hidden_layers} layers, no LM head")
+    log(f"[target] {source} on {device}: kept {len(base.layers)}/{model.config.num_hidden_layers} layers"
+        + (" and the final norm" if whole else "") + ", no LM head")
     return model

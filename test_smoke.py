@@ -492,10 +492,12 @@ def test_make_blocks_hand_worked():
     assert torch.allclose(w, expected, atol=1e-7, rtol=0)
 
 
+@pytest.mark.parametrize("distill", [0.0, 0.6, 1.0], ids=["ce", "ce-and-kl", "kl"])
 @pytest.mark.parametrize("chunk_rows", [7, 5], ids=["equal-chunks", "padded-last-chunk"])
-def test_dflash_loss_matches_plain_weighted_ce_and_gradient(chunk_rows):
-    """The chunked LM head + CE (the CPU path; test_kernels checks the GPU kernel against the same
-    per-chunk function): 24 rows in chunks of at most 7 (4 x 6) or 5 (5 x 5, the last one padded)."""
+def test_dflash_loss_matches_plain_weighted_ce_and_kl_and_gradient(chunk_rows, distill):
+    """The chunked LM head + CE, mixed with the KL to a teacher's softmax (the CPU path; test_kernels checks the
+    GPU kernel against the same per-chunk function), against dense logits: 24 rows in chunks of at most 7 (4 x 6)
+    or 5 (5 x 5, the last one padded)."""
     g = torch.Generator().manual_seed(3)
     B, A, bs, H, V = 2, 3, 5, 16, 50
     hidden = torch.randn(B, A * bs, H, generator=g)
@@ -506,7 +508,9 @@ def test_dflash_loss_matches_plain_weighted_ce_and_gradient(chunk_rows):
     N = B * A * (bs - 1)
 
     h1 = hidden.clone().requires_grad_(True)
-    loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=chunk_rows)
+    teacher = torch.randn(B, A * (bs - 1), H, generator=g) if distill else None
+    loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=chunk_rows, teacher=teacher,
+                                       distill=distill)
     size, k = dm.chunk_plan(N, chunk_rows)
     assert k > 2 and size * k >= N and size <= chunk_rows                 # several chunks ran
     assert (size * k > N) == (chunk_rows == 5)
@@ -516,8 +520,12 @@ def test_dflash_loss_matches_plain_weighted_ce_and_gradient(chunk_rows):
     logits = (h2.view(B, A, bs, H) @ W.t())[:, :, 1:].reshape(-1, V)
     y = labels[:, :, 1:].reshape(-1)
     w = weights[:, :, 1:].reshape(-1)
-    ce = F.cross_entropy(logits, y, reduction="none")
-    ref = (w * ce).sum() / w.sum()
+    per_row = F.cross_entropy(logits, y, reduction="none")
+    if distill:
+        kl = F.kl_div(logits.log_softmax(-1), (teacher.reshape(-1, H) @ W.t()).log_softmax(-1), log_target=True,
+                      reduction="none").sum(-1)
+        per_row = (1 - distill) * per_row + distill * kl
+    ref = (w * per_row).sum() / w.sum()
     (3.0 * ref).backward()
 
     assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6)
@@ -527,6 +535,43 @@ def test_dflash_loss_matches_plain_weighted_ce_and_gradient(chunk_rows):
     hit = (logits.argmax(-1) == y).view(B * A, bs - 1) & sup
     assert torch.equal(counts, sup.sum(0).float())
     assert torch.allclose(acc, hit.sum(0).float() / sup.sum(0).clamp(min=1).float())
+
+
+def test_distillation_matches_the_targets_next_token_distributions_and_training_lowers_the_kl():
+    """--distill 1: block position k of anchor a is taught the target's own distribution after position a + k - 1
+    (its whole depth, final norm, LM head), equal to a dense KL over full logits; a few steps lower that KL."""
+    target = tiny_target("llama")
+    drafter = drafter_for(target, block_size=4)
+    c, B, S = drafter.config, 2, 48
+    g = torch.Generator().manual_seed(0)
+    ids, lm = torch.randint(0, c.vocab_size, (B, S), generator=g), torch.ones(B, S)
+    anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), 8, c.block_size, g)
+    with torch.no_grad():
+        feats = dm.target_forward(target, ids, torch.ones(B, S, dtype=torch.bool), c.target_layer_ids, final=True)
+        full = target(ids).logits                                    # (B, S, V): the dense reference's teacher
+    assert feats.shape[-1] == (len(c.target_layer_ids) + 1) * c.hidden_size
+
+    def dense_kl():
+        with torch.no_grad():
+            block_ids, pos, labels, w = dm.make_blocks(ids, lm, anchors, valid, c.block_size, c.mask_token_id, 7.0)
+            hidden = dm.dense_trunk(drafter, feats[..., :-c.hidden_size], block_ids,
+                                    torch.arange(S).expand(B, S), pos, anchors)
+            h = hidden.view(B, -1, c.block_size, c.hidden_size)[:, :, 1:]
+            q = (h @ drafter.lm_head_weight.t()).log_softmax(-1)
+            at = (pos.view(B, -1, c.block_size)[:, :, 1:] - 1).clamp(max=S - 1)
+            p = full[torch.arange(B)[:, None, None], at].log_softmax(-1)
+            kl = F.kl_div(q, p, log_target=True, reduction="none").sum(-1)
+            return float((kl * w[:, :, 1:]).sum() / w[:, :, 1:].sum())
+
+    loss = float(dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, distill=1.0)[0].detach())
+    before = dense_kl()
+    assert abs(loss - before) <= 1e-4 * before, (loss, before)
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(20):
+        dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, distill=1.0)[0].backward()
+        opt.step()
+        opt.zero_grad()
+    assert dense_kl() < 0.5 * before, (dense_kl(), before)
 
 
 # -----------------------------------------------------------------------------

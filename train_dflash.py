@@ -118,7 +118,8 @@ class Trainer:
 
     def build_models(self):
         tdtype, layers = config.param_dtype(self.tdevs[0]), self.dcfg.target_layer_ids
-        self.targets = [config.load_target(self.tpath, d, tdtype, layers, self.log) for d in self.tdevs]
+        self.targets = [config.load_target(self.tpath, d, tdtype, layers, self.log, whole=self.cfg.distill > 0)
+                        for d in self.tdevs]
         if self.attn == "flex":    # compiled as the drafter is: through the gate, warmed with its shapes
             for t in self.targets:
                 compiled.compile_target_layers(t)
@@ -140,11 +141,12 @@ class Trainer:
         if path is None:
             self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
             return
-        changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {state['config'][k]})"
-                   for k in ("lr", "weight_decay") if state["config"][k] != getattr(self.cfg, k)]
+        saved = {"distill": 0.0, **state["config"]}    # a config without the key: labels only
+        changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {saved[k]})"
+                   for k in ("lr", "weight_decay", "distill") if saved[k] != getattr(self.cfg, k)]
         if changed:
-            raise SystemExit(f"error: {path} continues with its own optimiser settings, but {', '.join(changed)}: "
-                             "drop the option(s) or start a new run")
+            raise SystemExit(f"error: {path} continues with its own optimiser and loss settings, but "
+                             f"{', '.join(changed)}: drop the option(s) or start a new run")
         self.replicas.load(state, path)
         self.step, self.seconds_before, self.cursor = state["step"], state["train_seconds"], state["cursor"]
         self.next_end_s = state.get("next_step_ends_s", self.seconds_before)
@@ -268,7 +270,8 @@ class Trainer:
             t0 = time.time()
             with torch.no_grad():
                 am = (torch.arange(S)[None] < lengths[:, None]).to(dev)
-                feats = dm.target_forward(model, ids.to(dev, non_blocking=True), am, self.dcfg.target_layer_ids)
+                feats = dm.target_forward(model, ids.to(dev, non_blocking=True), am, self.dcfg.target_layer_ids,
+                                          final=self.cfg.distill > 0)
             compiled.sync_device(dev)            # busy = device time, not launch time
             self.busy["target"][ti] += time.time() - t0
             self.buf.put(j, (S, sids, ids, lm, lengths, feats))
@@ -290,7 +293,8 @@ class Trainer:
             with compiled.autocast(dev):
                 loss, acc, cnt = dm.drafter_forward_loss(dr, feats.to(dev, non_blocking=True), dm.to_device(ids, dev),
                                                          dm.to_device(lm, dev), anchors, valid, self.cfg.gamma,
-                                                         compiled.trunk(self.attn), weight_sum=wsum)
+                                                         compiled.trunk(self.attn), weight_sum=wsum,
+                                                         distill=self.cfg.distill)
             compiled.backward(loss, dev, shape, self.attn)
             loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
         compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
@@ -406,7 +410,7 @@ def prepare_batches(cfg, dcfg, items):
         weights = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3]
         wsum += float(weights[:, :, 1:].sum())
         tokens += float(lengths.sum())
-        flops += dm.batch_flops(dcfg, S, anchors, valid)
+        flops += dm.batch_flops(dcfg, S, anchors, valid, teacher=cfg.distill > 0)
         prepared.append((S, ids, lm, feats, anchors, valid))
     return prepared, wsum, tokens, flops
 
