@@ -24,7 +24,8 @@ import data_dflash
 import decoding
 
 # with the target and the sources, what decides the result (the batch size does not, for greedy decoding)
-SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples", "dtype")
+SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples", "dtype",
+            "answers")
 
 def parse_args(argv):
     p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -39,7 +40,10 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed: with it, each answer's draws depend on its conversation and turn only")
+                   help="sampling seed: with it, each answer's draws depend on its conversation, copy and turn only")
+    p.add_argument("--answers", type=int, default=1,
+                   help="K: K copies of each conversation, each answered with its own draws (--temperature > 0), "
+                        "written next to each other")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="the target's weights and cache: auto = bfloat16 on GPUs, float32 on a CPU (eval_dflash.py "
                         "verifies in float32)")
@@ -50,6 +54,8 @@ def parse_args(argv):
         p.error("--target needs --data (the embedded default's data goes with its own target)")
     if min(a.max_new_tokens, a.shard_size, a.max_length - 1) < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
         p.error("need --max-new-tokens, --shard-size >= 1, --max-length >= 2, --temperature >= 0, 0 < --top-p <= 1")
+    if a.answers < 1 or a.answers > 1 and a.temperature == 0:
+        p.error(f"--answers {a.answers}: need 1, or more with a --temperature > 0 (greedy copies would be identical)")
     n_gpu = torch.cuda.device_count()
     a.devices = a.devices.split(",") if a.devices else [f"cuda:{i}" for i in range(n_gpu)] or ["cpu"]
     config.check_devices(a.devices)
@@ -71,10 +77,12 @@ def weights_hash(target):
 # ---- shards: regenerate turn by turn; a worker decodes the turns of the shards it holds together
 
 class Shard:
-    """One shard's conversations, regenerated turn by turn: each answer greedy (or sampled) on the regenerated context
-    before it, the next turn asked for once it is written. The result depends on the shard's conversations only."""
+    """One shard's conversations, each --answers times, regenerated turn by turn: each answer greedy (or sampled) on
+    the regenerated context before it, the next turn asked for once it is written. The result depends on the shard's
+    conversations only."""
 
     def __init__(self, i, convs, tok, a, stops):
+        convs = [c for c in convs for _ in range(a.answers)]   # copy j of conversation c is k = c * K + j
         self.i, self.convs, self.tok, self.a, self.stops, self.t0 = i, convs, tok, a, set(stops), time.time()
         self.st, self.regen, self.cut, self.done = Counter(), {k: [] for k in range(len(convs))}, {}, {}
 
@@ -109,7 +117,7 @@ class Shard:
             r = self.regen[k]
             chain = sum(m["role"] == "assistant" for m in self.convs[k][len(r):])
             # the answer's sampling noise, its own whoever decodes it; sha256: hash() is not documented to be stable
-            key = repr((a.seed, self.i, k, len(r))).encode()
+            key = repr((a.seed, self.i, *divmod(k, a.answers), len(r))).encode()   # conversation, copy, turn
             seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 2
             out.append(((self.i, k), ids, min(a.max_new_tokens, a.max_length - len(ids)), chain, seed))
         return out
@@ -145,13 +153,14 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
 
     def write(sh):
         del shards[sh.i]
-        sh.st.update(conversations=len(sh.convs), written=len(sh.done), seconds=time.time() - sh.t0,
+        sh.st.update(conversations=len(sh.convs) // a.answers, written=len(sh.done), seconds=time.time() - sh.t0,
                      finished=time.time())
         path = os.path.join(shards_dir, f"shard_{sh.i:05d}")
         data_dflash.write_json(path + ".json", sh.st)  # counts first: the .jsonl marks the shard done
         data_dflash.write_chat_jsonl(path + ".jsonl", [sh.done[k] for k in sorted(sh.done)])
-        print(f"[gen] shard {sh.i + 1}/{n_shards} on {device}: {len(sh.convs)} conversations, {sh.st['answers']} "
-              f"answers, {sh.st['generated_tokens']:,} tokens | {progress(shards_dir, n_shards, t_run)}", flush=True)
+        print(f"[gen] shard {sh.i + 1}/{n_shards} on {device}: {sh.st['conversations']} conversations, "
+              f"{sh.st['answers']} answers, {sh.st['generated_tokens']:,} tokens | "
+              f"{progress(shards_dir, n_shards, t_run)}", flush=True)
 
     def more():   # the first turns of the next shard from the queue, [] once it is empty
         for job in queued:
@@ -277,9 +286,9 @@ def main(argv=None):
                                       "this_run": run, "shard_seconds": total["seconds"], "versions": versions})
     shutil.rmtree(shards_dir)  # <out> and its manifest hold everything: the shards would double the disk use
     skips = ", ".join(f"{k}={v}" for k, v in skips.items()) or "none"
-    print(f"[gen] done: {counts['written']} conversations, {counts['turns_regenerated']} answers, "
-          f"{counts['generated_tokens']:,} tokens ({run['tok_s']:,.0f} tok/s this run, load and graph capture "
-          f"included), {run['wall_seconds']:.1f} s | skipped: {skips} -> {a.out}\n"
+    print(f"[gen] done: {counts['written']} of {len(convs)} x {a.answers} conversations, {counts['turns_regenerated']} "
+          f"answers, {counts['generated_tokens']:,} tokens ({run['tok_s']:,.0f} tok/s this run, load and graph "
+          f"capture included), {run['wall_seconds']:.1f} s | skipped: {skips} -> {a.out}\n"
           f"[gen] train on it: python train_dflash.py --target {a.target} --data {a.out}")
     return 0
 

@@ -87,13 +87,15 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
     assert "nothing to do" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("temperature", [0, 0.8])
-def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(target, tmp_path, temperature, capsys):
+@pytest.mark.parametrize("temperature, answers", [(0, 1), (0.8, 1), (0.8, 2)])
+def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(target, tok, tmp_path, temperature,
+                                                                                answers, capsys):
     """A SIGKILL after the first shard (a process of its own), then the restart and an uninterrupted run (in
-    this process: the same code without a second start-up)."""
+    this process: the same code without a second start-up). --answers 2: two copies of each conversation side by
+    side, answered differently, both read by the trainer."""
     src = chats(tmp_path / "in.jsonl")
     args = ["--target", target, "--data", src, "--max-new-tokens", str(NEW), "--shard-size", "1",
-            "--temperature", str(temperature), "--out"]
+            "--temperature", str(temperature), "--answers", str(answers), "--out"]
     killed = run_cmd(broken("generate_data", "gen_kill:1", args + [str(tmp_path / "a.jsonl")]))
     assert killed.rc == -9, killed.tail()
     assert os.listdir(tmp_path / "a.jsonl.shards") and not os.path.exists(tmp_path / "a.jsonl")
@@ -102,6 +104,14 @@ def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(t
     assert "1 done before" in capsys.readouterr().out
     assert G.main(args + [str(tmp_path / "b.jsonl")]) == 0
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    convs = D.load_conversations([str(tmp_path / "a.jsonl")])[0]
+    prompts, replies = [c[:2] for c in convs], [c[2]["content"] for c in convs]
+    assert prompts == [c[:2] for c in D.load_conversations([src])[0] for _ in range(answers)]   # side by side
+    assert all(len(set(replies[i:i + answers])) == answers for i in range(0, len(replies), answers)), replies
+    counts = manifest(tmp_path / "a.jsonl")["counts"]
+    assert (counts["conversations_in"], counts["written"]) == (3, 3 * answers)
+    data = D.build_dataset(tok, [str(tmp_path / "a.jsonl")], 256, 2, str(tmp_path / "cache"))
+    assert data["stats"]["samples"] == 3 * answers
 
 
 def test_bad_records_are_counted_by_reason_and_the_good_ones_regenerated(target, tmp_path, capsys):
@@ -130,6 +140,10 @@ def test_empty_input_and_a_restart_with_other_settings_are_errors(target, tmp_pa
     assert generate(target, src, out) == 0
     with pytest.raises(SystemExit, match="other settings \\(max_new_tokens\\).*another --out"):
         generate(target, src, out, "--max-new-tokens", NEW + 1)
+    with pytest.raises(SystemExit, match="other settings \\(temperature, answers\\)"):
+        generate(target, src, out, "--answers", 2, "--temperature", 0.5)
+    with pytest.raises(SystemExit, match="error: --answers 2: need 1, or more with a --temperature > 0 \\(greedy"):
+        generate(target, src, out, "--answers", 2)
     # a run stopped before any shard: its shards folder holds the settings
     monkeypatch.setattr(G, "run_workers", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
