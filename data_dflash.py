@@ -176,6 +176,8 @@ def _normalise(record):
         if why:
             return None, why
         messages.append({"role": ROLES[role.strip().lower()], "content": content})
+        if turn.get("unfinished") is True and messages[-1]["role"] == "assistant":   # generate_data.py --unfinished cut
+            messages[-1]["unfinished"] = True
     # ShareGPT splits long chats into pieces, some opening with the assistant: templates expect a user turn first
     first = int(messages[0]["role"] == "system")
     while len(messages) > first and messages[first]["role"] == "assistant":
@@ -272,7 +274,9 @@ def prompt_ids(tokenizer, conversations, max_tokens, known=()):
 def _assistant_spans(tokenizer, messages, text, max_chars):
     """Spans of `text` (the full render) the assistant generates, before max_chars: from the end of the render up to
     turn i (+ generation prompt) to that of the render with it, when both are prefixes of `text`; else (Qwen3 gives
-    only the last reply an empty think block) the reply's content found in `text`, then the end-of-turn marker."""
+    only the last reply an empty think block) the reply's content found in `text`, then the end-of-turn marker. A
+    reply marked "unfinished" (cut at generate_data.py's --max-new-tokens) ends at its content: the target never
+    wrote the marker the template closes it with."""
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -285,15 +289,18 @@ def _assistant_spans(tokenizer, messages, text, max_chars):
         upto = _render(tokenizer, messages[:i + 1])
         if upto.startswith(before) and text.startswith(upto):
             # content + end-of-turn token: the whitespace after that token is never generated (decoding stops at it)
-            spans.append((len(before), len(before) + len(upto[len(before):].rstrip())))
-            continue
-        content, eot = m["content"].strip(), _end_of_turn(tokenizer)
-        k = text.find(content, len(before))
-        if not content or not eot or k < 0 or eot in text[len(before):k]:  # not within this turn
-            raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i + 1}]", upto, text))
-        end = k + len(content)
-        after = len(text) - len(text[end:].lstrip())  # whitespace the template keeps before the marker
-        spans.append((len(before), after + len(eot) if text.startswith(eot, after) else end))
+            end = len(before) + len(upto[len(before):].rstrip())
+        else:
+            content, eot = m["content"].strip(), _end_of_turn(tokenizer)
+            k = text.find(content, len(before))
+            if not content or not eot or k < 0 or eot in text[len(before):k]:  # not within this turn
+                raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i + 1}]", upto, text))
+            end = k + len(content)
+            after = len(text) - len(text[end:].lstrip())  # whitespace the template keeps before the marker
+            end = after + len(eot) if text.startswith(eot, after) else end
+        if m.get("unfinished") and text.endswith(eot := _end_of_turn(tokenizer), len(before), end):
+            end = len(before) + len(text[len(before):end - len(eot)].rstrip())   # the content, not the marker
+        spans.append((len(before), end))
     return spans
 
 def _end_of_turn(tokenizer):

@@ -25,7 +25,7 @@ import decoding
 
 # with the target and the sources, what decides the result (the batch size does not, for greedy decoding)
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples", "dtype",
-            "answers")
+            "answers", "unfinished")
 
 def parse_args(argv):
     p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -44,6 +44,11 @@ def parse_args(argv):
     p.add_argument("--answers", type=int, default=1,
                    help="K: K copies of each conversation, each answered with its own draws (--temperature > 0), "
                         "written next to each other")
+    p.add_argument("--unfinished", default="cut", choices=("keep", "cut", "drop"),
+                   help="an answer that reaches --max-new-tokens without a stop token: keep it (the template then "
+                        "closes it with an end of turn the target never wrote, later turns follow), cut (the "
+                        "conversation ends with it, marked \"unfinished\": its end of turn is not trained on) or "
+                        "drop (the conversation ends before it)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="the target's weights and cache: auto = bfloat16 on GPUs, float32 on a CPU (eval_dflash.py "
                         "verifies in float32)")
@@ -123,8 +128,9 @@ class Shard:
         return out
 
     def answered(self, k, row):
-        """Keep conversation k's answer `row`: True if it finished (a stop token) or reached --max-new-tokens, so its
-        next turn may be asked for; False if it would pass --max-length."""
+        """Keep conversation k's answer `row`: True if its next turn may be asked for (it finished at a stop token, or
+        reached --max-new-tokens under --unfinished keep); False if the conversation ends (an answer that would pass
+        --max-length is not kept, an unfinished one is kept marked or not kept: --unfinished cut or drop)."""
         finished = row[-1] in self.stops
         new = row[:-1] if finished else row
         self.st["generated_tokens"] += len(row)
@@ -132,8 +138,17 @@ class Shard:
             self.finish(k, "answer beyond max length")
             return False
         self.st["hit_max_new_tokens"] += not finished
+        mode = "keep" if finished else self.a.unfinished
+        if mode == "drop":
+            self.finish(k, "unfinished answer dropped")
+            return False
         self.st["answers"] += 1
         self.regen[k].append({"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True).strip()})
+        if mode == "cut":   # the trainer learns no end of turn the target did not write
+            self.regen[k][-1]["unfinished"] = True
+            later = any(m["role"] == "assistant" for m in self.convs[k][len(self.regen[k]):])
+            self.finish(k, "turns after an unfinished answer" if later else None)
+            return False
         return True
 
 # ---- workers: one process per device, shards from a queue

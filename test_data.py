@@ -201,6 +201,22 @@ def test_template_that_marks_only_the_last_reply_masks_every_reply():
     assert _masked_runs(tok, ids, mask)[0] == CONV[1]["content"] + "\n<|im_end|>"
 
 
+@pytest.mark.parametrize("template", [QWEN_TEMPLATE, THINK_TEMPLATE], ids=["prefix-consistent", "think-in-last"])
+def test_an_unfinished_reply_is_trained_on_without_the_end_of_turn_the_template_closes_it_with(template, tmp_path):
+    """generate_data.py --unfinished cut marks a reply cut at --max-new-tokens: read back from chat JSONL the mark
+    stays, the ids are the unmarked conversation's, and the loss covers that reply's content but not the <|im_end|>
+    after it, while a finished reply keeps its own (both ways of placing replies)."""
+    tok = _tiny_tokenizer(template)
+    conv = [dict(m) for m in CONV]
+    conv[3]["unfinished"] = True
+    convs, _ = D.load_conversations([_write_jsonl(tmp_path / "d.jsonl", [{"messages": conv}])])
+    assert convs == [conv]
+    ids, mask = tokenize_conversation(tok, convs[0], 512)
+    assert ids == tokenize_conversation(tok, CONV, 512)[0]
+    think = "<think>\n\n</think>\n\n" if template == THINK_TEMPLATE else ""
+    assert _masked_runs(tok, ids, mask) == [CONV[1]["content"] + "<|im_end|>", think + CONV[3]["content"]]
+
+
 # a template that rewrites earlier turns (a turn count in the header): no reply can be placed
 COUNTING_TEMPLATE = "{{- messages|length }} turns\n" + QWEN_TEMPLATE
 

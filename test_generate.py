@@ -12,7 +12,7 @@ import decoding
 import generate_data as G
 import kernels
 from test_train import _save_tiny, broken, embedded, run_cmd, tok  # noqa: F401 - fixtures
-from test_data import tokenize_conversation
+from test_data import _masked_runs, tokenize_conversation
 
 NEW = 12  # new tokens per answer: a tiny random model rarely stops by itself
 
@@ -51,7 +51,7 @@ def manifest(out):
 def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(target, tok, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
     src, out = chats(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
-    assert generate(target, src, out) == 0
+    assert generate(target, src, out, "--unfinished", "keep") == 0   # every answer feeds the next turn
     convs, skipped = D.load_conversations([str(out)])
     before, _ = D.load_conversations([src])
     assert not skipped and len(convs) == 3
@@ -80,10 +80,12 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
     m = manifest(out)
     assert m["counts"]["written"] == 3 and m["counts"]["turns_regenerated"] == 6 and m["counts"]["skipped"] == {}
     assert 0 < m["counts"]["generated_tokens"] <= 6 * NEW
+    # --unfinished keep: answers cut at NEW tokens are kept as they are, unmarked, and the conversation goes on
+    assert m["counts"]["hit_max_new_tokens"] > 0 and not any("unfinished" in msg for c in convs for msg in c)
     assert m["settings"]["sources"][0]["path"] == os.path.abspath(src) and len(m["settings"]["target_sha256"]) == 64
     assert not os.path.exists(f"{out}.shards")
     assert f"--data {out}" in capsys.readouterr().out
-    assert generate(target, src, out) == 0  # finished: a second run only says so
+    assert generate(target, src, out, "--unfinished", "keep") == 0  # finished: a second run only says so
     assert "nothing to do" in capsys.readouterr().out
 
 
@@ -114,6 +116,40 @@ def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(t
     assert data["stats"]["samples"] == 3 * answers
 
 
+@pytest.mark.parametrize("mode", ["keep", "cut", "drop"])
+def test_an_answer_that_reaches_max_new_tokens_is_kept_cut_or_dropped(tok, tmp_path, mode):
+    """--unfinished on given answers (Shard's bookkeeping, no model): conversation 0 answered finished then unfinished
+    (4 tokens, no stop token), 1 unfinished first, 2 finished twice. keep: every answer kept unmarked, the next turn
+    asked for; cut: the conversation ends with the unfinished answer, marked, and the trainer learns a finished
+    answer's end-of-turn token but not its; drop: the conversation ends before it, and one left without an answer
+    is skipped. Each case is counted."""
+    a = G.parse_args(["--out", "x", "--max-new-tokens", "4", "--unfinished", mode])
+    convs = D.load_conversations([chats(tmp_path / "in.jsonl")])[0]
+    sh = G.Shard(0, convs, tok, a, decoding.stop_token_ids(tok, None))
+    finished = tok(" Paris is big")["input_ids"] + [tok.eos_token_id]
+    unfinished = tok(" one two three four")["input_ids"]
+    assert len(unfinished) == 4 and tok.eos_token_id in sh.stops and not sh.stops & set(unfinished)
+    rows = {0: [finished, unfinished], 1: [unfinished, finished], 2: [finished, finished]}
+    asked, decoded = sh.next_turns(range(3)), []
+    while asked:   # as the decoder's follow(): each ended answer handed over, the next turns asked for
+        ended = [(k, rows[k].pop(0)) for (_, k), *_ in asked]
+        decoded += [row for _, row in ended]
+        asked = sh.next_turns([k for k, row in ended if sh.answered(k, row)])
+    done = {k: [(m["content"], m.get("unfinished")) for m in c if m["role"] == "assistant"] for k, c in sh.done.items()}
+    fin, unf = ("Paris is big", None), ("one two three four", mode == "cut" or None)
+    assert done == {"keep": {0: [fin, unf], 1: [unf, fin], 2: [fin, fin]},
+                    "cut": {0: [fin, unf], 1: [unf], 2: [fin, fin]},
+                    "drop": {0: [fin], 2: [fin, fin]}}[mode]
+    assert all(c[-1]["role"] == "assistant" for c in sh.done.values()) and not sh.regen
+    ends = {"keep": {}, "cut": {"cut: turns after an unfinished answer": 1},
+            "drop": {"cut: unfinished answer dropped": 1, "skipped: unfinished answer dropped": 1}}[mode]
+    assert sh.st == {"generated_tokens": sum(map(len, decoded)), "hit_max_new_tokens": 2,
+                     "answers": sum(map(len, done.values())), **ends}
+    D.write_chat_jsonl(tmp_path / "out.jsonl", [sh.done[k] for k in sorted(sh.done)])
+    conv = D.load_conversations([str(tmp_path / "out.jsonl")])[0][0]   # the mark is read back with the answer
+    assert _masked_runs(tok, *tokenize_conversation(tok, conv, 512)) == \
+        ["Paris is big<|im_end|>", "one two three four" + ("" if mode == "cut" else "<|im_end|>")][:len(done[0])]
+
 def test_bad_records_are_counted_by_reason_and_the_good_ones_regenerated(target, tmp_path, capsys):
     two_replies = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "a"},
                                 {"role": "assistant", "content": "b"}]}
@@ -121,7 +157,7 @@ def test_bad_records_are_counted_by_reason_and_the_good_ones_regenerated(target,
     src = chats(tmp_path / "in.jsonl", 2, ['{"messages": [broken', '{"text": "no messages"}',
                                            json.dumps(no_user), json.dumps(two_replies)])
     out = tmp_path / "out.jsonl"
-    assert generate(target, src, out) == 0
+    assert generate(target, src, out, "--unfinished", "keep") == 0
     skipped = manifest(out)["counts"]["skipped"]
     assert skipped == {"malformed record": 2, "no assistant turn": 1,
                        "cut: assistant turn without a user turn before it": 1}
