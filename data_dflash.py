@@ -2,6 +2,7 @@
 on what the target generates (cached by `datasets`), buckets and batches. Only numpy/torch are imported at module
 level: machines that train on synthetic data skip transformers' and datasets' import time."""
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -343,14 +344,28 @@ def _encode(tokenizer, conversations, max_length):
         out[i] = (np.asarray(ids[:max_length], dtype=np.int32), mask, cut is not None)
     return out
 
+def _split_heldout(conversations, n):
+    """(trained, held out): the conversations of the last n distinct prompts (the turns before the first reply; at most
+    a tenth of them) are not trained on, and the first of each prompt is held out: generate_data.py --answers writes
+    several answers to one prompt, which stay on one side, and eval_dflash.py gets each prompt once."""
+    prompts = [tuple((m["role"], m["content"]) for m in itertools.takewhile(lambda m: m["role"] != "assistant", c))
+               for c in conversations]
+    last = list(dict.fromkeys(reversed(prompts)))
+    held, first = set(last[:min(n, len(last) // 10)]), {}
+    for c, p in zip(conversations, prompts):
+        if p in held:
+            first.setdefault(p, c)
+    return [c for c, p in zip(conversations, prompts) if p not in held], list(first.values())
+
 def _generate(tokenizer, files, max_length, min_supervised, max_conversations, heldout, source):
     """A row per kept sample, then one whose `meta` holds the counts and held-out conversations, which the cache serves
     too. `source` (this file's text) is only for the fingerprint."""
     conversations, skipped = load_conversations([f[0] for f in files])
-    train = conversations[:len(conversations) - min(heldout, len(conversations) // 10)]
+    train, held = _split_heldout(conversations, heldout)
     used = train[:max_conversations or None]
     meta = {"conversations": len(conversations) + sum(skipped.values()), "usable": len(conversations),
-            "used": len(used), "truncated": 0, "first_error": "", "heldout": conversations[len(train):]}
+            "used": len(used), "not_trained": len(conversations) - len(train), "truncated": 0, "first_error": "",
+            "heldout": held}
     for start in range(0, len(used), 512):
         for item in _encode(tokenizer, used[start:start + 512], max_length):
             if isinstance(item, Exception):
@@ -373,8 +388,9 @@ def _rows_of(column):
 
 def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_supervised=None,
                   log=print, max_conversations=0, heldout=0) -> dict:
-    """{"input_ids", "loss_mask", "stats", "heldout"}, cached in cache_dir: the last min(heldout, usable // 10)
-    conversations held out (as message lists), the first max_conversations (0: all) of the rest tokenised."""
+    """{"input_ids", "loss_mask", "stats", "heldout"}, cached in cache_dir: the conversations of the last heldout
+    distinct prompts (at most a tenth) held out, one per prompt (as message lists), the first max_conversations (0:
+    all) of the rest tokenised."""
     import datasets
     datasets.disable_progress_bars()
     files = tuple(map(identity, files))  # datasets shards over a list
@@ -403,7 +419,7 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
         log(f"data: WARNING: {n} conversation(s) skipped by the chat template, the first because: {first_error}")
     skips = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
     first = (f" (the first {stats['used']} of {stats['usable']} readable ones tokenised)"
-             if stats["used"] < stats["usable"] - stats["heldout"] else "")
+             if stats["used"] < stats["usable"] - stats["not_trained"] else "")
     log(f"data: {stats['conversations']} conversations{first} -> {stats['samples']} samples, "
         f"{stats['tokens'] / 1e6:.2f}M tokens ({stats['supervised_tokens'] / 1e6:.2f}M supervised), "
         f"{stats['truncated']} truncated to {max_length} | skipped: {skips}")
@@ -478,7 +494,9 @@ def load_training_data(cfg, files, tok, vocab, rank, log):
     if data["heldout"] and rank == 0:
         heldout = os.path.join(cfg.out_dir, "heldout.jsonl")
         write_chat_jsonl(heldout, data["heldout"])
-        log(f"[data] {len(data['heldout'])} held-out conversations (never trained on) -> {heldout}")
+        others = data["stats"]["not_trained"] - len(data["heldout"])   # more answers to the held-out prompts
+        log(f"[data] {len(data['heldout'])} held-out conversations (never trained on"
+            + (f", nor {others} more with their prompts" if others else "") + f") -> {heldout}")
     return data, heldout
 
 def synthetic_data(spec, length, vocab, seed):
