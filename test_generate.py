@@ -167,7 +167,7 @@ def test_bad_records_are_counted_by_reason_and_the_good_ones_regenerated(target,
     assert [len(c) for c in convs] == [5, 5, 2]  # the reply after a reply is cut, the first one kept
 
 
-def test_empty_input_and_a_restart_with_other_settings_are_errors(target, tmp_path, monkeypatch):
+def test_empty_input_greedy_copies_and_a_restart_with_other_settings_are_errors(target, tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nope": 1}\nnot json\n')
     with pytest.raises(SystemExit, match="error: no usable conversation"):
@@ -178,6 +178,8 @@ def test_empty_input_and_a_restart_with_other_settings_are_errors(target, tmp_pa
         generate(target, src, out, "--max-new-tokens", NEW + 1)
     with pytest.raises(SystemExit, match="other settings \\(temperature, answers\\)"):
         generate(target, src, out, "--answers", 2, "--temperature", 0.5)
+    with pytest.raises(SystemExit, match="other settings \\(unfinished\\)"):
+        generate(target, src, out, "--unfinished", "drop")
     with pytest.raises(SystemExit, match="error: --answers 2: need 1, or more with a --temperature > 0 \\(greedy"):
         generate(target, src, out, "--answers", 2)
     # a run stopped before any shard: its shards folder holds the settings
