@@ -45,13 +45,13 @@ def parse_args(argv):
                    help="K: K copies of each conversation, each answered with its own draws (--temperature > 0), "
                         "written next to each other")
     p.add_argument("--unfinished", default="cut", choices=("keep", "cut", "drop"),
-                   help="an answer that reaches --max-new-tokens without a stop token: keep it (the template then "
-                        "closes it with an end of turn the target never wrote, later turns follow), cut (the "
-                        "conversation ends with it, marked \"unfinished\": its end of turn is not trained on) or "
-                        "drop (the conversation ends before it)")
+                   help="an answer that reaches --max-new-tokens without a stop token: cut (the default: the "
+                        "conversation ends with it, marked \"unfinished\", and its end of turn is not trained on), "
+                        "drop (the conversation ends before it) or keep (the template closes it with an end of turn "
+                        "the target never wrote, and later turns follow)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="the target's weights and cache: auto = bfloat16 on GPUs, float32 on a CPU (eval_dflash.py "
-                        "verifies in float32)")
+                   help="the target's weights and cache: auto (the default) = bfloat16 on GPUs, float32 on a CPU "
+                        "(eval_dflash.py verifies in float32)")
     p.add_argument("--shard-size", type=int, default=1024, help="conversations per shard (the restart unit)")
     p.add_argument("--devices", default="", help="comma-separated (default: every visible GPU, else cpu)")
     a = p.parse_args(argv)
