@@ -345,17 +345,14 @@ def _encode(tokenizer, conversations, max_length):
     return out
 
 def _split_heldout(conversations, n):
-    """(trained, held out): the conversations of the last n distinct prompts (the turns before the first reply; at most
-    a tenth of them) are not trained on, and the first of each prompt is held out: generate_data.py --answers writes
-    several answers to one prompt, which stay on one side, and eval_dflash.py gets each prompt once."""
-    prompts = [tuple((m["role"], m["content"]) for m in itertools.takewhile(lambda m: m["role"] != "assistant", c))
-               for c in conversations]
-    last = list(dict.fromkeys(reversed(prompts)))
-    held, first = set(last[:min(n, len(last) // 10)]), {}
-    for c, p in zip(conversations, prompts):
-        if p in held:
-            first.setdefault(p, c)
-    return [c for c, p in zip(conversations, prompts) if p not in held], list(first.values())
+    """(trained, held out): the last n conversations (at most a tenth) are held out, side-by-side answers to one prompt
+    (generate_data.py --answers) counting as one: none of them is trained on, and the first is held out (eval_dflash.py
+    gets each prompt once)."""
+    prompt = lambda c: list(itertools.takewhile(lambda m: m["role"] != "assistant", c))
+    starts = [i for i, c in enumerate(conversations) if i == 0 or prompt(c) != prompt(conversations[i - 1])]
+    k = min(n, len(starts) // 10)
+    cut = starts[len(starts) - k] if k else len(conversations)
+    return conversations[:cut], [conversations[i] for i in starts[len(starts) - k:]]
 
 def _generate(tokenizer, files, max_length, min_supervised, max_conversations, heldout, source):
     """A row per kept sample, then one whose `meta` holds the counts and held-out conversations, which the cache serves
@@ -388,9 +385,9 @@ def _rows_of(column):
 
 def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_supervised=None,
                   log=print, max_conversations=0, heldout=0) -> dict:
-    """{"input_ids", "loss_mask", "stats", "heldout"}, cached in cache_dir: the conversations of the last heldout
-    distinct prompts (at most a tenth) held out, one per prompt (as message lists), the first max_conversations (0:
-    all) of the rest tokenised."""
+    """{"input_ids", "loss_mask", "stats", "heldout"}, cached in cache_dir: the last heldout conversations (at most a
+    tenth; side-by-side answers to one prompt count as one) held out, one per prompt (as message lists), the first
+    max_conversations (0: all) of the rest tokenised."""
     import datasets
     datasets.disable_progress_bars()
     files = tuple(map(identity, files))  # datasets shards over a list

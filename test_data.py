@@ -436,25 +436,25 @@ def test_heldout_split_is_the_last_usable_conversations_and_never_trained_on(qwe
 
 
 def test_answers_to_one_prompt_are_held_out_together_and_the_prompt_listed_once(qwen_tok, tmp_path):
-    """generate_data.py --answers 3 writes three answers to each prompt side by side (and ShareGPT repeats a prompt
-    far apart): the trainer holds out whole prompts, the last --heldout distinct ones (at most a tenth of them), so
-    no prompt is both trained on and held out, and heldout.jsonl lists each held-out prompt once."""
+    """generate_data.py --answers 3 writes three answers to each prompt side by side: the trainer holds out the
+    last --heldout prompts' runs of answers (at most a tenth of them) whole, so no prompt is both trained on and
+    held out, and heldout.jsonl lists each held-out prompt once."""
     from types import SimpleNamespace
     prompt = lambda i: [{"role": "user", "content": f"question number {i}?"}]
     answer = lambda i, j: [{"role": "assistant", "content": f"answer {j}: question number {i} gives {i * 7}, it says"}]
     convs = [prompt(i) + answer(i, j) for i in range(30) for j in range(3)]
-    convs.insert(5, prompt(28) + answer(28, 3))                         # a repeat far from the end
     path = _write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in convs])
     cfg = SimpleNamespace(max_length=128, block_size=4, cache_dir=str(tmp_path / "cache"), min_supervised=1,
                           max_samples=0, heldout=5, out_dir=str(tmp_path))
     logs = []
     data, heldout = D.load_training_data(cfg, [path], qwen_tok, len(qwen_tok), 0, logs.append)
     held = D.load_conversations([heldout])[0]                           # 30 prompts: min(5, 30 // 10) = 3
-    assert held == [prompt(28) + answer(28, 3), prompt(27) + answer(27, 0), prompt(29) + answer(29, 0)]
+    assert held == [prompt(i) + answer(i, 0) for i in (27, 28, 29)]
     trained = [qwen_tok.decode(ids) for ids in data["input_ids"]]
-    assert data["stats"]["samples"] == 91 - 10 and data["stats"]["not_trained"] == 10
+    assert data["stats"]["samples"] == 90 - 9 and data["stats"]["not_trained"] == 9
     assert not any(f"question number {i}?" in text for i in (27, 28, 29) for text in trained)
-    assert any("3 held-out conversations (never trained on, nor 7 more with their prompts)" in line
+    assert sum("question number 26?" in text for text in trained) == 3
+    assert any("3 held-out conversations (never trained on, nor 6 more with their prompts)" in line
                for line in logs), logs
 
 
