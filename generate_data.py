@@ -44,11 +44,11 @@ def parse_args(argv):
     p.add_argument("--answers", type=int, default=1,
                    help="K: K copies of each conversation, each answered with its own draws (--temperature > 0), "
                         "written next to each other")
-    p.add_argument("--unfinished", default="cut", choices=("keep", "cut", "drop"),
-                   help="an answer that reaches --max-new-tokens without a stop token: cut (the default: the "
-                        "conversation ends with it, marked \"unfinished\", and its end of turn is not trained on), "
-                        "drop (the conversation ends before it) or keep (the template closes it with an end of turn "
-                        "the target never wrote, and later turns follow)")
+    p.add_argument("--unfinished", default="keep", choices=("keep", "cut", "drop"),
+                   help="an answer that reaches --max-new-tokens without a stop token: keep (the default: the "
+                        "template closes it with an end of turn the target never wrote, and later turns follow), "
+                        "cut (the conversation ends with it, marked \"unfinished\", and its end of turn is not "
+                        "trained on) or drop (the conversation ends before it)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="the target's weights and cache: auto (the default) = bfloat16 on GPUs, float32 on a CPU "
                         "(eval_dflash.py verifies in float32)")
@@ -64,9 +64,13 @@ def parse_args(argv):
     n_gpu = torch.cuda.device_count()
     a.devices = a.devices.split(",") if a.devices else [f"cuda:{i}" for i in range(n_gpu)] or ["cpu"]
     config.check_devices(a.devices)
-    if a.dtype == "auto":   # config.param_dtype's, one for all devices: resolved, as the precision decides the answers
-        a.dtype = "bfloat16" if all(torch.device(d).type == "cuda" for d in a.devices) else "float32"
+    if a.dtype == "auto":   # resolved, as the precision decides the answers
+        a.dtype = auto_dtype(a.devices)
     return a
+
+def auto_dtype(devices):
+    """config.param_dtype's, one for all devices."""
+    return "bfloat16" if all(torch.device(d).type == "cuda" for d in devices) else "float32"
 
 def weights_hash(target):
     if not os.path.isdir(target):
@@ -238,12 +242,15 @@ def run_workers(a, pending, shards_dir, n_shards):
 
 # ---- main: settings, shards, then the output and its manifest
 
-def same_settings(path, settings):
+def same_settings(path, settings, implied):
+    """Does the file at `path` record these settings (none: False)? Other ones are an error. `implied`: the values of
+    settings a record without them was made with."""
     if not os.path.exists(path):
         return False
     with open(path) as f:
         old = json.load(f)
-    if diff := [k for k in settings if old.get("settings", old).get(k) != settings[k]]:
+    old = {**implied, **old.get("settings", old)}
+    if diff := [k for k in settings if old.get(k) != settings[k]]:
         raise SystemExit(f"error: {path} was made with other settings ({', '.join(diff)}): use another --out "
                          f"or delete {os.path.dirname(path) if path.endswith('settings.json') else path}")
     return True
@@ -257,7 +264,8 @@ def main(argv=None):
                 "sources": [dict(zip(("path", "size", "mtime_ns"), data_dflash.identity(f))) for f in a.data],
                 **{k: getattr(a, k) for k in SETTINGS}}
     manifest, shards_dir = a.out + ".manifest.json", a.out + ".shards"
-    if os.path.isfile(a.out) and same_settings(manifest, settings):
+    implied = {"answers": 1, "unfinished": "keep", "dtype": auto_dtype(a.devices)}
+    if os.path.isfile(a.out) and same_settings(manifest, settings, implied):
         print(f"[gen] {a.out} is done ({manifest}): nothing to do")
         return 0
     convs, skipped = data_dflash.load_conversations(a.data)
@@ -271,7 +279,7 @@ def main(argv=None):
         os.makedirs(shards_dir, exist_ok=True)
     except OSError as e:
         raise SystemExit(f"error: cannot write next to --out {a.out}: {e}") from None
-    if not same_settings(os.path.join(shards_dir, "settings.json"), settings):
+    if not same_settings(os.path.join(shards_dir, "settings.json"), settings, implied):
         data_dflash.write_json(os.path.join(shards_dir, "settings.json"), settings)
     shards = [convs[i:i + a.shard_size] for i in range(0, len(convs), a.shard_size)]
     path = os.path.join(shards_dir, "shard_{:05d}").format
