@@ -126,7 +126,8 @@ class Shard:
             r = self.regen[k]
             chain = sum(m["role"] == "assistant" for m in self.convs[k][len(r):])
             # the answer's sampling noise, its own whoever decodes it; sha256: hash() is not documented to be stable
-            key = repr((a.seed, self.i, *divmod(k, a.answers), len(r))).encode()   # conversation, copy, turn
+            c, j = divmod(k, a.answers)    # one answer a conversation: the key of files written without copies
+            key = repr((a.seed, self.i, c, len(r)) + ((j,) if a.answers > 1 else ())).encode()
             seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 2
             out.append(((self.i, k), ids, min(a.max_new_tokens, a.max_length - len(ids)), chain, seed))
         return out
