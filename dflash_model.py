@@ -427,6 +427,8 @@ def capture(target, layer_ids):
 def target_forward(target, input_ids, attention_mask, layer_ids, final=False):
     """One batch through the target's base model (no LM head): the outputs of `layer_ids`, concatenated, and with
     `final` its final normed hidden states after them (a target of its whole depth: distillation's teacher)."""
+    if final and isinstance(target.model.norm, nn.Identity):   # config.load_target cut it: no teacher there
+        raise ValueError("target_forward(final=True) needs the target's whole depth: config.load_target(whole=True)")
     capture(target, layer_ids)
     out = target.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     feats = torch.cat([target.captured[i] for i in layer_ids] + ([out] if final else []), dim=-1)

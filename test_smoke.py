@@ -550,6 +550,10 @@ def test_distillation_matches_the_targets_next_token_distributions_and_training_
         feats = dm.target_forward(target, ids, torch.ones(B, S, dtype=torch.bool), c.target_layer_ids, final=True)
         full = target(ids).logits                                    # (B, S, V): the dense reference's teacher
     assert feats.shape[-1] == (len(c.target_layer_ids) + 1) * c.hidden_size
+    cut = tiny_target("llama")
+    cut.model.norm = torch.nn.Identity()          # as config.load_target cuts a target: its last state is no teacher
+    with pytest.raises(ValueError, match="needs the target's whole depth"):
+        dm.target_forward(cut, ids, torch.ones(B, S, dtype=torch.bool), c.target_layer_ids, final=True)
 
     def dense_kl():
         with torch.no_grad():
