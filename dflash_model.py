@@ -296,25 +296,30 @@ def chunk_plan(n, chunk_rows):
     return math.ceil(n / k), k
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
-    """sum(w * CE(h @ W^T, y)) with w pre-normalised, chunk by chunk (with teacher hidden states t, the CE mixed
-    with the KL to softmax(t @ W^T), see kernels.ce_chunk_eager). The LM head is frozen, so the only gradient
-    needed, d loss / d h = (d loss / d logits) @ W, is computed in the forward and kept (N x H, small): no N x vocab
-    logits are stored for the backward, and fp32 logits exist for one chunk."""
+    """sum(w * CE(h @ W^T, y)) with w pre-normalised, chunk by chunk (with teacher hidden states t and each row's
+    teacher index t_rows, the CE mixed with the KL to softmax(t @ W^T), see kernels.ce_chunk_eager). The LM head is
+    frozen, so the only gradient needed, d loss / d h = (d loss / d logits) @ W, is computed in the forward and kept
+    (N x H, small): no N x vocab logits are stored for the backward, and fp32 logits exist for one chunk."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk, ce, t=None, alpha=0.0):
+    def forward(ctx, h, weight, labels, w, chunk, ce, t=None, t_rows=None, alpha=0.0):
         N, need_grad = h.shape[0], h.requires_grad
         size, k = chunk_plan(N, chunk)
         if size * k > N:   # padding rows: zero hidden, weight 0 -> no loss, no gradient
-            pad = lambda x: None if x is None else torch.cat([x, x.new_zeros(size * k - N, *x.shape[1:])])
-            h, labels, w, t = pad(h), pad(labels), pad(w), pad(t)
+            pad = lambda x: torch.cat([x, x.new_zeros(size * k - N, *x.shape[1:])])
+            h, labels, w = pad(h), pad(labels), pad(w)
+            if t is not None:   # a padding row reads the last row's teacher: the last chunk's range stays short
+                t_rows = torch.cat([t_rows, t_rows[-1:].expand(size * k - N)])
+        rows_dev = None if t is None else to_device(t_rows, h.device)
         grad_h = torch.empty_like(h) if need_grad else None
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
         correct = torch.empty(size * k, device=h.device, dtype=torch.bool)
         for s in range(0, size * k, size):
-            e = s + size
-            teacher = None if t is None else t[s:e] @ weight.t()
-            part, correct[s:e], g = ce(h[s:e] @ weight.t(), labels[s:e], w[s:e], teacher, alpha)
+            e, teacher, rows = s + size, None, None
+            if t is not None:   # the chunk's teacher logits: one per position its rows need (host indices, no sync)
+                lo, hi = int(t_rows[s:e].min()), int(t_rows[s:e].max()) + 1
+                teacher, rows = t[lo:hi] @ weight.t(), rows_dev[s:e] - lo
+            part, correct[s:e], g = ce(h[s:e] @ weight.t(), labels[s:e], w[s:e], teacher, alpha, rows)
             loss += part
             if need_grad:
                 grad_h[s:e] = (g @ weight).to(h.dtype)
@@ -326,18 +331,19 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None
+        return (grad_h * grad_loss.to(grad_h.dtype),) + (None,) * 8
 
 # LM head + CE rows per chunk: fewer, larger chunks are faster, each costs its fp32 logits in memory.
 CHUNK_ROWS = 3072
 
 def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None, ce=None,
-                teacher=None, distill=0.0):
+                teacher=None, teacher_rows=None, distill=0.0):
     """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), with `ce` per
     chunk: the loss (over the weight sum), and acc and counts (bs-1,) per position over supervised positions.
     `weight_sum`: the normaliser shared by micro-batches/replicas, so that their step equals one over all of them.
-    teacher (B, A*(bs-1), H): the target's final hidden states predicting positions 1..bs-1, whose next-token
-    distributions the loss matches with weight `distill` (a KL), the CE to the labels keeping 1 - distill."""
+    teacher (P, H): the target's final hidden states whose next-token distributions the loss matches with weight
+    `distill` (a KL), the CE to the labels keeping 1 - distill; teacher_rows (B*A*(bs-1),) host long: each scored
+    row's teacher (see teacher_positions: a chunk of rows reads one short range of them)."""
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
@@ -346,12 +352,31 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     wsum = w.sum() if weight_sum is None else torch.full((), float(weight_sum), device=w.device)
     if ce is None:
         ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager
-    t = None if teacher is None else teacher.reshape(h.shape).to(h.dtype)
+    t = None if teacher is None else teacher.to(h.dtype)
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum.clamp(min=1e-6),
-                                             chunk_rows, ce, t, distill)
+                                             chunk_rows, ce, t, teacher_rows, distill)
     sup = (w > 0).view(B * A, bs - 1)
     counts = sup.sum(0).float()
     return loss, (correct.view(B * A, bs - 1) & sup).sum(0).float() / counts.clamp(min=1), counts
+
+def teacher_positions(anchors, valid, S, block_size):
+    """The positions distillation needs and each scored row's index into them. Block row k of anchor a is taught
+    the target's distribution after position a + k - 1; overlapping blocks share positions, so the teacher's LM head
+    runs once per distinct position. From host anchors (on a device they cost a sync): positions (P,) ascending
+    flat b * S + p; rows (B*A*(bs-1),) long, ascending but for block overlaps, so that a chunk of rows needs one short
+    range of positions (the rows of an unsampled anchor repeat the row before them)."""
+    anchors, valid = anchors.cpu(), valid.cpu()
+    B, A = anchors.shape
+    k = torch.arange(1, block_size)
+    flat = (torch.arange(B)[:, None, None] * S + (anchors[:, :, None] + k - 1).clamp(max=S - 1)).flatten()
+    ok = valid[:, :, None].expand(B, A, block_size - 1).flatten()
+    if not bool(ok.any()):
+        return torch.zeros(1, dtype=torch.long), torch.zeros(len(flat), dtype=torch.long)
+    positions, inverse = torch.unique(flat[ok], return_inverse=True)
+    rows = torch.zeros(len(flat), dtype=torch.long)
+    rows[ok] = inverse
+    src = torch.where(ok, torch.arange(len(flat)), -1).cummax(0).values   # the last sampled row up to each row
+    return positions, rows[torch.where(src < 0, ok.nonzero()[0, 0], src)]
 
 def simulated_tau(acc):
     """1 + sum_k prod_{j<=k} acc_j: the acceptance length if position errors were independent."""
@@ -368,19 +393,21 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
     """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk on GPUs) -> loss. distill > 0:
     target_feats ends with the target's final hidden states (target_forward(final=True)), the KL's teacher."""
     c, (B, S) = drafter.config, input_ids.shape
+    host_anchors, host_valid = anchors, valid
     anchors, valid = to_device(anchors, input_ids.device), to_device(valid, input_ids.device)
     block_ids, block_pos, labels, weights = make_blocks(
         input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
-    teacher = None
+    teacher = rows = None
     if distill:    # block position k's label is the target's next token after position anchor + k - 1
         H = c.hidden_size
         target_feats, final = target_feats[..., :-H].contiguous(), target_feats[..., -H:]
-        at = (block_pos.view(B, -1, c.block_size)[:, :, 1:] - 1).clamp(max=S - 1).reshape(B, -1, 1)
-        teacher = final.gather(1, at.expand(-1, -1, H))
+        positions, rows = teacher_positions(host_anchors, host_valid, S, c.block_size)
+        positions = to_device(positions, input_ids.device)
+        teacher = final[positions // S, positions % S]
     ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
     hidden = trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors)
     return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, weight_sum=weight_sum, teacher=teacher,
-                       distill=distill)
+                       teacher_rows=rows, distill=distill)
 
 def to_device(t, dev):
     """A host tensor to `dev` without the host waiting: from pageable memory a copy waits for the stream's earlier
@@ -389,27 +416,30 @@ def to_device(t, dev):
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)
 
-def matmul_flops(c, S, A, teacher=False):
+def matmul_flops(c, S, A, teacher_rows=0):
     """FLOPs of the drafter's matmuls in one forward+backward of one sequence: a trainable matmul costs 3x its
     forward, the fc 2x (the target's features need no gradient), the frozen LM head 2 matmuls (logits, grad of
-    the hidden states) on the A*(bs-1) scored rows, 3 with a teacher (its logits)."""
+    the hidden states) on the A*(bs-1) scored rows, plus one on the teacher's rows (distillation's logits)."""
     Q = A * c.block_size
     H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * I * 3
     fc = 2 * S * len(c.target_layer_ids) * H * H
-    head = (3 if teacher else 2) * 2 * Q * (c.block_size - 1) / c.block_size * H * V
+    head = 2 * 2 * Q * (c.block_size - 1) / c.block_size * H * V + 2 * teacher_rows * H * V
     return 2 * fc + 3 * c.num_draft_layers * layer + head
 
-def step_flops(c, S, A, ctx, teacher=False):
+def step_flops(c, S, A, ctx, teacher_rows=0):
     """Matmuls plus attention over the visible keys only: ctx context keys (the mean anchor position) and the
     block's own, forward (QK^T and PV) and backward (2x the forward)."""
-    return matmul_flops(c, S, A, teacher) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
+    return matmul_flops(c, S, A, teacher_rows) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
         c.num_attention_heads * c.head_dim * (ctx + c.block_size)
 
 def batch_flops(c, S, anchors, valid, teacher=False):
-    """One drafter step on a (B, S) batch as it runs (padding included: the MFU is the device's)."""
-    return sum(step_flops(c, S, anchors.shape[1], float(a[v].float().mean()) if bool(v.any()) else 0.0, teacher)
+    """One drafter step on a (B, S) batch as it runs (padding included: the MFU is the device's); with a teacher,
+    its logits at each sequence's distinct positions (teacher_positions)."""
+    def taught(a, v):
+        return len(teacher_positions(a[None], v[None], S, c.block_size)[0]) if teacher and bool(v.any()) else 0
+    return sum(step_flops(c, S, anchors.shape[1], float(a[v].float().mean()) if bool(v.any()) else 0.0, taught(a, v))
                for a, v in zip(anchors, valid))
 
 # ---- 4. The target's features

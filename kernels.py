@@ -28,10 +28,13 @@ def _check_once(checked, dev, check, *args):
 
 # ---- 1. Cross entropy of one chunk of logits
 
-def ce_chunk_eager(logits, y, w, teacher=None, alpha=0.0):
+def ce_chunk_eager(logits, y, w, teacher=None, alpha=0.0, rows=None):
     """One chunk of the weighted loss from its (n, V) logits: (sum of w*loss, correct, dloss/dlogits * w). The loss is
-    the CE to the labels y, or with teacher logits (n, V) (1 - alpha) CE + alpha KL(teacher's softmax || softmax).
+    the CE to the labels y, or with teacher logits (1 - alpha) CE + alpha KL(teacher's softmax || softmax), row i's
+    teacher being teacher[rows[i]] (rows shared by several logits rows: the teacher's LM head runs once for them).
     correct: the label's logit is the row's maximum (argmax up to ties, without an index-tracking pass)."""
+    if teacher is not None and rows is not None:
+        teacher = teacher[rows]
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     tgt = x.gather(1, y[:, None]).squeeze(1)
@@ -47,12 +50,13 @@ def ce_chunk_eager(logits, y, w, teacher=None, alpha=0.0):
 
 if triton is not None:
     @triton.jit
-    def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, y_ptr, w_ptr, loss_ptr, correct_ptr, stride, alpha, V: tl.constexpr,
-                        BLOCK: tl.constexpr, TEACHER: tl.constexpr):
+    def _ce_rows_kernel(x_ptr, t_ptr, r_ptr, g_ptr, y_ptr, w_ptr, loss_ptr, correct_ptr, stride, t_stride, alpha,
+                        V: tl.constexpr, BLOCK: tl.constexpr, TEACHER: tl.constexpr):
         # one program per row: pass 1 keeps a running max and rescaled sum over the row (and the teacher's, with the
         # teacher-weighted logit gap for the KL), pass 2 writes the gradient; the label's logit is one scalar load
         row = tl.program_id(0).to(tl.int64)
-        x_row, t_row, g_row = x_ptr + row * stride, t_ptr + row * stride, g_ptr + row * stride
+        x_row, g_row = x_ptr + row * stride, g_ptr + row * stride
+        t_row = t_ptr + tl.load(r_ptr + row).to(tl.int64) * t_stride     # the teacher's row read in place
         cols = tl.arange(0, BLOCK)
         m = tl.max(tl.full([BLOCK], -1e30, tl.float32), 0)
         s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
@@ -88,29 +92,34 @@ if triton is not None:
                 g -= tl.exp(t - mt) * (w * alpha / st)
             tl.store(g_row + c, g.to(g_ptr.dtype.element_ty), mask=c < V)
 
-def _ce_chunk_triton_unchecked(logits, y, w, teacher=None, alpha=0.0):
+def _ce_chunk_triton_unchecked(logits, y, w, teacher=None, alpha=0.0, rows=None):
     n, V = logits.shape
     logits = logits.contiguous()
     t = logits if teacher is None else teacher.contiguous()
+    r = y if teacher is None else (torch.arange(n, device=y.device) if rows is None else rows).contiguous()
     g = torch.empty_like(logits)
     loss = torch.empty(n, device=logits.device, dtype=torch.float32)
     correct = torch.empty(n, device=logits.device, dtype=torch.bool)
     # Triton launches on the CURRENT device's stream (a CPU device: the Triton interpreter, in tests)
     with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
-        _ce_rows_kernel[(n,)](logits, t, g, y.contiguous(), w.float().contiguous(), loss, correct, logits.stride(0),
-                              float(alpha), V=V, BLOCK=4096, TEACHER=teacher is not None, num_warps=8)
+        _ce_rows_kernel[(n,)](logits, t, r, g, y.contiguous(), w.float().contiguous(), loss, correct,
+                              logits.stride(0), t.stride(0), float(alpha), V=V, BLOCK=4096,
+                              TEACHER=teacher is not None, num_warps=8)
     return loss.sum(), correct, g
 
-def ce_chunk_triton(logits, y, w, teacher=None, alpha=0.0):
+def ce_chunk_triton(logits, y, w, teacher=None, alpha=0.0, rows=None):
     """ce_chunk_eager's result from one Triton kernel, two passes over the logits: faster than inductor's, and
     nothing to compile through the gate."""
     _check_once(_CE_CHECKED, (logits.device, teacher is not None), _check_ce_kernel, logits[:16], y[:16], w[:16],
-                None if teacher is None else teacher[:16], alpha)
-    return _ce_chunk_triton_unchecked(logits, y, w, teacher, alpha)
+                teacher, alpha, None if rows is None else rows[:16])
+    return _ce_chunk_triton_unchecked(logits, y, w, teacher, alpha, rows)
 
-def _check_ce_kernel(logits, y, w, teacher, alpha):
+def _check_ce_kernel(logits, y, w, teacher, alpha, rows=None):
     w = torch.linspace(0.5, 1.5, len(w), device=w.device)    # real weights may be 0 on these rows
-    got, ref = _ce_chunk_triton_unchecked(logits, y, w, teacher, alpha), ce_chunk_eager(logits, y, w, teacher, alpha)
+    if teacher is not None and rows is None:
+        teacher = teacher[: len(y)]
+    got = _ce_chunk_triton_unchecked(logits, y, w, teacher, alpha, rows)
+    ref = ce_chunk_eager(logits, y, w, teacher, alpha, rows)
     loss_ok = abs(float(got[0]) - float(ref[0])) <= 1e-4 * max(abs(float(ref[0])), 1.0)
     g_err = float((got[2].float() - ref[2].float()).abs().max())
     g_ok = g_err <= 1e-2 * float(ref[2].float().abs().max()) + 1e-6

@@ -36,7 +36,8 @@ def test_ce_kernel_equals_the_eager_ce_and_its_check_catches_a_wrong_kernel():
             w = torch.rand(n)
             w[2] = 0.0                                        # a row that is not scored
             teacher = (torch.randn(n, V) * 3).to(torch.bfloat16)
-            for args in [(), (teacher, 0.0), (teacher, 0.3), (teacher, 1.0)]:   # CE, then mixed with the KL
+            shared = torch.arange(n) // 2                     # rows reading one teacher row in place, two at a time
+            for args in [(), (teacher, 0.0), (teacher, 0.3), (teacher, 1.0), (teacher[: (n + 1) // 2], 0.5, shared)]:
                 loss, correct, g = dm._ce_chunk_triton_unchecked(logits, y, w, *args)
                 ref_loss, ref_correct, ref_g = dm.ce_chunk_eager(logits, y, w, *args)
                 torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)

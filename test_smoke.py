@@ -508,9 +508,11 @@ def test_dflash_loss_matches_plain_weighted_ce_and_kl_and_gradient(chunk_rows, d
     N = B * A * (bs - 1)
 
     h1 = hidden.clone().requires_grad_(True)
-    teacher = torch.randn(B, A * (bs - 1), H, generator=g) if distill else None
+    # rows share teacher states (overlapping blocks do), each row's index ascending as teacher_positions gives them
+    teacher = torch.randn(N // 2, H, generator=g) if distill else None
+    rows = torch.randint(0, N // 2, (N,), generator=g).sort().values if distill else None
     loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=chunk_rows, teacher=teacher,
-                                       distill=distill)
+                                       teacher_rows=rows, distill=distill)
     size, k = dm.chunk_plan(N, chunk_rows)
     assert k > 2 and size * k >= N and size <= chunk_rows                 # several chunks ran
     assert (size * k > N) == (chunk_rows == 5)
@@ -522,7 +524,7 @@ def test_dflash_loss_matches_plain_weighted_ce_and_kl_and_gradient(chunk_rows, d
     w = weights[:, :, 1:].reshape(-1)
     per_row = F.cross_entropy(logits, y, reduction="none")
     if distill:
-        kl = F.kl_div(logits.log_softmax(-1), (teacher.reshape(-1, H) @ W.t()).log_softmax(-1), log_target=True,
+        kl = F.kl_div(logits.log_softmax(-1), (teacher[rows] @ W.t()).log_softmax(-1), log_target=True,
                       reduction="none").sum(-1)
         per_row = (1 - distill) * per_row + distill * kl
     ref = (w * per_row).sum() / w.sum()
@@ -539,13 +541,22 @@ def test_dflash_loss_matches_plain_weighted_ce_and_kl_and_gradient(chunk_rows, d
 
 def test_distillation_matches_the_targets_next_token_distributions_and_training_lowers_the_kl():
     """--distill 1: block position k of anchor a is taught the target's own distribution after position a + k - 1
-    (its whole depth, final norm, LM head), equal to a dense KL over full logits; a few steps lower that KL."""
+    (its whole depth, final norm, LM head), equal to a dense KL over full logits, with the teacher's logits computed
+    once per distinct position (overlapping blocks share them; unsampled anchors add none); a few steps lower it."""
     target = tiny_target("llama")
     drafter = drafter_for(target, block_size=4)
     c, B, S = drafter.config, 2, 48
     g = torch.Generator().manual_seed(0)
     ids, lm = torch.randint(0, c.vocab_size, (B, S), generator=g), torch.ones(B, S)
-    anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), 8, c.block_size, g)
+    anchors, valid = dm.sample_anchors(lm, torch.tensor([S, 10]), 8, c.block_size, g)   # row 1: 7 anchors of 8
+    assert valid[0].all() and valid[1].sum() == 7
+    positions, rows = dm.teacher_positions(anchors, valid, S, c.block_size)
+    need = {b * S + min(int(a) + k - 1, S - 1) for b in range(B) for a, v in zip(anchors[b], valid[b]) if v
+            for k in range(1, c.block_size)}
+    assert positions.tolist() == sorted(need) and len(need) < int(valid.sum()) * (c.block_size - 1)
+    flat = (torch.arange(B)[:, None, None] * S + anchors[:, :, None] + torch.arange(c.block_size - 1)).flatten()
+    sampled = valid[:, :, None].expand(-1, -1, c.block_size - 1).flatten()
+    assert torch.equal(positions[rows][sampled], flat[sampled])
     with torch.no_grad():
         feats = dm.target_forward(target, ids, torch.ones(B, S, dtype=torch.bool), c.target_layer_ids, final=True)
         full = target(ids).logits                                    # (B, S, V): the dense reference's teacher

@@ -934,6 +934,16 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
     valid2 = torch.tensor([[True, True, False], [True, False, False]])
     assert dm.batch_flops(cfg, S, anchors2, valid2) == (dm.step_flops(cfg, S, 3, ctx=20.0)
                                                         + dm.step_flops(cfg, S, 3, ctx=50.0))
+    # distillation adds one LM head matmul per distinct taught position: 10-24 and 30-44, then 50-64
+    assert dm.batch_flops(cfg, S, anchors2, valid2, teacher=True) == \
+        dm.batch_flops(cfg, S, anchors2, valid2) + 2 * (30 + 15) * H * 256
+    taught = len(dm.teacher_positions(anchors, valid, S, bs)[0])
+    with FlopCounterMode(display=False) as counter:
+        feats_final = torch.cat([feats, torch.randn(1, S, H)], -1)     # the target's final states: the teacher
+        dm.drafter_forward_loss(drafter, feats_final, ids, lm, anchors, valid, 7.0, distill=0.5)[0].backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert sum(n for op, n in counts.items() if op in ("aten.mm", "aten.addmm", "aten.bmm")) == \
+        dm.matmul_flops(cfg, S, A, taught), counts
 
 
 # -----------------------------------------------------------------------------
