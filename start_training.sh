@@ -3,8 +3,9 @@
 # warm up, train, checkpoint, summarise.   bash start_training.sh [train_dflash.py options...]
 # With no options it runs the embedded default: on CPU sized to finish in about 10 minutes, on GPUs
 # the DFlash recipe on every visible GPU. Options override those defaults. Output also goes to logs/.
-# On GPUs the embedded default first has the target rewrite ShareGPT's answers (generate_data.py, once:
-# the result is cached) and trains on those; DFLASH_REGENERATE=0 trains on ShareGPT's own answers.
+# On GPUs the embedded default trains on ShareGPT's answers with the target's own next-token distribution
+# as the loss (--distill 1.0); DFLASH_REGENERATE=1 first has the target rewrite the answers (generate_data.py,
+# once: the result is cached) and trains on those.
 # Run again, it continues from the newest checkpoint (--resume; a finished run has nothing to do).
 # DFLASH_SKIP_INSTALL=1 skips the package checks (tests); PYTHON picks the interpreter.
 set -euo pipefail
@@ -20,12 +21,14 @@ mkdir -p logs
 log="logs/train_$(date +%Y%m%d_%H%M%S).log"
 echo "[start] logging to $log"
 if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-  defaults=(--out-dir out/default --resume)
-  if [[ " $* " != *" --target "* && " $* " != *" --data "* && "${DFLASH_REGENERATE:-1}" != 0 ]]; then
-    # the recipe trains on the target's own answers (about +10% acceptance); a second start reuses them
-    regen=.cache/sharegpt_v3_regenerated.jsonl
+  # distillation from the target beats its hard labels, and both beat training on its own rewritten answers of the
+  # embedded default at equal training time (BENCHMARKS.md)
+  defaults=(--out-dir out/default --resume --distill 1.0)
+  if [[ " $* " != *" --target "* && " $* " != *" --data "* && "${DFLASH_REGENERATE:-0}" = 1 ]]; then
+    regen=.cache/sharegpt_v3_regenerated.jsonl     # a second start reuses it
     if ! $PY -u generate_data.py --out "$regen" 2>&1 | tee "$log"; then
-      echo "[start] generate_data.py failed (see $log); DFLASH_REGENERATE=0 trains on ShareGPT's answers"; exit 1
+      echo "[start] generate_data.py failed (see $log); without DFLASH_REGENERATE=1 it trains on ShareGPT's answers"
+      exit 1
     fi
     defaults+=(--data "$regen")
   fi
