@@ -40,6 +40,9 @@ else
             --max-minutes 8 --log-interval 10 --ckpt-interval 200 --lr 1e-3 --resume)
 fi
 set +e
-$PY -u train_dflash.py "${defaults[@]}" "$@" 2>&1 | tee -a "$log"
+# Ctrl-C or SIGTERM (`timeout` signals the whole group): the trainer checkpoints its step and stops; this script
+# waits for it (a trap, which its children do not inherit) and tee, ignoring them, still writes its last lines
+trap ':' TERM
+$PY -u train_dflash.py "${defaults[@]}" "$@" 2>&1 | (trap '' INT TERM; exec tee -a "$log")
 rc=${PIPESTATUS[0]}
 exit "$rc"

@@ -150,7 +150,7 @@ def break_(kind, n):
       ckpt:N      checkpoint N's write raises, mid-folder      ckpt_lag:N  each checkpoint's write waits
                                                                            until training is N steps past it
       kill:N      SIGKILL once checkpoint N is on disk         gen_kill:N  SIGKILL after generate_data.py's
-                                                                           N-th shard is written"""
+      term:N      SIGTERM as step N's backward starts                      N-th shard is written"""
     import checkpoint as ck
     import data_dflash
     import dflash_model as dm
@@ -188,6 +188,9 @@ def break_(kind, n):
                 print(f"[test] SIGKILL after step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         wrap(ck.Checkpointer, "save", after=kill)
+    elif kind == "term":
+        wrap(tr.Trainer, "forward_backward", before=lambda self, r, step, *a: step == n
+             and os.kill(os.getpid(), signal.SIGTERM))
     elif kind == "gen_kill":
         wrap(data_dflash, "write_chat_jsonl", after=lambda path, *a: ".shards" in path and next(calls) == n
              and os.kill(os.getpid(), signal.SIGKILL))
@@ -557,6 +560,25 @@ def test_sigkill_then_resume_reproduces_the_straight_run_and_a_damaged_checkpoin
         cut_file("state.pt")(out / d)
     with pytest.raises(SystemExit, match="every checkpoint in .* is damaged"):
         ck.load_newest(str(out), lambda m: None)
+
+
+def test_sigterm_checkpoints_the_step_under_way_and_stops_then_resume_goes_on(llama, sharegpt, cache_dir, tmp_path):
+    """SIGTERM (a scheduler, `timeout`, Ctrl-C's SIGINT alike) mid-run: the run ends its step (or the next: the
+    signal is read as a step starts), checkpoints it, says how to go on, and exits 128 + 15; --resume trains the
+    rest."""
+    common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 12,
+              "--heldout", 0, "--max-steps", 6, "--ckpt-interval", 100, "--out-dir", tmp_path / "out"]
+    p = train(*common, fault="term:2")
+    assert p.rc == 128 + signal.SIGTERM, p.tail()
+    m = re.search(r"\[run\] SIGTERM: step (\d) is the last, checkpointed; run again with --resume", p.out)
+    assert m and int(m.group(1)) in (2, 3), p.tail()
+    stop = int(m.group(1))
+    assert checkpoints(tmp_path / "out") == [f"step_{stop:06d}"] and "summary" in p.out
+    assert [r["step"] for r in metrics(tmp_path / "out")] == list(range(1, stop + 1))
+    resumed = train(*common, "--resume")
+    assert_ok(resumed)
+    assert f"steps          6 (this run: from {stop})" in resumed.out, resumed.tail()
+    assert [r["step"] for r in metrics(tmp_path / "out")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_run(llama, sharegpt, cache_dir,

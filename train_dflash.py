@@ -10,6 +10,7 @@ import json
 import math
 import os
 import queue
+import signal
 import statistics
 import sys
 import threading
@@ -33,6 +34,7 @@ class Trainer:
     def __init__(self, cfg, log, env=None):
         self.cfg, self.log, self.env_at_start, self.env_change_said, self.mfu_warned = cfg, log, env, False, False
         self.run, self.time_frac, self.next_end_s = Run(), 0.0, 0.0   # the share of --max-minutes used; see loop
+        self.signalled = self.stopped = 0      # the signal that asked this rank to stop; any rank's: see loop
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
     def train(self):
@@ -186,14 +188,23 @@ class Trainer:
         tot = {"tokens": 0.0, "flops": 0.0, "sync": 0.0, "pause": 0.0}   # this run's sums
         seen = dict(tot, t=self.t_start, busy=(0.0, 0.0), step=self.step)    # the sums at the last log line
         self.losses, tok_hist = [], []
+        # Ctrl-C or SIGTERM (a scheduler, `timeout`): the step under way ends, is checkpointed, and the run stops;
+        # a second one acts at once, as before
+        def on_signal(signum, frame):
+            self.signalled = self.signalled or signum
+            signal.signal(signum, previous[signum])
+        in_main = threading.current_thread() is threading.main_thread()   # where signal handlers live
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
         try:
             for step in range(self.step + 1, self.total_steps + 1):     # 1-based: the step being taken
                 # this step's micro-batches in stream order: replica r takes every R-th, grad_accum of them
                 j0 = self.cursor + (step - 1 - self.step) * self.per_step
                 items = [self.buf.take(j) for j in range(j0, j0 + self.per_step)]
                 work = [prepare_batches(cfg, self.dcfg, items[r::R]) for r in range(R)]
-                # one loss normaliser over replicas x micro-batches x ranks: the step is one over their concatenation
-                wsum, tokens, flops = over_ranks(self.world, [sum(w[i] for w in work) for i in (1, 2, 3)])
+                # one loss normaliser over replicas x micro-batches x ranks: the step is one over their concatenation;
+                # a signal on any rank makes this step every rank's last
+                wsum, tokens, flops, signalled = over_ranks(
+                    self.world, [*(sum(w[i] for w in work) for i in (1, 2, 3)), bool(self.signalled)])
                 for r in range(R):
                     run.put(self.inbox[r], (step, work[r][0], wsum))
                 sums = [run.get(q) for q in self.outbox]    # every replica's backward is done
@@ -226,7 +237,11 @@ class Trainer:
                 budget_end = bool(cfg.max_minutes and self.next_end_s >= budget)
                 if budget_end:
                     log(f"[run] time budget of {cfg.max_minutes} min: step {step} is the last that ends within it")
-                last = budget_end or step == self.total_steps
+                if signalled:   # this rank's signal, or another's (torchrun passes a SIGTERM on to every rank)
+                    self.stopped = self.signalled or signal.SIGTERM
+                    log(f"[run] {signal.Signals(self.stopped).name}: step {step} is the last, checkpointed; run "
+                        "again with --resume (start_training.sh passes it) to go on from it")
+                last = budget_end or step == self.total_steps or bool(signalled)
                 if step % cfg.log_interval == 0 or last:
                     x, seen = self.interval(step, tot, seen)
                     log(log_line(step, x, self.total_steps, cfg))
@@ -249,6 +264,8 @@ class Trainer:
         except Exception as e:   # noqa: BLE001 - the loop's own failure stops the run as a thread's would
             run.fail("step loop", e)
         finally:                # after a failure or a Ctrl-C too: the TensorBoard events end complete
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             run.stop.set()                               # stop the loader, target and drafter threads
             self.ckpt.wait()                             # a snapshot from before a failure is still good
             if tb:
@@ -371,7 +388,7 @@ class Trainer:
         if self.world > 1:   # all ranks together: a group left to the interpreter's exit can abort it
             dist.barrier()
             dist.destroy_process_group()
-        return 0
+        return 128 + self.stopped if self.stopped else 0    # a shell's code for a process the signal ended
 
     def checkpoint_env(self):
         """env.json: the environment the run STARTED in (its code and packages were loaded then), and what changed."""
