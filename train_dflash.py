@@ -34,7 +34,7 @@ class Trainer:
     def __init__(self, cfg, log, env=None):
         self.cfg, self.log, self.env_at_start, self.env_change_said, self.mfu_warned = cfg, log, env, False, False
         self.run, self.time_frac, self.next_end_s = Run(), 0.0, 0.0   # the share of --max-minutes used; see loop
-        self.signalled = self.stopped = 0      # the signal that asked this rank to stop; any rank's: see loop
+        self.stopped = 0      # the signal that stopped the run at a step, on any rank: see loop
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
     def train(self):
@@ -190,8 +190,10 @@ class Trainer:
         self.losses, tok_hist = [], []
         # Ctrl-C or SIGTERM (a scheduler, `timeout`): the step under way ends, is checkpointed, and the run stops;
         # a second one acts at once, as before
+        asked = 0                   # this rank's signal
         def on_signal(signum, frame):
-            self.signalled = self.signalled or signum
+            nonlocal asked
+            asked = asked or signum
             signal.signal(signum, previous[signum])
         in_main = threading.current_thread() is threading.main_thread()   # where signal handlers live
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
@@ -204,7 +206,7 @@ class Trainer:
                 # one loss normaliser over replicas x micro-batches x ranks: the step is one over their concatenation;
                 # a signal on any rank makes this step every rank's last
                 wsum, tokens, flops, signalled = over_ranks(
-                    self.world, [*(sum(w[i] for w in work) for i in (1, 2, 3)), bool(self.signalled)])
+                    self.world, [*(sum(w[i] for w in work) for i in (1, 2, 3)), bool(asked)])
                 for r in range(R):
                     run.put(self.inbox[r], (step, work[r][0], wsum))
                 sums = [run.get(q) for q in self.outbox]    # every replica's backward is done
@@ -238,7 +240,7 @@ class Trainer:
                 if budget_end:
                     log(f"[run] time budget of {cfg.max_minutes} min: step {step} is the last that ends within it")
                 if signalled:   # this rank's signal, or another's (torchrun passes a SIGTERM on to every rank)
-                    self.stopped = self.signalled or signal.SIGTERM
+                    self.stopped = asked or signal.SIGTERM
                     log(f"[run] {signal.Signals(self.stopped).name}: step {step} is the last, checkpointed; run "
                         "again with --resume (start_training.sh passes it) to go on from it")
                 last = budget_end or step == self.total_steps or bool(signalled)
