@@ -293,7 +293,8 @@ def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targe
     # dynamo entries: per (replica, shape) on the drafter's code object, per ((B, S), padded?, layer kind) on a target's
     kinds = len(set(getattr(targets[0].config, "layer_types", None) or [0])) if targets else 0
     GATE.set_recompile_limit(max(len(drafters) * len(shapes), 2 * kinds * len(target_shapes)) + 2)
-    GATE.on_unwarmed, rows = on_unwarmed, []
+    GATE.on_unwarmed, rows, t_start = on_unwarmed, [], time.time()
+    n = len(targets) * len(target_shapes) + len(drafters) * len(shapes)
 
     def timed(dev, shape, fn, compiled):
         before, t0 = _cache_counters(), time.time()
@@ -303,7 +304,9 @@ def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targe
                "cache hit" if aot_hit or fx_hit else "reused (in process)")   # reused: a graph of this process
         how += "" if note is None else f", features {note:.0e} from eager"
         rows.append((dev, tuple(shape), time.time() - t0, how))
-        log(f"[warmup] {dev:14s} {str(rows[-1][1]):18s} {rows[-1][2]:7.1f}s  {rows[-1][3]}")
+        eta = (time.time() - t_start) / len(rows) * (n - len(rows))   # a cold compile takes tens of seconds
+        log(f"[warmup] {len(rows)}/{n} {dev:14s} {str(rows[-1][1]):18s} {rows[-1][2]:7.1f}s  {rows[-1][3]}"
+            + (f" | ETA {eta:.0f}s" if len(rows) < n else ""))
     for target in targets:
         dev = next(target.parameters()).device
         for B, S in target_shapes:

