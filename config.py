@@ -66,7 +66,7 @@ class TrainConfig:
     keep_last: int = opt(3, "checkpoints kept")
     log_interval: int = opt(10, "optimiser steps between log lines")
     tensorboard: str = opt("", "also write the log line's figures as TensorBoard events to this folder "
-                               "('' = off; needs pip install tensorboard)")
+                               "('' = off, auto = <out_dir>/tensorboard)")
     resume: bool = opt(False, "continue from the newest intact checkpoint in out_dir")
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -124,6 +124,8 @@ def parse_args(argv):
     # the defaults that follow from other options, resolved once (logged and checkpointed as resolved)
     cfg.gamma = cfg.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(bs, max(1.0, bs * 7 / 16))
     cfg.compile_cache = cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache")
+    if cfg.tensorboard == "auto":
+        cfg.tensorboard = os.path.join(cfg.out_dir, "tensorboard")
     return cfg
 
 # --- Devices and shapes ---------------------------------------------------------------------------

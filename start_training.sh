@@ -23,7 +23,8 @@ echo "[start] logging to $log"
 if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   # distillation from the target beats its hard labels, and both beat training on its own rewritten answers of the
   # embedded default at equal training time (BENCHMARKS.md)
-  defaults=(--out-dir out/default --resume --distill 1.0)
+  # 15 minutes of training: the whole first start, set-up and cold compiles included, in about 20 on one GPU
+  defaults=(--out-dir out/default --resume --distill 1.0 --max-minutes 15 --log-interval 100 --tensorboard auto)
   if [[ " $* " != *" --target "* && " $* " != *" --data "* && "${DFLASH_REGENERATE:-0}" = 1 ]]; then
     regen=.cache/sharegpt_v3_regenerated.jsonl     # a second start reuses it
     if ! $PY -u generate_data.py --out "$regen" 2>&1 | tee "$log"; then
@@ -37,7 +38,7 @@ else
   # CPU: a short sequence length, fewer anchors and samples, an 8-minute training budget
   # (plus ~1-2 min of setup): the loss visibly falls; the recipe needs GPUs.
   defaults=(--out-dir out/cpu_default --max-length 256 --num-anchors 32 --max-samples 4000
-            --max-minutes 8 --log-interval 10 --ckpt-interval 200 --lr 1e-3 --resume)
+            --max-minutes 8 --log-interval 10 --ckpt-interval 200 --lr 1e-3 --resume --tensorboard auto)
 fi
 set +e
 # Ctrl-C or SIGTERM (`timeout` signals the whole group): the trainer checkpoints its step and stops; this script

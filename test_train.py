@@ -457,6 +457,7 @@ def test_device_lists_auto_split_and_local_rank(monkeypatch):
 def test_tensorboard_without_its_package_is_an_error_before_anything_starts(monkeypatch, tmp_path):
     import config
     assert config.parse_args(["--tensorboard", str(tmp_path / "tb")]).tensorboard == str(tmp_path / "tb")
+    assert config.parse_args(["--tensorboard", "auto", "--out-dir", "o"]).tensorboard == os.path.join("o", "tensorboard")
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)      # the import fails, as when not installed
     with pytest.raises(SystemExit, match="--tensorboard needs the tensorboard package: pip install tensorboard"):
         config.parse_args(["--tensorboard", str(tmp_path / "tb")])
@@ -1194,6 +1195,7 @@ def test_start_training_sh_embedded_default_end_to_end(embedded, tmp_path):
         held = out / "heldout.jsonl"
         assert f"--prompts {held}" in p.out and len(held.read_text().splitlines()) >= 20, p.tail()
         assert "summary" in p.out and "[ckpt]" in p.out
+        assert f"  tensorboard    tensorboard --logdir {out / 'tensorboard'}" in p.out, p.tail()   # --tensorboard auto
         assert [r["step"] for r in metrics(out)] == [1, 2]
         assert logfile and "summary" in (REPO / logfile.group(1)).read_text()
         target = AutoModelForCausalLM.from_pretrained(embedded[0])
