@@ -11,6 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+# no library progress bars in the log (transformers' GGUF reader draws its own whatever transformers is told)
+export TQDM_DISABLE=1
 own_data=0
 [[ " $* " == *" --target "* && " $* " == *" --data "* ]] && own_data=1
 if [ "${DFLASH_SKIP_INSTALL:-0}" != 1 ]; then
