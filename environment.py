@@ -174,7 +174,7 @@ def natural_race_expected(fx_flag_thread_local=None):
     if (2, 12) <= version < (2, 14):
         return ("masked: torch 2.12/2.13 hide the FX flag from other threads while anything compiles; "
                 "0 errors here says nothing about torch 2.11")
-    return "yes: a compile in one thread makes compiled calls in other threads fail"
+    return "yes: a compile in one thread makes compiled calls in other threads fail (the compile gate keeps them apart)"
 
 # --- What changed, and the report. IGNORED: fields that change on every call or grow in any healthy run, and the
 # trainer's note changed_during_run (shown apart).
