@@ -627,6 +627,9 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     p = here("train_dflash", *common, "--max-minutes", 0.1, "--resume")
     assert_ok(p)
     assert f"budget (--max-minutes, resumes included) was used up by step {last}: nothing to do" in p.out, p.tail()
+    # and says again how to measure the result: no held-out file here (--heldout 0)
+    assert f"[run] measure its acceptance: python eval_dflash.py --target {llama} --drafter {out}/step_{last:06d}/drafter" \
+        " --prompts YOUR_PROMPTS.jsonl" in p.out, p.tail()
     p = here("train_dflash", *common, "--max-steps", last + 2)
     assert p.rc != 0 and "holds checkpoints of an earlier run" in p.out and "--resume" in p.out, p.tail()
     assert "[data]" not in p.out                          # refused before the data or the models

@@ -52,13 +52,18 @@ class Trainer:
         if len(set(steps)) > 1:
             raise SystemExit(f"error: the ranks resumed at different steps {steps} (rank order): every rank "
                              "must see the same --out-dir (a file system all nodes share)")
+        # done already: by the steps, or by the budget's rule (see loop) applied to the end the checkpointed step
+        # predicted for its successor; said with the command that measures the result
         if self.step >= self.total_steps:
-            log(f"[run] already at step {self.step} of {self.total_steps}: nothing to do")
-            return 0
-        # the budget's rule (see loop), applied to the end the checkpointed step predicted for its successor
-        if cfg.max_minutes and self.next_end_s >= 60 * cfg.max_minutes:
-            log(f"[run] the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
-                f"{self.step}: nothing to do (a larger --max-minutes continues)")
+            done = f"already at step {self.step} of {self.total_steps}: nothing to do"
+        elif cfg.max_minutes and self.next_end_s >= 60 * cfg.max_minutes:
+            done = (f"the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
+                    f"{self.step}: nothing to do (a larger --max-minutes continues)")
+        else:
+            done = ""
+        if done:
+            log(f"[run] {done}\n[run] measure its acceptance: "
+                f"{self.eval_command(ck.list_checkpoints(cfg.out_dir)[-1])}")
             return 0
         t_warm = time.time()
         compiled.GATE.log = log
@@ -371,7 +376,6 @@ class Trainer:
         # the training window ends at the last step, not the final checkpoint's write
         elapsed = max(last["time"] - self.t_start, 1e-9)
         share = lambda xs: [f"{x / elapsed:.0%}" for x in xs]
-        prompts = self.heldout or "YOUR_PROMPTS.jsonl (no held-out conversations: --heldout 0 or synthetic data)"
         n = max(1, min(20, len(losses) // 5))
         log("\n".join([
             "=" * 72, "summary",
@@ -385,12 +389,15 @@ class Trainer:
             f"  checkpoint     {ckpt or 'none'}",
             *([f"  tensorboard    tensorboard --logdir {cfg.tensorboard}"] if cfg.tensorboard else []),
             "  measure real acceptance:",
-            f"    python eval_dflash.py --target {self.tpath} --drafter {ckpt}/drafter --prompts {prompts}"
-            if ckpt else "    (no checkpoint)", "=" * 72]))
+            f"    {self.eval_command(ckpt)}" if ckpt else "    (no checkpoint)", "=" * 72]))
         if self.world > 1:   # all ranks together: a group left to the interpreter's exit can abort it
             dist.barrier()
             dist.destroy_process_group()
         return 128 + self.stopped if self.stopped else 0    # a shell's code for a process the signal ended
+
+    def eval_command(self, ckpt):
+        prompts = self.heldout or "YOUR_PROMPTS.jsonl (no held-out conversations: --heldout 0 or synthetic data)"
+        return f"python eval_dflash.py --target {self.tpath} --drafter {ckpt}/drafter --prompts {prompts}"
 
     def checkpoint_env(self):
         """env.json: the environment the run STARTED in (its code and packages were loaded then), and what changed."""
