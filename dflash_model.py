@@ -336,10 +336,10 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
 # LM head + CE rows per chunk: fewer, larger chunks are faster, each costs its fp32 logits in memory.
 CHUNK_ROWS = 3072
 
-def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None, ce=None,
+def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None,
                 teacher=None, teacher_rows=None, distill=0.0):
-    """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), with `ce` per
-    chunk: the loss (over the weight sum), and acc and counts (bs-1,) per position over supervised positions.
+    """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), chunk by chunk
+    (the Triton kernel on a GPU): the loss (over the weight sum), and acc and counts (bs-1,) per position over supervised positions.
     `weight_sum`: the normaliser shared by micro-batches/replicas, so that their step equals one over all of them.
     teacher (P, H): the target's final hidden states whose next-token distributions the loss matches with weight
     `distill` (a KL), the CE to the labels keeping 1 - distill; teacher_rows (B*A*(bs-1),) host long: each scored
@@ -350,8 +350,7 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     w = weights[:, :, 1:].reshape(-1).float()
     # a host number as a fill kernel: a host-to-device copy would block until the forward just queued is done
     wsum = w.sum() if weight_sum is None else torch.full((), float(weight_sum), device=w.device)
-    if ce is None:
-        ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager
+    ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager
     t = None if teacher is None else teacher.to(h.dtype)
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum.clamp(min=1e-6),
                                              chunk_rows, ce, t, teacher_rows, distill)
