@@ -25,7 +25,7 @@ echo "[start] logging to $log"
 if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   # distillation from the target beats its hard labels, and both beat training on its own rewritten answers of the
   # embedded default at equal training time (BENCHMARKS.md)
-  # 15 minutes of training: the whole first start, set-up and cold compiles included, in about 20 on one GPU
+  # a training time, not a number of epochs: a first start takes a known time (BENCHMARKS.md)
   defaults=(--out-dir out/default --resume --distill 1.0 --max-minutes 15 --log-interval 100 --tensorboard auto)
   if [[ " $* " != *" --target "* && " $* " != *" --data "* && "${DFLASH_REGENERATE:-0}" = 1 ]]; then
     regen=.cache/sharegpt_v3_regenerated.jsonl     # a second start reuses it
