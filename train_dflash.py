@@ -62,8 +62,7 @@ class Trainer:
         else:
             done = ""
         if done:
-            log(f"[run] {done}\n[run] measure its acceptance: "
-                f"{self.eval_command(ck.list_checkpoints(cfg.out_dir)[-1])}")
+            log(f"[run] {done}\n[run] measure its acceptance: {self.eval_command(self.resumed_from)}")
             return 0
         t_warm = time.time()
         compiled.GATE.log = log
@@ -141,7 +140,7 @@ class Trainer:
         return progress / warm if progress < warm else 0.5 * (1 + math.cos(math.pi * (progress - warm) / (1 - warm)))
 
     def resume(self):
-        self.step, self.cursor, self.seconds_before = 0, 0, 0.0
+        self.step, self.cursor, self.seconds_before, self.resumed_from = 0, 0, 0.0, None
         if not self.cfg.resume:
             return
         path, state = ck.load_newest(self.cfg.out_dir, self.log)
@@ -155,6 +154,7 @@ class Trainer:
             raise SystemExit(f"error: {path} continues with its own optimiser and loss settings, but "
                              f"{', '.join(changed)}: drop the option(s) or start a new run")
         self.replicas.load(state, path)
+        self.resumed_from = path
         self.step, self.seconds_before, self.cursor = state["step"], state["train_seconds"], state["cursor"]
         self.next_end_s = state.get("next_step_ends_s", self.seconds_before)
         nb_old, nb = state["batches_per_epoch_by_rank"][self.rank], self.stream.nb
