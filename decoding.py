@@ -350,9 +350,10 @@ class NGram:
 
 class DrafterRows:
     """A DFlash drafter proposing for each row of an engine over its own cache: each round one block step (a graph
-    replay on a GPU) adds the committed tokens' features to it and drafts block_size-1 tokens after the last."""
+    replay on a GPU) adds the committed tokens' features to it and drafts block_size-1 tokens after the last.
+    compile: the drafter's layers run compiled, the attention outside their graphs (as the Engine's)."""
 
-    def __init__(self, drafter, rows, length):
+    def __init__(self, drafter, rows, length, compile=False):
         c, dev, dt = drafter.config, drafter.fc.weight.device, drafter.fc.weight.dtype
         if length > c.max_position_embeddings:
             raise SystemExit(f"error: prompts and answers of {length} positions (a block included) exceed the "
@@ -365,6 +366,8 @@ class DrafterRows:
         self.rows = torch.arange(rows, device=dev)[:, None]
         self.offsets = torch.arange(c.block_size, device=dev)
         self.masks = torch.full((rows, c.block_size - 1), c.mask_token_id, dtype=torch.long, device=dev)
+        self.layer_step = torch.compile(_block_layer, dynamic=False) if compile else _block_layer
+        self.layer, self.pos_c, self.pos_q, self.start = 0, None, None, None    # the block step's, for attend
 
     @torch.no_grad()
     def prefill(self, rows, feats, lens):
@@ -385,22 +388,28 @@ class DrafterRows:
         return replay(self.graphs, "block", self.block, self.anchor.device)[:len(last)], k
 
     def block(self):
-        d, dt, bs = self.drafter, self.feats.dtype, self.block_size
-        pos_c = self.ctx_len[:, None] + self.offsets          # the new context (n_new of them valid)
-        start = self.ctx_len + self.n_new                     # the anchor's position
-        pos_q = start[:, None] + self.offsets
-        ctx, (cos_c, sin_c), (cos_q, sin_q) = d.context(self.feats), d.rope(pos_c, dt), d.rope(pos_q, dt)
+        d, dt = self.drafter, self.feats.dtype
+        self.pos_c = self.ctx_len[:, None] + self.offsets     # the new context (n_new of them valid)
+        self.start = self.ctx_len + self.n_new                # the anchor's position
+        self.pos_q = self.start[:, None] + self.offsets
+        ctx, (cos_c, sin_c), (cos_q, sin_q) = d.context(self.feats), d.rope(self.pos_c, dt), d.rope(self.pos_q, dt)
         h = F.embedding(torch.cat([self.anchor[:, None], self.masks], 1), d.embed_weight).to(dt)
-        for i, layer in enumerate(d.layers):
-            k, v = layer.self_attn.kv(ctx, cos_c, sin_c)
-            self.k[i][self.rows, pos_c], self.v[i][self.rows, pos_c] = k.transpose(1, 2), v.transpose(1, 2)
-
-            def attend(q, k, v, i=i):   # the block joins the cache after the context; it sees all of itself
-                self.k[i][self.rows, pos_q], self.v[i][self.rows, pos_q] = k.transpose(1, 2), v.transpose(1, 2)
-                return kernels.row_attention(q, self.k[i], self.v[i], start + bs, False, q.shape[-1] ** -0.5
-                                             ).transpose(1, 2)
-            h = layer(h, None, None, cos_q, sin_q, attend)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):   # never eager layers unnoticed
+            for i, layer in enumerate(d.layers):
+                self.layer = i
+                h = self.layer_step(layer, h, ctx, cos_c, sin_c, cos_q, sin_q, self)
         return (d.norm(h)[:, 1:] @ d.lm_head_weight.t().to(h.dtype)).argmax(-1)
+
+    @torch.compiler.disable   # a compiled layer breaks its graph here: the cache rows and the row kernel run as they are
+    def attend(self, q, k, v):
+        """Layer self.layer's keys: the new context's, then the block's (which overwrite the context's invalid tail),
+        join the cache; the block reads the row up to its end (it sees all of itself)."""
+        i, bs = self.layer, self.block_size
+        for pos, part in ((self.pos_c, slice(0, bs)), (self.pos_q, slice(bs, 2 * bs))):
+            self.k[i][self.rows, pos] = k[:, :, part].transpose(1, 2)
+            self.v[i][self.rows, pos] = v[:, :, part].transpose(1, 2)
+        out = kernels.row_attention(q, self.k[i], self.v[i], self.start + bs, False, q.shape[-1] ** -0.5)
+        return out.transpose(1, 2)
 
     @torch.no_grad()
     def accept(self, n, feats, live):
@@ -409,6 +418,10 @@ class DrafterRows:
         self.ctx_len[:R] += self.n_new[:R]
         self.n_new[:R] = torch.where(live, n + 1, 0)
         self.feats[:R].copy_(feats[:R])
+
+def _block_layer(layer, h, ctx, cos_c, sin_c, cos_q, sin_q, rows):
+    """A drafter layer of the block step: the new context's keys/values and the block's go to rows.attend."""
+    return layer(h, *layer.self_attn.kv(ctx, cos_c, sin_c), cos_q, sin_q, rows.attend)
 
 @torch.no_grad()
 def speculate(engine, prompts, max_new_tokens, stops, proposer=None):

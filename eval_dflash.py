@@ -6,7 +6,7 @@
 Each prompt (a conversation up to its first reply) is decoded greedily by the target alone, with n-gram prompt
 lookup and with each drafter, the prompts side by side, in --dtype: tau, its histogram and acceptance by draft
 position. Every output must equal the target's, or the exit status is 1. Then the speed as served: each of
---speed-prompts prompts alone in --speed-dtype, on a GPU through compiled target layers and CUDA graphs.
+--speed-prompts prompts alone in --speed-dtype, on a GPU through compiled target and drafter layers and CUDA graphs.
 """
 import argparse
 import collections
@@ -76,10 +76,10 @@ def prompts_from(files, tokenizer, n, skip, max_tokens):
         print(f"[eval] NOTICE: only {len(out) - skip} usable prompts (asked for {n})")
     return out[skip: skip + n]
 
-def proposers(drafters, bs, rows, length):
+def proposers(drafters, bs, rows, length, compile=False):
     """(name, feature layers, a fresh proposer) of each way to decode."""
     return [("target greedy", (), lambda: None),
-            *((lb, d.config.target_layer_ids, lambda d=d: decoding.DrafterRows(d, rows, length))
+            *((lb, d.config.target_layer_ids, lambda d=d: decoding.DrafterRows(d, rows, length, compile))
               for lb, d in drafters.items()),
             ("n-gram lookup", (), lambda: decoding.NGram(bs))]
 
@@ -102,7 +102,7 @@ def decode_all(target, drafters, prompts, n, stops, bs, device):
 def speed(target, drafters, prompts, n, stops, bs, device):
     """{name: (new tokens, seconds)}, each prompt alone, after an untimed one (the graphs' capture)."""
     length, out, gpu = max(map(len, prompts)) + n + 2 * bs, {}, torch.device(device).type == "cuda"
-    for name, layers, make in proposers(drafters, bs, 1, length):
+    for name, layers, make in proposers(drafters, bs, 1, length, compile=gpu):
         engine, proposer = decoding.Engine(target, 1, length, layers, compile=gpu), make()
         decoding.speculate(engine, prompts[:1], n, stops, proposer)
         compiled.sync_device(device)
@@ -153,7 +153,8 @@ def main(argv=None):
         times = speed(target, drafters, prompts[:a.speed_prompts], a.max_new_tokens, stops, bs, a.device)
         greedy_rate = times["target greedy"][0] / times["target greedy"][1]
         res["speed"] = {"prompts": a.speed_prompts, "dtype": a.speed_dtype, "batch": 1,
-                        "loop": "CUDA graphs, compiled target" if torch.device(a.device).type == "cuda" else "eager",
+                        "loop": "CUDA graphs, compiled target and drafters" if torch.device(a.device).type == "cuda"
+                        else "eager",
                         "methods": {name: {"tokens": t, "seconds": s, "tok_s": t / s, "speedup": t / s / greedy_rate}
                                     for name, (t, s) in times.items()}}
     res["seconds"] = time.time() - t_start

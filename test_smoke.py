@@ -699,6 +699,21 @@ def test_a_batch_of_prompts_decodes_as_each_prompt_alone(trained, monkeypatch):
     assert max(accepted) == bs and any(1 < a < bs for a in accepted) and 1 in accepted, accepted
 
 
+def test_a_compiled_drafter_proposes_as_the_eager_one(trained):
+    """compile=True (eval_dflash.py's batch-1 loop on a GPU): the drafter's layers compiled, the attention outside
+    their graphs; per prompt the same outputs and acceptance lengths as the eager drafter, long blocks included."""
+    from torch._dynamo.utils import counters
+    t, bs, n = trained, trained.bs, 40
+    prompts = [t.seq[0, :P].tolist() for P in (8, 30)]
+    L, layers, out = max(map(len, prompts)) + n + 2 * bs, trained.drafter.config.target_layer_ids, {}
+    for compile in (False, True):
+        before = counters["stats"]["unique_graphs"]
+        engine, rows = decoding.Engine(t.target, 1, L, layers), decoding.DrafterRows(t.drafter, 1, L, compile)
+        out[compile] = [decoding.speculate(engine, [p], n, [], rows)[0] for p in prompts]
+    assert counters["stats"]["unique_graphs"] > before, "nothing was compiled"
+    assert out[True] == out[False] and max(a for _, acc in out[True] for a in acc) == bs, out
+
+
 def test_overfit_drafter_reaches_high_acceptance(trained):
     t = trained
     S = t.seq.shape[1]
