@@ -267,8 +267,10 @@ def warm_shape(drafter, shape, gamma, attn):
 
 def warm_target(target, B, S, layer_ids):
     """Compile the target's layers at (B, S) with no row padded and with one (two graphs), and check the compiled
-    features against eager ones: returns the larger relative error. bf16 rounding parts the two paths far less
-    than a wrong mask or layer (off by order 1) does, hence the bound 0.1 (fp32: 1e-4)."""
+    features against eager ones position by position: returns the largest of the rows' median relative errors. A
+    wrong mask or layer moves most positions by order 1. bf16 rounding moves most by about 1e-2, and a few of random
+    tokens by order 1 (those where the target's outlier activations form on one path only), so a row's median,
+    not the whole batch's norm, is held to 0.1 (fp32: 1e-4)."""
     dev, dtype = next(target.parameters()).device, next(target.parameters()).dtype
     ids = torch.randint(0, target.config.vocab_size, (B, S), device=dev)
     tol, errs = (1e-4 if dtype == torch.float32 else 0.1), []
@@ -279,11 +281,12 @@ def warm_target(target, B, S, layer_ids):
             got = dm.target_forward(target, ids, am, layer_ids).float()
             with torch.compiler.set_stance("force_eager"):     # the reference, deliberately eager
                 want = dm.target_forward(target, ids, am, layer_ids).float()
-        errs.append(float((got - want).norm() / want.norm()))
+        err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)       # (B, S): each position's
+        errs.append(max(float(err[b, : S if b < B - 1 else last_len].median()) for b in range(B)))
         if not errs[-1] <= tol:
-            raise RuntimeError(f"the compiled target's features at (B, S) = {(B, S)} differ from the eager "
-                               f"target's by {errs[-1]:.2e} (relative; {dtype} allows {tol:g}): refusing to train "
-                               "on them. Report it with `python diagnose.py` output")
+            raise SystemExit(f"error: the compiled target's features at (B, S) = {(B, S)} differ from the eager "
+                             f"target's: a row's median position by {errs[-1]:.2e} (relative; {dtype} allows "
+                             f"{tol:g}): refusing to train on them. Report it with `python diagnose.py` output")
     return max(errs)
 
 def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targets=()):
