@@ -23,6 +23,7 @@ import decoding
 import dflash_model as dm
 
 DTYPES = ["float32", "bfloat16", "float16"]
+NGRAM_BLOCK = 16
 
 def parse_args(argv):
     p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,17 +122,19 @@ def main(argv=None):
     sizes = {lb: d.config.block_size for lb, d in drafters.items()}
     if len(set(sizes.values())) > 1:      # n-gram lookup and the histograms' rows follow one block size
         raise SystemExit(f"error: the drafters' block sizes differ ({sizes}): compare drafters of one block size")
-    stops, bs = decoding.stop_token_ids(tok, target), next(iter(sizes.values()))
+    # n-gram lookup drafts what it would alone (15 tokens) however short the drafters' blocks: a fair baseline
+    stops, dbs = decoding.stop_token_ids(tok, target), next(iter(sizes.values()))
+    bs = max(dbs, NGRAM_BLOCK)
     prompts = prompts_from(a.prompts, tok, a.num_prompts, a.skip, a.max_prompt_tokens)
     if not prompts:
         raise SystemExit("error: no usable prompts")
     print(f"[eval] {len(prompts)} prompts, target {a.target}, {len(drafters)} drafter(s), {a.dtype} on {a.device}, "
-          f"block {bs}, stop ids {stops}; baseline: n-gram prompt lookup (last 3/2/1 tokens, up to {bs - 1})")
+          f"block {dbs}, stop ids {stops}; baseline: n-gram prompt lookup (last 3/2/1 tokens, up to {bs - 1})")
     outs = decode_all(target, drafters, prompts, a.max_new_tokens, stops, bs, a.device)
     ref = outs.pop("target greedy")
     res = {"prompts": len(prompts), "skip": a.skip, "target": a.target, "drafters": a.drafters,
            "prompt_files": a.prompts, "max_prompt_tokens": a.max_prompt_tokens, "max_new_tokens": a.max_new_tokens,
-           "dtype": a.dtype, "device": str(a.device), "block_size": bs,
+           "dtype": a.dtype, "device": str(a.device), "block_size": dbs, "ngram_block": bs,
            "tokens_out": sum(len(o) for o, _ in ref), "methods": {}, "per_prompt": []}
     for name, got in outs.items():
         bad = [{"prompt": a.skip + i, **first_difference(target, p, r, o)}
@@ -140,7 +143,7 @@ def main(argv=None):
         rounds = sum(hist.values())
         res["methods"][name] = {"mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
                                 "histogram": dict(sorted(hist.items())),
-                                "acceptance_by_position": acceptance_by_position(hist, bs),
+                                "acceptance_by_position": acceptance_by_position(hist, bs if name == "n-gram lookup" else dbs),
                                 "lossless": len(prompts) - len(bad), "mismatches": bad}
     for i, (p, (r, _)) in enumerate(zip(prompts, ref)):
         taus = {name: sum(got[i][1]) / len(got[i][1]) if got[i][1] else None for name, got in outs.items()}
@@ -182,7 +185,7 @@ def acceptance_by_position(hist, bs):
     return [at_least[k] / at_least[k - 1] if at_least[k - 1] else None for k in range(1, bs)]
 
 def report(res, json_path):
-    bs, n, m, names = res["block_size"], res["prompts"], res["methods"], list(res["methods"])
+    bs, n, m, names = res["ngram_block"], res["prompts"], res["methods"], list(res["methods"])
     sp, w = res.get("speed"), max(16, *map(len, names))
     print("\nDFlash drafters: " + ", ".join(f"{lb} = {p}" for lb, p in res["drafters"].items()))
     print(f"tau and losslessness: {n} prompts side by side, {res['dtype']}; " + (
@@ -193,7 +196,7 @@ def report(res, json_path):
         print(f"{name:{w}s} " + (f"{r['mean_tau']:6.3f} {r['lossless']:>5d}/{n:<3d}" if r else f"{'':6s} {'':9s}")
               + (f" {s['tok_s']:9.1f} {s['speedup']:8.2f}x" if s else ""))
     cw = max(8, *map(len, names))
-    print(f"acceptance lengths (rounds; block {bs}):\n     " + " ".join(f"{name:>{cw}s}" for name in names))
+    print(f"acceptance lengths (rounds; block {res['block_size']}, n-gram lookup {bs}):\n     " + " ".join(f"{name:>{cw}s}" for name in names))
     print(format_histogram(*({int(k): v for k, v in m[name]["histogram"].items()} for name in names), bs=bs, width=cw))
     print(f"acceptance by draft position 1..{bs - 1} (of the rounds that reach it, the share that accept it):")
     for name in names:
