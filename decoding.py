@@ -400,7 +400,7 @@ class DrafterRows:
                 h = self.layer_step(layer, h, ctx, cos_c, sin_c, cos_q, sin_q, self)
         return (d.norm(h)[:, 1:] @ d.lm_head_weight.t().to(h.dtype)).argmax(-1)
 
-    @torch.compiler.disable   # a compiled layer breaks its graph here: the cache rows and the row kernel run as they are
+    @torch.compiler.disable   # a compiled layer's graph breaks here: cache rows and row kernel run as they are
     def attend(self, q, k, v):
         """Layer self.layer's keys: the new context's, then the block's (which overwrite the context's invalid tail),
         join the cache; the block reads the row up to its end (it sees all of itself)."""

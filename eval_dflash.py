@@ -120,7 +120,7 @@ def main(argv=None):
     target = config.load_model(a.target, a.device, dtype)
     drafters = {lb: dm.load_drafter(p, target, device=a.device, dtype=dtype).eval() for lb, p in a.drafters.items()}
     sizes = {lb: d.config.block_size for lb, d in drafters.items()}
-    if len(set(sizes.values())) > 1:      # n-gram lookup and the histograms' rows follow one block size
+    if len(set(sizes.values())) > 1:      # the report and its JSON name one drafter block size
         raise SystemExit(f"error: the drafters' block sizes differ ({sizes}): compare drafters of one block size")
     # n-gram lookup drafts what it would alone (15 tokens) however short the drafters' blocks: a fair baseline
     stops, dbs = decoding.stop_token_ids(tok, target), next(iter(sizes.values()))
@@ -143,7 +143,8 @@ def main(argv=None):
         rounds = sum(hist.values())
         res["methods"][name] = {"mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
                                 "histogram": dict(sorted(hist.items())),
-                                "acceptance_by_position": acceptance_by_position(hist, bs if name == "n-gram lookup" else dbs),
+                                "acceptance_by_position": acceptance_by_position(
+                                    hist, bs if name == "n-gram lookup" else dbs),
                                 "lossless": len(prompts) - len(bad), "mismatches": bad}
     for i, (p, (r, _)) in enumerate(zip(prompts, ref)):
         taus = {name: sum(got[i][1]) / len(got[i][1]) if got[i][1] else None for name, got in outs.items()}
@@ -196,7 +197,8 @@ def report(res, json_path):
         print(f"{name:{w}s} " + (f"{r['mean_tau']:6.3f} {r['lossless']:>5d}/{n:<3d}" if r else f"{'':6s} {'':9s}")
               + (f" {s['tok_s']:9.1f} {s['speedup']:8.2f}x" if s else ""))
     cw = max(8, *map(len, names))
-    print(f"acceptance lengths (rounds; block {res['block_size']}, n-gram lookup {bs}):\n     " + " ".join(f"{name:>{cw}s}" for name in names))
+    print(f"acceptance lengths (rounds; block {res['block_size']}, n-gram lookup {bs}):\n     "
+          + " ".join(f"{name:>{cw}s}" for name in names))
     print(format_histogram(*({int(k): v for k, v in m[name]["histogram"].items()} for name in names), bs=bs, width=cw))
     print(f"acceptance by draft position 1..{bs - 1} (of the rounds that reach it, the share that accept it):")
     for name in names:
