@@ -29,8 +29,8 @@ if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   defaults=(--out-dir out/default --resume --distill 1.0 --max-minutes 15 --log-interval 100 --tensorboard auto)
   if [[ " $* " != *" --target "* ]]; then
     # the embedded default's small drafter: blocks of 8 (at its acceptance a round almost never gets past draft
-    # position 7) on twice the anchors, and batches of 4 sequences for 2.6x the steps: higher acceptance in the
-    # same time (BENCHMARKS.md); a large target keeps the DFlash recipe's block 16 and its automatic batch
+    # position 7) on twice the anchors, and batches of 4 sequences for more steps: higher acceptance in the same
+    # time (BENCHMARKS.md); a large target keeps the DFlash recipe's block 16 and its automatic batch
     defaults+=(--block-size 8 --num-anchors 1024 --tokens-per-batch 12288)
   fi
   if [[ " $* " != *" --target "* && " $* " != *" --data "* && "${DFLASH_REGENERATE:-0}" = 1 ]]; then
