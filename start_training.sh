@@ -32,14 +32,14 @@ if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
     # position 7) on twice the anchors, and batches of 4 sequences for more steps: higher acceptance in the same
     # time (BENCHMARKS.md); a large target keeps the DFlash recipe's block 16 and its automatic batch
     defaults+=(--block-size 8 --num-anchors 1024 --tokens-per-batch 12288)
-  fi
-  if [[ " $* " != *" --target "* && " $* " != *" --data "* && "${DFLASH_REGENERATE:-0}" = 1 ]]; then
-    regen=.cache/sharegpt_v3_regenerated.jsonl     # a second start reuses it
-    if ! $PY -u generate_data.py --out "$regen" 2>&1 | tee "$log"; then
-      echo "[start] generate_data.py failed (see $log); without DFLASH_REGENERATE=1 it trains on ShareGPT's answers"
-      exit 1
+    if [[ " $* " != *" --data "* && "${DFLASH_REGENERATE:-0}" = 1 ]]; then
+      regen=.cache/sharegpt_v3_regenerated.jsonl     # a second start reuses it
+      if ! $PY -u generate_data.py --out "$regen" 2>&1 | tee "$log"; then
+        echo "[start] generate_data.py failed (see $log); without DFLASH_REGENERATE=1 it trains on ShareGPT's answers"
+        exit 1
+      fi
+      defaults+=(--data "$regen")
     fi
-    defaults+=(--data "$regen")
   fi
 else
   echo "[start] CPU: training on ShareGPT's own answers (the target rewriting them needs a GPU to be quick)"
