@@ -27,6 +27,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import config
 import data_dflash
+import decoding
 import dflash_model as dm
 from environment import CACHE_INFO_FILE, cache_info
 
@@ -206,16 +207,46 @@ _TARGET_NUMBERS = itertools.count()
 
 def compile_target_layers(target):
     """Compile the target's decoder layers, called through GATE: regional (its layers share one graph per input
-    shape), with a code object per target (see the top). transformers passes a mask only when a row is padded:
-    two graphs per shape, both warmed (warm_target)."""
+    shape), with a code object per target (see the top). A layer of full causal attention gets no mask (rows are
+    right-padded: dm.target_forward): SDPA's causal kernel, and one graph per shape, also under a CUDA-graph
+    capture, where transformers builds the causal mask as a tensor."""
     code = _layer_forward.__code__.replace(co_name=f"target_layers_{next(_TARGET_NUMBERS)}")
     fn = torch.compile(types.FunctionType(code, globals()), dynamic=False, fullgraph=True)
 
     def gated(layer, hidden_states, *args, **kwargs):
+        if getattr(layer.self_attn, "sliding_window", None) is None:
+            kwargs["attention_mask"] = None
         return GATE.run("target_layer", hidden_states.device, tuple(hidden_states.shape), fn, layer,
                         hidden_states, *args, **kwargs)
     for layer in target.model.layers:
         layer.forward = functools.partial(gated, layer)
+
+class GraphedTarget:
+    """The trainer's target forward, dm.target_forward, as one CUDA-graph replay per (B, S) captured at the warm-up:
+    a small target's forward is bound by the host launching its kernels, and the trainer's target and drafter threads
+    launch theirs under one GIL. Off CUDA, and at a shape not captured, the forward runs as it is (through the gate,
+    which refuses an unwarmed shape)."""
+    def __init__(self, target, layer_ids, final):
+        self.target, self.layer_ids, self.final = target, list(layer_ids), final
+        self.device = next(target.parameters()).device
+        self.graphs, self.inputs = {}, {}
+
+    def forward(self, ids):
+        with torch.no_grad():
+            return dm.target_forward(self.target, ids, self.layer_ids, self.final)
+
+    def capture(self, B, S):
+        if self.device.type == "cuda":
+            ids = self.inputs[(B, S)] = torch.zeros(B, S, dtype=torch.long, device=self.device)
+            decoding.replay(self.graphs, (B, S), lambda: self.forward(ids), self.device)
+
+    def __call__(self, ids):
+        static = self.inputs.get(tuple(ids.shape))
+        if static is None:
+            return self.forward(ids.to(self.device, non_blocking=True))
+        static.copy_(ids, non_blocking=True)
+        # a copy: the next replay overwrites the graph's output, and the trainer queues features ahead
+        return decoding.replay(self.graphs, tuple(ids.shape), None, self.device).clone()
 
 # ---- 3. The compile cache
 
@@ -265,37 +296,35 @@ def warm_shape(drafter, shape, gamma, attn):
         p.grad = p.grad.zero_() if had else None
     sync_device(dev)
 
-def warm_target(target, B, S, layer_ids):
-    """Compile the target's layers at (B, S) with no row padded and with one (two graphs), and check the compiled
-    features against eager ones position by position: returns the largest of the rows' median relative errors. A
-    wrong mask or layer moves most positions by order 1. bf16 rounding moves most by about 1e-2, and a few of random
-    tokens by order 1 (those where the target's outlier activations form on one path only), so a row's median,
-    not the whole batch's norm, is held to 0.1 (fp32: 1e-4)."""
-    dev, dtype = next(target.parameters()).device, next(target.parameters()).dtype
-    ids = torch.randint(0, target.config.vocab_size, (B, S), device=dev)
-    tol, errs = (1e-4 if dtype == torch.float32 else 0.1), []
-    for last_len in (S, S // 2):
-        am = torch.ones(B, S, dtype=torch.bool, device=dev)
-        am[-1, last_len:] = False
-        with torch.no_grad():
-            got = dm.target_forward(target, ids, am, layer_ids).float()
-            with torch.compiler.set_stance("force_eager"):     # the reference, deliberately eager
-                want = dm.target_forward(target, ids, am, layer_ids).float()
-        err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)       # (B, S): each position's
-        errs.append(max(float(err[b, : S if b < B - 1 else last_len].median()) for b in range(B)))
-        if not errs[-1] <= tol:
-            raise SystemExit(f"error: the compiled target's features at (B, S) = {(B, S)} differ from the eager "
-                             f"target's: a row's median position by {errs[-1]:.2e} (relative; {dtype} allows "
-                             f"{tol:g}): refusing to train on them. Report it with `python diagnose.py` output")
-    return max(errs)
+def warm_target(graphed, B, S):
+    """Compile the target's layers at (B, S), capture its CUDA graph (GraphedTarget), and check the features as the
+    trainer gets them against eager ones position by position: returns the largest of the rows' median relative
+    errors. A wrong mask or layer moves most positions by order 1. bf16 rounding moves most by about 1e-2, and a few
+    of random tokens by order 1 (those where the target's outlier activations form on one path only), so a row's
+    median, not the whole batch's norm, is held to 0.1 (fp32: 1e-4)."""
+    dev, dtype = graphed.device, next(graphed.target.parameters()).dtype
+    ids = torch.randint(0, graphed.target.config.vocab_size, (B, S), device=dev)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    graphed.forward(ids)                                   # compiles, outside the capture
+    graphed.capture(B, S)
+    got = graphed(ids).float()
+    with torch.compiler.set_stance("force_eager"):         # the reference, deliberately eager
+        want = graphed.forward(ids).float()
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)       # (B, S): each position's
+    worst = float(err.median(dim=1).values.max())
+    if not worst <= tol:
+        raise SystemExit(f"error: the compiled target's features at (B, S) = {(B, S)} differ from the eager "
+                         f"target's: a row's median position by {worst:.2e} (relative; {dtype} allows "
+                         f"{tol:g}): refusing to train on them. Report it with `python diagnose.py` output")
+    return worst
 
 def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targets=()):
-    """Warm every (target, (B, S)) of compiled targets and every (replica, shape) in turn, size the recompile
-    limit, then mark the gate warm. Returns the table rows [(device, shape, seconds, how)]."""
+    """Warm every (target, (B, S)) of compiled targets (GraphedTarget) and every (replica, shape) in turn, size the
+    recompile limit, then mark the gate warm. Returns the table rows [(device, shape, seconds, how)]."""
     target_shapes = sorted({(B, S) for B, S, _ in shapes})
-    # dynamo entries: per (replica, shape) on the drafter's code object, per ((B, S), padded?, layer kind) on a target's
-    kinds = len(set(getattr(targets[0].config, "layer_types", None) or [0])) if targets else 0
-    GATE.set_recompile_limit(max(len(drafters) * len(shapes), 2 * kinds * len(target_shapes)) + 2)
+    # dynamo entries: per (replica, shape) on the drafter's code object, per ((B, S), layer kind) on a target's
+    kinds = len(set(getattr(targets[0].target.config, "layer_types", None) or [0])) if targets else 0
+    GATE.set_recompile_limit(max(len(drafters) * len(shapes), kinds * len(target_shapes)) + 2)
     GATE.on_unwarmed, rows, t_start = on_unwarmed, [], time.time()
     n = len(targets) * len(target_shapes) + len(drafters) * len(shapes)
 
@@ -310,10 +339,9 @@ def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targe
         eta = (time.time() - t_start) / len(rows) * (n - len(rows))   # a cold compile takes tens of seconds
         log(f"[warmup] {len(rows)}/{n} {dev:14s} {str(rows[-1][1]):18s} {rows[-1][2]:7.1f}s  {rows[-1][3]}"
             + (f" | ETA {eta:.0f}s" if len(rows) < n else ""))
-    for target in targets:
-        dev = next(target.parameters()).device
+    for graphed in targets:
         for B, S in target_shapes:
-            timed(f"{dev} target", (B, S), lambda: warm_target(target, B, S, sorted(target.hooked)), True)
+            timed(f"{graphed.device} target", (B, S), lambda: warm_target(graphed, B, S), True)
     for drafter in drafters:
         for shape in shapes:
             timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, gamma, attn), attn == "flex")

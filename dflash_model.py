@@ -454,13 +454,15 @@ def capture(target, layer_ids):
         target.model.layers[i].register_forward_hook(keep)
         target.hooked.add(i)
 
-def target_forward(target, input_ids, attention_mask, layer_ids, final=False):
+def target_forward(target, input_ids, layer_ids, final=False):
     """One batch through the target's base model (no LM head): the outputs of `layer_ids`, concatenated, and with
-    `final` its final normed hidden states after them (a target of its whole depth: distillation's teacher)."""
+    `final` its final normed hidden states after them (a target of its whole depth: distillation's teacher). Rows are
+    right-padded, and under causal attention a position never sees the positions after it: a row's real positions
+    get their exact features with no padding mask (its padded positions' features are never read)."""
     if final and isinstance(target.model.norm, nn.Identity):   # config.load_target cut it: no teacher there
         raise ValueError("target_forward(final=True) needs the target's whole depth: config.load_target(whole=True)")
     capture(target, layer_ids)
-    out = target.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    out = target.model(input_ids=input_ids, use_cache=False).last_hidden_state
     feats = torch.cat([target.captured[i] for i in layer_ids] + ([out] if final else []), dim=-1)
     target.captured.clear()     # the hooks' references would hold a batch of layer outputs until the next forward
     return feats

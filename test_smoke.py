@@ -245,7 +245,7 @@ def trained(targets):
     assert seq.shape == (1, S)
     drafter = drafter_for(target, bs)
     with torch.no_grad():
-        feats = dm.target_forward(target, seq, None, drafter.config.target_layer_ids)
+        feats = dm.target_forward(target, seq, drafter.config.target_layer_ids)
     loss_mask = torch.ones(1, S, dtype=torch.bool)
     lengths = torch.tensor([S])
     all_anchors, all_valid = dm.sample_anchors(loss_mask, lengths, S, bs)       # every position
@@ -562,13 +562,13 @@ def test_distillation_matches_the_targets_next_token_distributions_and_training_
     sampled = valid[:, :, None].expand(-1, -1, c.block_size - 1).flatten()
     assert torch.equal(positions[rows][sampled], flat[sampled])
     with torch.no_grad():
-        feats = dm.target_forward(target, ids, torch.ones(B, S, dtype=torch.bool), c.target_layer_ids, final=True)
+        feats = dm.target_forward(target, ids, c.target_layer_ids, final=True)
         full = target(ids).logits                                    # (B, S, V): the dense reference's teacher
     assert feats.shape[-1] == (len(c.target_layer_ids) + 1) * c.hidden_size
     cut = tiny_target("llama")
     cut.model.norm = torch.nn.Identity()          # as config.load_target cuts a target: its last state is no teacher
     with pytest.raises(ValueError, match="needs the target's whole depth"):
-        dm.target_forward(cut, ids, torch.ones(B, S, dtype=torch.bool), c.target_layer_ids, final=True)
+        dm.target_forward(cut, ids, c.target_layer_ids, final=True)
 
     def dense_kl():
         with torch.no_grad():
@@ -795,7 +795,7 @@ def test_save_load_roundtrip_and_format(targets, tmp_path):
     for k, v in d.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
     with torch.no_grad():
-        feats = dm.target_forward(target, torch.arange(20)[None], None, d.config.target_layer_ids)
+        feats = dm.target_forward(target, torch.arange(20)[None], d.config.target_layer_ids)
     outs = []
     for m in (d, loaded):
         rows = decoding.DrafterRows(m, 1, 64)
@@ -1086,7 +1086,7 @@ def test_the_target_runs_only_up_to_its_deepest_captured_layer_with_the_full_mod
         hs = full.model(ids, output_hidden_states=True).hidden_states      # hs[i + 1]: layer i's output
         lines = []
         cut = config.load_target(str(tmp_path), "cpu", torch.float32, [1, 3], log=lines.append)
-        feats = dm.target_forward(cut, ids, None, [1, 3])
+        feats = dm.target_forward(cut, ids, [1, 3])
     assert len(cut.model.layers) == 4 and isinstance(cut.model.norm, torch.nn.Identity)
     assert torch.equal(feats, torch.cat([hs[2], hs[4]], -1))
     assert "kept 4/6 layers" in lines[-1]
@@ -1102,31 +1102,29 @@ TARGET_SHAPES = [(2, 64, 8), (1, 128, 8)]
 def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_warm_gate(tmp_path):
     """With flex (GPUs) the target's decoder layers are compiled, warmed with the drafter's (B, S) and
     checked against eager features at the warm-up. Then, as in training, each target runs in its own
-    thread through the shared gate: the features equal the eager target's, with and without padded rows
-    (two graphs per shape), and an unwarmed shape is refused."""
+    thread through the shared gate: the features equal the eager target's, and an unwarmed shape is refused."""
     import config
     path = f"random:{tiny_config_json(tmp_path / 'tiny.json')}"
     eager, *targets = (config.load_target(path, "cpu", torch.float32, [0, 2], log=lambda m: None) for _ in range(3))
     for t in targets:
         compiled.compile_target_layers(t)
-    rows = compiled.warm_up([], TARGET_SHAPES + [(1, 128, 16)], 7.0, "flex", log=lambda m: None, targets=targets)
+    graphed = [compiled.GraphedTarget(t, [0, 2], False) for t in targets]
+    rows = compiled.warm_up([], TARGET_SHAPES + [(1, 128, 16)], 7.0, "flex", log=lambda m: None, targets=graphed)
     assert [(r[0], r[1]) for r in rows] == [("cpu target", (1, 128)), ("cpu target", (2, 64))] * 2
     kinds = [r[3] for r in rows]
     assert all(re.search(r"(compile|hit|\(in process\)), features \de[+-]\d+ from eager", k) for k in kinds), kinds
     assert GATE.warm
     batches = []
-    for B, S, lengths in [(2, 64, [64, 64]), (2, 64, [64, 9]), (1, 128, [100])] * 2:
+    for B, S in [(2, 64), (1, 128)] * 2:
         ids = torch.randint(0, 512, (B, S))
-        am = torch.arange(S)[None] < torch.tensor(lengths)[:, None]
         with torch.no_grad():
-            batches.append((ids, am, dm.target_forward(eager, ids, am, [0, 2])))
+            batches.append((ids, dm.target_forward(eager, ids, [0, 2])))
     results, errors = {}, []
 
     def worker(i):
         try:
-            with torch.no_grad():
-                # 20 passes: enough calls that threads sharing one code object's dynamo cache would race
-                results[i] = [dm.target_forward(targets[i], ids, am, [0, 2]) for ids, am, _ in batches * 20]
+            # 20 passes: enough calls that threads sharing one code object's dynamo cache would race
+            results[i] = [graphed[i](ids) for ids, _ in batches * 20]
         except Exception as e:       # noqa: BLE001 - asserted below, with the thread's error
             errors.append(e)
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
@@ -1136,10 +1134,25 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
         t.join()
     assert not errors, errors
     for i in range(2):
-        for got, (_, _, want) in zip(results[i], batches * 20):
+        for got, (_, want) in zip(results[i], batches * 20):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(compiled.UnwarmedShapeError, match=r"'target_layer'.*\(1, 64, 64\)"), torch.no_grad():
-        dm.target_forward(targets[0], torch.randint(0, 512, (1, 64)), None, [0, 2])
+    with pytest.raises(compiled.UnwarmedShapeError, match=r"'target_layer'.*\(1, 64, 64\)"):
+        graphed[0](torch.randint(0, 512, (1, 64)))
+
+
+def test_right_padded_rows_get_their_exact_features_without_a_mask(tmp_path):
+    """The trainer pads rows on the right and runs the target with no padding mask: causal attention never
+    lets a position see the ones after it, so each row's real positions get the features of that row alone."""
+    import config
+    target = config.load_target(f"random:{tiny_config_json(tmp_path / 'tiny.json')}", "cpu", torch.float32,
+                                [0, 2], log=lambda m: None, whole=True)
+    lengths, S = [64, 9, 40], 64
+    ids = torch.randint(0, 512, (len(lengths), S))
+    with torch.no_grad():
+        batch = dm.target_forward(target, ids, [0, 2], final=True)
+        for b, n in enumerate(lengths):
+            alone = dm.target_forward(target, ids[b:b + 1, :n], [0, 2], final=True)
+            torch.testing.assert_close(batch[b:b + 1, :n], alone, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("where", ["every position", "one position a row"])
@@ -1161,7 +1174,8 @@ def test_a_compiled_target_whose_features_differ_from_eager_is_refused_at_the_wa
     monkeypatch.setattr(layer_class, "forward", miscompiled)
     compiled.compile_target_layers(target)
     rows = []
-    warm = lambda: rows.extend(compiled.warm_up([], TARGET_SHAPES, 7.0, "flex", log=lambda m: None, targets=[target]))
+    graphed = compiled.GraphedTarget(target, [0, 2], False)
+    warm = lambda: rows.extend(compiled.warm_up([], TARGET_SHAPES, 7.0, "flex", log=lambda m: None, targets=[graphed]))
     if where == "every position":
         with pytest.raises(SystemExit, match=r"^error: the compiled target's features at \(B, S\) = \(1, 128\) "
                            r"differ from the eager target's: a row's median position by .* \(relative; torch.float32 "
@@ -1188,7 +1202,8 @@ def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_
             f"t = config.load_target({str(tmp_path / 'm')!r}, 'cpu', torch.float32, [0, 2], log=print, "
             "random_weights=sys.argv[1] == 'random')\n"
             "compiled.compile_target_layers(t)\n"
-            "print('rows', compiled.warm_up([], [(2, 64, 8)], 7.0, 'flex', targets=[t], log=lambda m: None))\n")
+            "print('rows', compiled.warm_up([], [(2, 64, 8)], 7.0, 'flex', targets=[compiled.GraphedTarget(t, [0, 2], False)], "
+            "log=lambda m: None))\n")
     out = []
     for weights in ("random", "real"):
         p = run_cmd([sys.executable, "-c", code, weights], timeout=300)

@@ -69,7 +69,7 @@ class Trainer:
         if self.attn == "flex":
             compiled.use_compile_cache(cfg.compile_cache, log)
         compiled.warm_up(self.replicas.drafters, self.shapes, cfg.gamma, self.attn, cfg.on_unwarmed, log,
-                         targets=self.targets if self.attn == "flex" else ())
+                         targets=self.graphed if self.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers
         self.peak_flops = compiled.measure_peak_flops(self.ddevs[0])
@@ -126,9 +126,10 @@ class Trainer:
         tdtype, layers = config.param_dtype(self.tdevs[0]), self.dcfg.target_layer_ids
         self.targets = [config.load_target(self.tpath, d, tdtype, layers, self.log, whole=self.cfg.distill > 0)
                         for d in self.tdevs]
-        if self.attn == "flex":    # compiled as the drafter is: through the gate, warmed with its shapes
+        if self.attn == "flex":    # compiled as the drafter is: through the gate, warmed (and graphed) with its shapes
             for t in self.targets:
                 compiled.compile_target_layers(t)
+        self.graphed = [compiled.GraphedTarget(t, layers, final=self.cfg.distill > 0) for t in self.targets]
         t0 = self.targets[0]
         self.replicas = Replicas(self.dcfg, t0.get_input_embeddings().weight.detach(),
                                  t0.get_output_embeddings().weight.detach(), self.ddevs, self.cfg, self.world,
@@ -286,16 +287,13 @@ class Trainer:
             self.run.put(self.load_q, (j, S, [(i, j // self.stream.nb) for i in sids], ids, lm, am.sum(1)))
 
     def target_worker(self, ti):
-        dev, model = self.tdevs[ti], self.targets[ti]
+        dev, graphed = self.tdevs[ti], self.graphed[ti]
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         while True:
             j, S, sids, ids, lm, lengths = self.run.get(self.load_q)
             t0 = time.time()
-            with torch.no_grad():
-                am = (torch.arange(S)[None] < lengths[:, None]).to(dev)
-                feats = dm.target_forward(model, ids.to(dev, non_blocking=True), am, self.dcfg.target_layer_ids,
-                                          final=self.cfg.distill > 0)
+            feats = graphed(ids)                 # rows right-padded to S: no mask (dm.target_forward)
             compiled.sync_device(dev)            # busy = device time, not launch time
             self.busy["target"][ti] += time.time() - t0
             self.buf.put(j, (S, sids, ids, lm, lengths, feats))

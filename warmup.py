@@ -39,9 +39,10 @@ def main(argv=None):
     if attn == "flex":        # the target's compiled layers too, on random weights of its shape
         compiled.use_compile_cache(cfg.compile_cache)
         for d in config.resolve_devices(cfg)[0]:
-            targets.append(config.load_target(cfg.target, d, config.param_dtype(d), dcfg.target_layer_ids,
-                                              random_weights=True))
-            compiled.compile_target_layers(targets[-1])
+            target = config.load_target(cfg.target, d, config.param_dtype(d), dcfg.target_layer_ids,
+                                        random_weights=True)
+            compiled.compile_target_layers(target)
+            targets.append(compiled.GraphedTarget(target, dcfg.target_layer_ids, final=False))
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
           f"attention {attn}")
     print(compiled.format_table(compiled.warm_up(drafters, shapes, cfg.gamma, attn, cfg.on_unwarmed, targets=targets)))
