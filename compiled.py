@@ -1,5 +1,6 @@
 """The compile machinery: 1. the gate every compiled call passes, 2. the compiled calls (the drafter's flex trunk
-and its backward, the target's decoder layers), 3. the persistent compile cache, 4. the warm-up, 5. timers.
+and its backward, the target's decoder layers and their CUDA graphs), 3. the persistent compile cache, 4. the
+warm-up, 5. streams and timers.
 
 What torch does, by version (the one place this is written down):
   * Every compile that misses the AOTAutograd cache raises a process-global "FX tracing" flag (per thread from
@@ -354,7 +355,20 @@ def format_table(rows):
     lines.append(f"total {sum(r[2] for r in rows):.1f}s over {len(rows)} (device, shape) pairs")
     return "\n".join(lines)
 
-# ---- 5. Timers
+# ---- 5. Streams and timers
+
+@contextmanager
+def own_stream(dev):
+    """The calling thread's work on `dev` on a CUDA stream of its own (None off CUDA): threads sharing a GPU overlap
+    their kernels, and each one's sync_device waits for its own work only. The trainer's threads hand a tensor on only
+    after their sync_device, and drop it only after the reader's: no stream still reads memory that is reused."""
+    if torch.device(dev).type != "cuda":
+        yield None
+        return
+    torch.cuda.set_device(dev)
+    stream = torch.cuda.Stream(dev)
+    with torch.cuda.stream(stream):
+        yield stream
 
 def sync_device(dev):
     if torch.device(dev).type == "cuda":

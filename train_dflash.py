@@ -288,22 +288,23 @@ class Trainer:
 
     def target_worker(self, ti):
         dev, graphed = self.tdevs[ti], self.graphed[ti]
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        while True:
-            j, S, sids, ids, lm, lengths = self.run.get(self.load_q)
-            t0 = time.time()
-            feats = graphed(ids)                 # rows right-padded to S: no mask (dm.target_forward)
-            compiled.sync_device(dev)            # busy = device time, not launch time
-            self.busy["target"][ti] += time.time() - t0
-            self.buf.put(j, (S, sids, ids, lm, lengths, feats))
+        with compiled.own_stream(dev):
+            while True:
+                j, S, sids, ids, lm, lengths = self.run.get(self.load_q)
+                t0 = time.time()
+                feats = graphed(ids)                 # rows right-padded to S: no mask (dm.target_forward)
+                compiled.sync_device(dev)            # busy = device time, not launch time; feats ready for any stream
+                self.busy["target"][ti] += time.time() - t0
+                self.buf.put(j, (S, sids, ids, lm, lengths, feats))
 
     def drafter_worker(self, r):
-        if self.ddevs[r].type == "cuda":
-            torch.cuda.set_device(self.ddevs[r])
-        while True:
-            step, prepared, wsum = self.run.get(self.inbox[r])
-            self.run.put(self.outbox[r], self.forward_backward(r, step, prepared, wsum))
+        dev = self.ddevs[r]
+        with compiled.own_stream(dev) as stream:
+            while True:
+                step, prepared, wsum = self.run.get(self.inbox[r])
+                if stream is not None:   # the step loop's AdamW pass, queued on the default stream, writes the weights
+                    stream.wait_stream(torch.cuda.default_stream(dev))
+                self.run.put(self.outbox[r], self.forward_backward(r, step, prepared, wsum))
 
     def forward_backward(self, r, step, prepared, wsum):
         dev, dr, t0 = self.ddevs[r], self.replicas.drafters[r], time.time()
