@@ -214,13 +214,13 @@ def compile_target_layers(target):
     code = _layer_forward.__code__.replace(co_name=f"target_layers_{next(_TARGET_NUMBERS)}")
     fn = torch.compile(types.FunctionType(code, globals()), dynamic=False, fullgraph=True)
 
-    def gated(layer, hidden_states, *args, **kwargs):
-        if getattr(layer.self_attn, "sliding_window", None) is None:
+    def gated(layer, causal, hidden_states, *args, **kwargs):
+        if causal:
             kwargs["attention_mask"] = None
         return GATE.run("target_layer", hidden_states.device, tuple(hidden_states.shape), fn, layer,
                         hidden_states, *args, **kwargs)
     for layer in target.model.layers:
-        layer.forward = functools.partial(gated, layer)
+        layer.forward = functools.partial(gated, layer, getattr(layer.self_attn, "sliding_window", None) is None)
 
 class GraphedTarget:
     """The trainer's target forward, dm.target_forward, as one CUDA-graph replay per (B, S) captured at the warm-up:
