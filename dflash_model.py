@@ -436,11 +436,19 @@ def step_flops(c, S, A, ctx, teacher_rows=0):
 
 def batch_flops(c, S, anchors, valid, teacher=False):
     """One drafter step on a (B, S) batch as it runs (padding included: the MFU is the device's); with a teacher,
-    its logits at each sequence's distinct positions (teacher_positions)."""
-    def taught(a, v):
-        return len(teacher_positions(a[None], v[None], S, c.block_size)[0]) if teacher and bool(v.any()) else 0
-    return sum(step_flops(c, S, anchors.shape[1], float(a[v].float().mean()) if bool(v.any()) else 0.0, taught(a, v))
-               for a, v in zip(anchors, valid))
+    its logits at each sequence's distinct positions (as many as teacher_positions gives, counted without it)."""
+    flops = 0
+    for a, v in zip(anchors, valid):
+        a = a[v].sort().values
+        if not len(a):
+            flops += step_flops(c, S, anchors.shape[1], 0.0)
+            continue
+        taught = 0
+        if teacher:   # anchor a teaches positions a .. a+bs-2 (< S): the part no later anchor's block covers
+            end = (a + c.block_size - 2).clamp(max=S - 1)
+            taught = int((torch.minimum(end, torch.cat([a[1:] - 1, end[-1:]])) - a + 1).clamp(min=0).sum())
+        flops += step_flops(c, S, anchors.shape[1], float(a.float().mean()), taught)
+    return flops
 
 # ---- 4. The target's features
 

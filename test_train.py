@@ -963,6 +963,12 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
     # distillation adds one LM head matmul per distinct taught position: 10-24 and 30-44, then 50-64
     assert dm.batch_flops(cfg, S, anchors2, valid2, teacher=True) == \
         dm.batch_flops(cfg, S, anchors2, valid2) + 2 * (30 + 15) * H * 256
+    # counted without teacher_positions, the same count: anchors unsorted, repeated, near S (the clamp)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        a, v = torch.randint(0, S, (2, A), generator=g), torch.rand(2, A, generator=g) < 0.7
+        assert dm.batch_flops(cfg, S, a, v, teacher=True) - dm.batch_flops(cfg, S, a, v) == \
+            2 * H * 256 * sum(len(dm.teacher_positions(x[None], y[None], S, bs)[0]) for x, y in zip(a, v) if y.any())
     taught = len(dm.teacher_positions(anchors, valid, S, bs)[0])
     with FlopCounterMode(display=False) as counter:
         feats_final = torch.cat([feats, torch.randn(1, S, H)], -1)     # the target's final states: the teacher
