@@ -465,17 +465,18 @@ def padding_waste(lengths, batches) -> float:
     return 1.0 - real / total if total else 0.0
 
 def collate(batch_indices, data, bucket_len, pad_id):
+    """Rows right-padded to bucket_len: input_ids, loss_mask (B, S) long and each row's length (B,)."""
     if pad_id is None:
         raise ValueError("pad_id is None: pass the tokenizer's pad (or eos) token id")
     input_ids = torch.full((len(batch_indices), bucket_len), pad_id, dtype=torch.long)
-    attention_mask, loss_mask = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
+    loss_mask, lengths = torch.zeros_like(input_ids), torch.zeros(len(batch_indices), dtype=torch.long)
     for row, i in enumerate(batch_indices):
         if (n := len(data["input_ids"][i])) > bucket_len:
             raise ValueError(f"sample {i} has {n} tokens, more than the bucket's {bucket_len}")
         input_ids[row, :n] = torch.from_numpy(data["input_ids"][i].astype(np.int64))
-        attention_mask[row, :n] = 1
         loss_mask[row, :n] = torch.from_numpy(data["loss_mask"][i].astype(np.int64))
-    return input_ids, attention_mask, loss_mask
+        lengths[row] = n
+    return input_ids, loss_mask, lengths
 
 # ---- 5. what the trainer reads: the samples, and batch j of a stream over the epochs
 

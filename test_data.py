@@ -518,10 +518,10 @@ def test_make_batches_deterministic_and_complete():
 def test_collate():
     data = {"input_ids": [np.array([5, 6, 7], np.int32), np.array([8], np.int32)],
             "loss_mask": [np.array([0, 1, 1], np.uint8), np.array([1], np.uint8)]}
-    ids, attn, loss = D.collate([1, 0], data, 4, pad_id=0)
-    assert ids.dtype == attn.dtype == loss.dtype == torch.long and ids.shape == (2, 4)
+    ids, loss, lengths = D.collate([1, 0], data, 4, pad_id=0)
+    assert ids.dtype == loss.dtype == lengths.dtype == torch.long and ids.shape == (2, 4)
     assert ids.tolist() == [[8, 0, 0, 0], [5, 6, 7, 0]]
-    assert attn.tolist() == [[1, 0, 0, 0], [1, 1, 1, 0]]
+    assert lengths.tolist() == [1, 3]
     assert loss.tolist() == [[1, 0, 0, 0], [0, 1, 1, 0]]
     with pytest.raises(ValueError):
         D.collate([0], data, 2, pad_id=0)

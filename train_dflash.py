@@ -283,8 +283,8 @@ class Trainer:
     def loader(self):
         for j in itertools.count(self.cursor):
             S, sids = self.stream.batch(j)
-            ids, am, lm = data_dflash.collate(sids, self.data, S, self.pad_id)
-            self.run.put(self.load_q, (j, S, [(i, j // self.stream.nb) for i in sids], ids, lm, am.sum(1)))
+            ids, lm, lengths = data_dflash.collate(sids, self.data, S, self.pad_id)
+            self.run.put(self.load_q, (j, S, [(i, j // self.stream.nb) for i in sids], ids, lm, lengths))
 
     def target_worker(self, ti):
         dev, graphed = self.tdevs[ti], self.graphed[ti]
