@@ -370,6 +370,14 @@ def own_stream(dev):
     with torch.cuda.stream(stream):
         yield stream
 
+def host_threads(devices):
+    """One intra-op CPU thread where every device is a GPU: the host's torch ops are then small bookkeeping run by
+    several threads at once (the trainer's loader, step loop, drafters), and an intra-op thread team for each would
+    contend with the others' for the cores, an op waiting milliseconds for its team. Set before any compile: dynamo
+    guards on the thread count (so warmup.py sets it as the trainer does)."""
+    if all(torch.device(d).type == "cuda" for d in devices):
+        torch.set_num_threads(1)
+
 def sync_device(dev):
     if torch.device(dev).type == "cuda":
         torch.cuda.current_stream(dev).synchronize()

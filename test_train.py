@@ -1485,3 +1485,17 @@ def test_a_batch_of_many_sequences_gives_the_losses_and_gradients_of_its_rows_ru
     assert torch.equal(together[1], sum(a[1] for a in alone)) and torch.equal(together[2], sum(a[2] for a in alone))
     for g, parts in zip(together[3], zip(*(a[3] for a in alone))):
         assert torch.allclose(g, sum(parts), rtol=1e-4, atol=1e-6)
+
+
+def test_host_threads_is_one_intra_op_thread_only_where_every_device_is_a_gpu():
+    import compiled
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        compiled.host_threads([torch.device("cpu")])
+        compiled.host_threads([torch.device("cuda:0"), torch.device("cpu")])
+        assert torch.get_num_threads() == 2        # a CPU device trains with the intra-op threads
+        compiled.host_threads([torch.device("cuda:0"), torch.device("cuda:1")])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -90,6 +90,7 @@ class Trainer:
             dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device("cuda", local) if cuda else None)
             log(f"[dist] rank {self.rank}/{self.world} backend {dist.get_backend()}")
         self.tdevs, self.ddevs = config.resolve_devices(cfg)
+        compiled.host_threads(self.tdevs + self.ddevs)      # before any compile
         self.attn = config.resolve_attn(cfg, self.ddevs)
         if cfg.target and not cfg.data:
             raise SystemExit("error: --data is required with --target")
