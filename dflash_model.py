@@ -389,9 +389,10 @@ def dense_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
                         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
 
 def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma, trunk=dense_trunk,
-                         weight_sum=None, distill=0.0):
+                         weight_sum=None, distill=0.0, taught=None):
     """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk on GPUs) -> loss. distill > 0:
-    target_feats ends with the target's final hidden states (target_forward(final=True)), the KL's teacher."""
+    target_feats ends with the target's final hidden states (target_forward(final=True)), the KL's teacher; `taught`:
+    teacher_positions' result when computed ahead (the trainer's loader thread)."""
     c, (B, S) = drafter.config, input_ids.shape
     host_anchors, host_valid = anchors, valid
     anchors, valid = to_device(anchors, input_ids.device), to_device(valid, input_ids.device)
@@ -401,7 +402,8 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
     if distill:    # block position k's label is the target's next token after position anchor + k - 1
         H = c.hidden_size
         target_feats, final = target_feats[..., :-H].contiguous(), target_feats[..., -H:]
-        positions, rows = teacher_positions(host_anchors, host_valid, S, c.block_size)
+        positions, rows = taught if taught is not None else teacher_positions(host_anchors, host_valid, S,
+                                                                               c.block_size)
         positions = to_device(positions, input_ids.device)
         teacher = final[positions // S, positions % S]
     ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)

@@ -1499,3 +1499,32 @@ def test_host_threads_is_one_intra_op_thread_only_where_every_device_is_a_gpu():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_loaders_prepared_batch_is_what_the_step_would_compute_itself():
+    """prepare_batch (the loader thread's host work) gives each batch its anchors, distillation's taught positions and
+    the step's sums; the drafter's loss with the taught positions handed in equals the one that finds them itself."""
+    import config
+    import dflash_model as dm
+    import train_dflash as tr
+    S, bs, H, B = 128, 8, 64, 3
+    torch.manual_seed(5)
+    cfg = config.parse_args(["--num-anchors", "16", "--block-size", str(bs), "--distill", "0.5", "--max-length", "128"])
+    dcfg = dm.DFlashConfig(hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, vocab_size=256, num_target_layers=6, num_draft_layers=2, block_size=bs,
+                           mask_token_id=255)
+    lengths, ids = torch.tensor([128, 90, 41]), torch.randint(0, 255, (B, S))
+    lm = (torch.arange(S)[None] < lengths[:, None]).long()
+    keys = [(7, 0), (3, 1), (5, 0)]
+    b = tr.prepare_batch(cfg, dcfg, S, keys, ids, lm, lengths)
+    anchors, valid = tr.sample_anchors_for(cfg.seed, keys, lm, lengths, config.anchors_for(cfg, S), bs)
+    assert torch.equal(b["anchors"], anchors) and torch.equal(b["valid"], valid)
+    for got, want in zip(b["taught"], dm.teacher_positions(anchors, valid, S, bs)):
+        assert torch.equal(got, want)
+    assert b["wsum"] == float(dm.make_blocks(ids, lm, anchors, valid, bs, 255, cfg.gamma)[3][:, :, 1:].sum())
+    assert b["tokens"] == 259 and b["flops"] == dm.batch_flops(dcfg, S, anchors, valid, teacher=True)
+    drafter = dm.DFlashDrafter(dcfg, embed_weight=torch.randn(256, H), lm_head_weight=torch.randn(256, H))
+    feats = torch.randn(B, S, (len(dcfg.target_layer_ids) + 1) * H)
+    losses = [dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, cfg.gamma, weight_sum=b["wsum"],
+                                      distill=0.5, taught=taught)[0] for taught in (b["taught"], None)]
+    assert torch.equal(losses[0], losses[1])

@@ -208,14 +208,13 @@ class Trainer:
             for step in range(self.step + 1, self.total_steps + 1):     # 1-based: the step being taken
                 # this step's micro-batches in stream order: replica r takes every R-th, grad_accum of them
                 j0 = self.cursor + (step - 1 - self.step) * self.per_step
-                items = [self.buf.take(j) for j in range(j0, j0 + self.per_step)]
-                work = [prepare_batches(cfg, self.dcfg, items[r::R]) for r in range(R)]
+                batches = [self.buf.take(j) for j in range(j0, j0 + self.per_step)]
                 # one loss normaliser over replicas x micro-batches x ranks: the step is one over their concatenation;
                 # a signal on any rank makes this step every rank's last
                 wsum, tokens, flops, signalled = over_ranks(
-                    self.world, [*(sum(w[i] for w in work) for i in (1, 2, 3)), bool(asked)])
+                    self.world, [*(sum(b[k] for b in batches) for k in ("wsum", "tokens", "flops")), bool(asked)])
                 for r in range(R):
-                    run.put(self.inbox[r], (step, work[r][0], wsum))
+                    run.put(self.inbox[r], (step, batches[r::R], wsum))
                 sums = [run.get(q) for q in self.outbox]    # every replica's backward is done
                 t0 = time.time()
                 stats = reps.reduce(sums)                     # the gradients and the sums, over replicas and ranks
@@ -285,40 +284,42 @@ class Trainer:
         for j in itertools.count(self.cursor):
             S, sids = self.stream.batch(j)
             ids, lm, lengths = data_dflash.collate(sids, self.data, S, self.pad_id)
-            self.run.put(self.load_q, (j, S, [(i, j // self.stream.nb) for i in sids], ids, lm, lengths))
+            keys = [(i, j // self.stream.nb) for i in sids]
+            self.run.put(self.load_q, (j, prepare_batch(self.cfg, self.dcfg, S, keys, ids, lm, lengths)))
 
     def target_worker(self, ti):
         dev, graphed = self.tdevs[ti], self.graphed[ti]
         with compiled.own_stream(dev):
             while True:
-                j, S, sids, ids, lm, lengths = self.run.get(self.load_q)
+                j, batch = self.run.get(self.load_q)
                 t0 = time.time()
-                feats = graphed(ids)                 # rows right-padded to S: no mask (dm.target_forward)
+                batch["feats"] = graphed(batch["ids"])   # rows right-padded to S: no mask (dm.target_forward)
                 compiled.sync_device(dev)            # busy = device time, not launch time; feats ready for any stream
                 self.busy["target"][ti] += time.time() - t0
-                self.buf.put(j, (S, sids, ids, lm, lengths, feats))
+                self.buf.put(j, batch)
 
     def drafter_worker(self, r):
         dev = self.ddevs[r]
         with compiled.own_stream(dev) as stream:
             while True:
-                step, prepared, wsum = self.run.get(self.inbox[r])
+                step, batches, wsum = self.run.get(self.inbox[r])
                 if stream is not None:   # the step loop's AdamW pass, queued on the default stream, writes the weights
                     stream.wait_stream(torch.cuda.default_stream(dev))
-                self.run.put(self.outbox[r], self.forward_backward(r, step, prepared, wsum))
+                self.run.put(self.outbox[r], self.forward_backward(r, step, batches, wsum))
 
-    def forward_backward(self, r, step, prepared, wsum):
+    def forward_backward(self, r, step, batches, wsum):
         dev, dr, t0 = self.ddevs[r], self.replicas.drafters[r], time.time()
         loss_sum, hits, counts = 0.0, 0, 0
-        for S, ids, lm, feats, anchors, valid in prepared:
-            shape = (ids.shape[0], S, anchors.shape[1])
+        for b in batches:
+            ids, anchors = b["ids"], b["anchors"]
+            shape = (ids.shape[0], b["S"], anchors.shape[1])
             if shape not in self.shapes:     # on every path, not only the gate's: CPU tests see it too
                 raise RuntimeError(f"batch shape {shape} is not in the warmed shape plan {self.shapes}")
             with compiled.autocast(dev):
-                loss, acc, cnt = dm.drafter_forward_loss(dr, feats.to(dev, non_blocking=True), dm.to_device(ids, dev),
-                                                         dm.to_device(lm, dev), anchors, valid, self.cfg.gamma,
-                                                         compiled.trunk(self.attn), weight_sum=wsum,
-                                                         distill=self.cfg.distill)
+                loss, acc, cnt = dm.drafter_forward_loss(dr, b["feats"].to(dev, non_blocking=True),
+                                                         dm.to_device(ids, dev), dm.to_device(b["lm"], dev), anchors,
+                                                         b["valid"], self.cfg.gamma, compiled.trunk(self.attn),
+                                                         weight_sum=wsum, distill=self.cfg.distill, taught=b["taught"])
             compiled.backward(loss, dev, shape, self.attn)
             loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
         compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
@@ -429,16 +430,15 @@ def log_line(step, x, total_steps, cfg):
             + f" | ETA {x['eta_min']:.1f}min" + (f" | checkpoint pause {x['ckpt_pause_s']:.2f}s (not in the rates)"
                                                  if x["ckpt_pause_s"] else ""))
 
-def prepare_batches(cfg, dcfg, items):
-    prepared, wsum, tokens, flops = [], 0.0, 0.0, 0.0
-    for S, sids, ids, lm, lengths, feats in items:
-        anchors, valid = sample_anchors_for(cfg.seed, sids, lm, lengths, config.anchors_for(cfg, S), cfg.block_size)
-        weights = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3]
-        wsum += float(weights[:, :, 1:].sum())
-        tokens += float(lengths.sum())
-        flops += dm.batch_flops(dcfg, S, anchors, valid, teacher=cfg.distill > 0)
-        prepared.append((S, ids, lm, feats, anchors, valid))
-    return prepared, wsum, tokens, flops
+def prepare_batch(cfg, dcfg, S, keys, ids, lm, lengths):
+    """A batch's host work, done by the loader thread ahead of its step (off the step loop's and the drafter thread's
+    path): its anchors, distillation's taught positions, and its share of the step's sums."""
+    anchors, valid = sample_anchors_for(cfg.seed, keys, lm, lengths, config.anchors_for(cfg, S), cfg.block_size)
+    weights = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3]
+    return {"S": S, "ids": ids, "lm": lm, "anchors": anchors, "valid": valid,
+            "taught": dm.teacher_positions(anchors, valid, S, cfg.block_size) if cfg.distill > 0 else None,
+            "wsum": float(weights[:, :, 1:].sum()), "tokens": float(lengths.sum()),
+            "flops": dm.batch_flops(dcfg, S, anchors, valid, teacher=cfg.distill > 0)}
 
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
     """Drawn per (sample, epoch) with their own generator: the same however batches are split, and again on resume."""
