@@ -374,7 +374,8 @@ def host_threads(devices):
     """One intra-op CPU thread where every device is a GPU: the host's torch ops are then small bookkeeping run by
     several threads at once (the trainer's loader, step loop, drafters), and an intra-op thread team for each would
     contend with the others' for the cores, an op waiting milliseconds for its team. Set before any compile: dynamo
-    guards on the thread count (so warmup.py sets it as the trainer does)."""
+    guards on the thread count in the process (inductor's on-disk cache keys on it only for CPU kernels, so another
+    process's GPU compiles, warmup.py's, still serve)."""
     if all(torch.device(d).type == "cuda" for d in devices):
         torch.set_num_threads(1)
 

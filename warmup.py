@@ -33,7 +33,6 @@ def build_drafters(cfg):
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     cfg.target = config.target_and_data(cfg)[0]      # the embedded default, prepared once
-    compiled.host_threads(sum(config.resolve_devices(cfg), []))    # as the trainer: its compiles guard on it
     dcfg, drafters, shapes = build_drafters(cfg)
     attn = config.resolve_attn(cfg, [d.fc.weight.device for d in drafters])
     targets = []
