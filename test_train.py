@@ -635,8 +635,8 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     assert "[data]" not in p.out                          # refused before the data or the models
     p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--lr", 1e-5)
     assert p.rc != 0 and "--lr 1e-05 (checkpoint: 0.0006)" in p.out, p.tail()
-    p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--distill", 0.5)
-    assert p.rc != 0 and "--distill 0.5 (checkpoint: 0.0)" in p.out, p.tail()     # another loss: a new run
+    p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--distill", 0.5, "--labels", "target")
+    assert p.rc != 0 and "--distill 0.5 (checkpoint: 0.0), --labels target (checkpoint: data)" in p.out, p.tail()
 
     with open(out / "metrics.jsonl", "a") as f:     # a killed run's steps after the checkpoint, one cut mid-line
         f.write(json.dumps({"step": last + 1, "loss": 1.0}) + "\n" + '{"step": 4, "lo')
@@ -647,14 +647,16 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     assert [r["step"] for r in metrics(out)] == list(range(1, last + 3))
 
 
-def test_distillation_runs_the_whole_target_and_trains(llama, sharegpt, cache_dir, tmp_path):
-    """--distill: the target keeps its last layers and final norm (the teacher's distribution), and the run trains
-    on the mixed loss; --distill outside [0, 1] is an error."""
+@pytest.mark.parametrize("loss", [("--distill", 0.5), ("--labels", "target")], ids=["distill", "target-labels"])
+def test_distillation_runs_the_whole_target_and_trains(llama, sharegpt, cache_dir, tmp_path, loss):
+    """--distill and --labels target: the target keeps its last layers and final norm (the teacher), and the run
+    trains on that loss; --distill outside [0, 1] and an unknown --labels are errors."""
     common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 30,
               "--heldout", 0, "--out-dir", tmp_path / "out"]
-    p = here("train_dflash", *common, "--distill", 1.5)
-    assert p.rc != 0 and "--distill must lie in [0, 1], got 1.5" in p.out, p.tail()
-    p = train(*common, "--distill", 0.5, "--max-steps", 3)
+    p = here("train_dflash", *common, "--distill", 1.5, "--labels", "model")
+    assert p.rc != 0 and "--distill must lie in [0, 1], got 1.5" in p.out and \
+        "--labels must be data|target, got model" in p.out, p.tail()
+    p = train(*common, *loss, "--max-steps", 3)
     assert_ok(p)
     assert "kept 4/4 layers and the final norm, no LM head" in p.out, p.tail()
     losses = [r["loss"] for r in metrics(tmp_path / "out")]

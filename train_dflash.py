@@ -125,12 +125,12 @@ class Trainer:
 
     def build_models(self):
         tdtype, layers = config.param_dtype(self.tdevs[0]), self.dcfg.target_layer_ids
-        self.targets = [config.load_target(self.tpath, d, tdtype, layers, self.log, whole=self.cfg.distill > 0)
+        self.targets = [config.load_target(self.tpath, d, tdtype, layers, self.log, whole=self.cfg.teacher)
                         for d in self.tdevs]
         if self.attn == "flex":    # compiled as the drafter is: through the gate, warmed (and graphed) with its shapes
             for t in self.targets:
                 compiled.compile_target_layers(t)
-        self.graphed = [compiled.GraphedTarget(t, layers, final=self.cfg.distill > 0) for t in self.targets]
+        self.graphed = [compiled.GraphedTarget(t, layers, final=self.cfg.teacher) for t in self.targets]
         t0 = self.targets[0]
         self.replicas = Replicas(self.dcfg, t0.get_input_embeddings().weight.detach(),
                                  t0.get_output_embeddings().weight.detach(), self.ddevs, self.cfg, self.world,
@@ -149,9 +149,9 @@ class Trainer:
         if path is None:
             self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
             return
-        saved = {"distill": 0.0, **state["config"]}    # a config without the key: labels only
+        saved = {"distill": 0.0, "labels": "data", **state["config"]}    # a config without the keys: the data's labels
         changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {saved[k]})"
-                   for k in ("lr", "weight_decay", "distill") if saved[k] != getattr(self.cfg, k)]
+                   for k in ("lr", "weight_decay", "distill", "labels") if saved[k] != getattr(self.cfg, k)]
         if changed:
             raise SystemExit(f"error: {path} continues with its own optimiser and loss settings, but "
                              f"{', '.join(changed)}: drop the option(s) or start a new run")
@@ -319,7 +319,8 @@ class Trainer:
                 loss, acc, cnt = dm.drafter_forward_loss(dr, b["feats"].to(dev, non_blocking=True),
                                                          dm.to_device(ids, dev), dm.to_device(b["lm"], dev), anchors,
                                                          b["valid"], self.cfg.gamma, compiled.trunk(self.attn),
-                                                         weight_sum=wsum, distill=self.cfg.distill, taught=b["taught"])
+                                                         weight_sum=wsum, distill=self.cfg.distill, taught=b["taught"],
+                                                         target_labels=self.cfg.labels == "target")
             compiled.backward(loss, dev, shape, self.attn)
             loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
         compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
@@ -436,9 +437,9 @@ def prepare_batch(cfg, dcfg, S, keys, ids, lm, lengths):
     anchors, valid = sample_anchors_for(cfg.seed, keys, lm, lengths, config.anchors_for(cfg, S), cfg.block_size)
     weights = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3]
     return {"S": S, "ids": ids, "lm": lm, "anchors": anchors, "valid": valid,
-            "taught": dm.teacher_positions(anchors, valid, S, cfg.block_size) if cfg.distill > 0 else None,
+            "taught": dm.teacher_positions(anchors, valid, S, cfg.block_size) if cfg.teacher else None,
             "wsum": float(weights[:, :, 1:].sum()), "tokens": float(lengths.sum()),
-            "flops": dm.batch_flops(dcfg, S, anchors, valid, teacher=cfg.distill > 0)}
+            "flops": dm.batch_flops(dcfg, S, anchors, valid, teacher=cfg.teacher)}
 
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
     """Drawn per (sample, epoch) with their own generator: the same however batches are split, and again on resume."""
