@@ -40,9 +40,9 @@ def main(argv=None):
         compiled.use_compile_cache(cfg.compile_cache)
         for d in config.resolve_devices(cfg)[0]:
             target = config.load_target(cfg.target, d, config.param_dtype(d), dcfg.target_layer_ids,
-                                        random_weights=True)
+                                        random_weights=True, whole=cfg.teacher)
             compiled.compile_target_layers(target)
-            targets.append(compiled.GraphedTarget(target, dcfg.target_layer_ids, final=False))
+            targets.append(compiled.GraphedTarget(target, dcfg.target_layer_ids, final=cfg.teacher))
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
           f"attention {attn}")
     print(compiled.format_table(compiled.warm_up(drafters, shapes, cfg.gamma, attn, cfg.on_unwarmed, targets=targets)))
