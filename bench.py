@@ -52,6 +52,8 @@ def parse_args(argv):
                    help="print the predicted tokens/s of every layout of a node of this many such GPUs")
     p.add_argument("--distill", type=float, default=0.0,
                    help="the drafter step with this weight on the KL to the target (train_dflash.py --distill)")
+    p.add_argument("--labels", default="data", choices=("data", "target"),
+                   help="the CE's labels (train_dflash.py --labels): target = the target's own most likely tokens")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)
     if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
@@ -80,7 +82,8 @@ def main(argv=None):
     cfg_path = os.path.join(tmp, "target_config.json")
     with open(cfg_path, "w") as f:
         json.dump(spec, f)
-    tcfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A)
+    tcfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A, distill=a.distill,
+                              labels=a.labels)
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
            "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
@@ -101,7 +104,7 @@ def main(argv=None):
     target_cfg, _ = config.load_target_config(tcfg.target)
     dcfg = config.make_drafter_config(tcfg, target_cfg, None)
     target = config.load_target(tcfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log,
-                                whole=a.distill > 0)
+                                whole=tcfg.teacher)
     plan = config.shape_plan(tcfg, dcfg, config.batch_memory(dcfg, target_cfg, [dev], [dev]))
     B = res["B"] = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
     drafter = config.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
@@ -111,7 +114,7 @@ def main(argv=None):
     attn = "flex" if dev.type == "cuda" else "sdpa"
     if attn == "flex":
         compiled.compile_target_layers(target)
-    graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=a.distill > 0)
+    graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=tcfg.teacher)
     t0 = time.time()
     rows = compiled.warm_up([drafter], shapes, 7.0, attn, log=log, targets=[graphed] if attn == "flex" else ())
     res["warmup_cold_s"] = time.time() - t0
@@ -143,7 +146,7 @@ def main(argv=None):
     def step():
         with compiled.autocast(dev):
             loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn),
-                                           distill=a.distill)[0]
+                                           distill=a.distill, target_labels=a.labels == "target")[0]
         compiled.backward(loss, dev, (B, S, A), attn)
         # the trainer's lone-replica step: the norm read by the host, the clip inside the update
         replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)
@@ -151,7 +154,7 @@ def main(argv=None):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t_drafter = timed("drafter_ms", step)
-    flops = dm.batch_flops(dcfg, S, anchors, valid, teacher=a.distill > 0)
+    flops = dm.batch_flops(dcfg, S, anchors, valid, teacher=tcfg.teacher)
     mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     res.update(drafter_tok_s=B * S / t_drafter, drafter_mfu=flops / t_drafter / peak,
                drafter_tflop_per_step=flops / 1e12, drafter_peak_mem_gib=mem)

@@ -1283,12 +1283,14 @@ def test_warmup_cli_prints_the_table_of_every_device_and_shape(llama, tmp_path):
 
 def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
     """bench.py at toy size on CPU: every figure of the table lands in --json (values are timings, not
-    asserted), and --pipeline-only runs the real loop on a 2-replica layout."""
+    asserted), --pipeline-only runs the real loop on a 2-replica layout, and the step with the target's distribution
+    and labels runs the target's whole depth."""
     bench = str(REPO / "bench.py")
     out = tmp_path / "bench.json"
     p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--steps", "1", "--rounds", "1",
                  "--pipeline-steps", "10", "--json", str(out)], timeout=300)
     assert_ok(p)
+    assert "target forward (6 layers" in p.out, p.out                  # cut after the deepest feature layer
     res = json.loads(out.read_text())
     for key in ("target_ms", "target_tok_s", "target_mfu", "drafter_ms", "drafter_mfu", "warmup_cold_s",
                 "sum_of_parts_tok_s", "pipeline_tok_s", "pipeline_vs_sum_of_parts", "warmup_warm_cache_s"):
@@ -1306,6 +1308,10 @@ def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
     res = json.loads(out2.read_text())
     assert res["pipeline_devices"] == {"target": "cpu", "drafter": "cpu,cpu"} and res["pipeline_tok_s"] > 0
     assert "[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 10" in p.out, p.out
+    p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--steps", "1", "--rounds", "1", "--no-pipeline",
+                 "--distill", "0.5", "--labels", "target", "--json", str(out)], timeout=300)
+    assert_ok(p)
+    assert "target forward (8 layers" in p.out and math.isfinite(json.loads(out.read_text())["drafter_ms"]), p.out
 
 
 def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path):
