@@ -298,9 +298,9 @@ def chunk_plan(n, chunk_rows):
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """sum(w * CE(h @ W^T, y)) with w pre-normalised, chunk by chunk (with teacher hidden states t and each row's
     teacher index t_rows, the CE mixed with the KL to softmax(t @ W^T), see kernels.ce_chunk_eager; target_labels:
-    y is the argmax of t @ W^T). The LM head is
-    frozen, so the only gradient needed, d loss / d h = (d loss / d logits) @ W, is computed in the forward and kept
-    (N x H, small): no N x vocab logits are stored for the backward, and fp32 logits exist for one chunk."""
+    y is the argmax of t @ W^T). The LM head is frozen, so the only gradient needed, d loss / d h = (d loss / d
+    logits) @ W, is computed in the forward and kept (N x H, small): no N x vocab logits are stored for the backward,
+    and fp32 logits exist for one chunk."""
 
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk, ce, t=None, t_rows=None, alpha=0.0, target_labels=False):
