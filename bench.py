@@ -52,8 +52,6 @@ def parse_args(argv):
                    help="print the predicted tokens/s of every layout of a node of this many such GPUs")
     p.add_argument("--distill", type=float, default=0.0,
                    help="the drafter step with this weight on the KL to the target (train_dflash.py --distill)")
-    p.add_argument("--labels", default="data", choices=("data", "target"),
-                   help="the CE's labels (train_dflash.py --labels): target = the target's own most likely tokens")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)
     if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
@@ -82,8 +80,7 @@ def main(argv=None):
     cfg_path = os.path.join(tmp, "target_config.json")
     with open(cfg_path, "w") as f:
         json.dump(spec, f)
-    tcfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A, distill=a.distill,
-                              labels=a.labels)
+    tcfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A, distill=a.distill)
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
            "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
@@ -146,7 +143,7 @@ def main(argv=None):
     def step():
         with compiled.autocast(dev):
             loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn),
-                                           distill=a.distill, target_labels=a.labels == "target")[0]
+                                           distill=a.distill)[0]
         compiled.backward(loss, dev, (B, S, A), attn)
         # the trainer's lone-replica step: the norm read by the host, the clip inside the update
         replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)

@@ -41,8 +41,6 @@ class TrainConfig:
     min_supervised: int = opt(32, "samples with fewer assistant tokens are skipped")
     distill: float = opt(0.0, "weight of the KL to the target's next-token distribution in the loss, the rest on "
                               "the labels (0 = labels only); the target then runs its whole depth")
-    labels: str = opt("data", "the CE's labels: data = the data's next tokens, target = the target's own most likely "
-                              "next tokens (what acceptance counts; the target then runs its whole depth)")
     # optimisation
     lr: float = opt(6e-4, "peak learning rate (AdamW, cosine decay)")
     warmup_frac: float = opt(0.04, "linear warm-up share of the run")
@@ -74,7 +72,7 @@ class TrainConfig:
     @property
     def teacher(self):
         """Does the loss read the target's final hidden states (its whole depth runs)?"""
-        return self.distill > 0 or self.labels == "target"
+        return self.distill > 0
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that answers a bad command line with one line naming the problem, not the usage text."""
@@ -111,8 +109,7 @@ def parse_args(argv):
         (not cfg.lr > 0 or cfg.weight_decay < 0 or cfg.epochs <= 0 or cfg.max_steps < 0 or cfg.max_minutes < 0,
          "need --lr > 0, --weight-decay >= 0, --epochs > 0, --max-steps >= 0, --max-minutes >= 0"),
         (not 0 <= cfg.warmup_frac < 1 or cfg.heldout < 0, "need 0 <= --warmup-frac < 1 and --heldout >= 0"),
-        (not 0 <= cfg.distill <= 1, f"--distill must lie in [0, 1], got {cfg.distill}"),
-        (cfg.labels not in ("data", "target"), f"--labels must be data|target, got {cfg.labels}")] if bad]
+        (not 0 <= cfg.distill <= 1, f"--distill must lie in [0, 1], got {cfg.distill}")] if bad]
     if cfg.buckets:
         try:
             if not all(2 * bs <= int(x) <= cfg.max_length for x in cfg.buckets.split(",")):

@@ -297,13 +297,12 @@ def chunk_plan(n, chunk_rows):
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """sum(w * CE(h @ W^T, y)) with w pre-normalised, chunk by chunk (with teacher hidden states t and each row's
-    teacher index t_rows, the CE mixed with the KL to softmax(t @ W^T), see kernels.ce_chunk_eager; target_labels:
-    y is the argmax of t @ W^T). The LM head is frozen, so the only gradient needed, d loss / d h = (d loss / d
-    logits) @ W, is computed in the forward and kept (N x H, small): no N x vocab logits are stored for the backward,
-    and fp32 logits exist for one chunk."""
+    teacher index t_rows, the CE mixed with the KL to softmax(t @ W^T), see kernels.ce_chunk_eager). The LM head is
+    frozen, so the only gradient needed, d loss / d h = (d loss / d logits) @ W, is computed in the forward and kept
+    (N x H, small): no N x vocab logits are stored for the backward, and fp32 logits exist for one chunk."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk, ce, t=None, t_rows=None, alpha=0.0, target_labels=False):
+    def forward(ctx, h, weight, labels, w, chunk, ce, t=None, t_rows=None, alpha=0.0):
         N, need_grad = h.shape[0], h.requires_grad
         size, k = chunk_plan(N, chunk)
         if size * k > N:   # padding rows: zero hidden, weight 0 -> no loss, no gradient
@@ -317,15 +316,10 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         correct = torch.empty(size * k, device=h.device, dtype=torch.bool)
         for s in range(0, size * k, size):
             e, teacher, rows = s + size, None, None
-            y = labels[s:e]
             if t is not None:   # the chunk's teacher logits: one per position its rows need (host indices, no sync)
                 lo, hi = int(t_rows[s:e].min()), int(t_rows[s:e].max()) + 1
                 teacher, rows = t[lo:hi] @ weight.t(), rows_dev[s:e] - lo
-                if target_labels:
-                    y = teacher.argmax(-1)[rows]
-                if not alpha:   # the labels alone: the CE without the teacher's pass
-                    teacher = rows = None
-            part, correct[s:e], g = ce(h[s:e] @ weight.t(), y, w[s:e], teacher, alpha, rows)
+            part, correct[s:e], g = ce(h[s:e] @ weight.t(), labels[s:e], w[s:e], teacher, alpha, rows)
             loss += part
             if need_grad:
                 grad_h[s:e] = (g @ weight).to(h.dtype)
@@ -337,21 +331,20 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         (grad_h,) = ctx.saved_tensors
-        return (grad_h * grad_loss.to(grad_h.dtype),) + (None,) * 9
+        return (grad_h * grad_loss.to(grad_h.dtype),) + (None,) * 8
 
 # LM head + CE rows per chunk: fewer, larger chunks are faster, each costs its fp32 logits in memory.
 CHUNK_ROWS = 3072
 
 def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None,
-                teacher=None, teacher_rows=None, distill=0.0, target_labels=False):
+                teacher=None, teacher_rows=None, distill=0.0):
     """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), chunk by chunk
     (the Triton kernel on a GPU): the loss (over the weight sum), and acc and counts (bs-1,) per position over
     supervised positions.
     `weight_sum`: the normaliser shared by micro-batches/replicas, so that their step equals one over all of them.
     teacher (P, H): the target's final hidden states whose next-token distributions the loss matches with weight
     `distill` (a KL), the CE to the labels keeping 1 - distill; teacher_rows (B*A*(bs-1),) host long: each scored
-    row's teacher (see teacher_positions: a chunk of rows reads one short range of them). target_labels: the CE's
-    labels (and the accuracy's) are the teacher's most likely next tokens, not `labels`."""
+    row's teacher (see teacher_positions: a chunk of rows reads one short range of them)."""
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
@@ -361,7 +354,7 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager
     t = None if teacher is None else teacher.to(h.dtype)
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum.clamp(min=1e-6),
-                                             chunk_rows, ce, t, teacher_rows, distill, target_labels)
+                                             chunk_rows, ce, t, teacher_rows, distill)
     sup = (w > 0).view(B * A, bs - 1)
     counts = sup.sum(0).float()
     return loss, (correct.view(B * A, bs - 1) & sup).sum(0).float() / counts.clamp(min=1), counts
@@ -396,18 +389,17 @@ def dense_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
                         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
 
 def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma, trunk=dense_trunk,
-                         weight_sum=None, distill=0.0, taught=None, target_labels=False):
+                         weight_sum=None, distill=0.0, taught=None):
     """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk on GPUs) -> loss. distill > 0:
-    target_feats ends with the target's final hidden states (target_forward(final=True)), the KL's teacher (and with
-    target_labels, the labels' source); `taught`: teacher_positions' result when computed ahead (the trainer's loader
-    thread)."""
+    target_feats ends with the target's final hidden states (target_forward(final=True)), the KL's teacher; `taught`:
+    teacher_positions' result when computed ahead (the trainer's loader thread)."""
     c, (B, S) = drafter.config, input_ids.shape
     host_anchors, host_valid = anchors, valid
     anchors, valid = to_device(anchors, input_ids.device), to_device(valid, input_ids.device)
     block_ids, block_pos, labels, weights = make_blocks(
         input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
     teacher = rows = None
-    if distill or target_labels:    # block position k is taught the target's next token after anchor + k - 1
+    if distill:    # block position k's label is the target's next token after position anchor + k - 1
         H = c.hidden_size
         target_feats, final = target_feats[..., :-H].contiguous(), target_feats[..., -H:]
         positions, rows = taught if taught is not None else teacher_positions(host_anchors, host_valid, S,
@@ -417,7 +409,7 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
     ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
     hidden = trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors)
     return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, weight_sum=weight_sum, teacher=teacher,
-                       teacher_rows=rows, distill=distill, target_labels=target_labels)
+                       teacher_rows=rows, distill=distill)
 
 def to_device(t, dev):
     """A host tensor to `dev` without the host waiting: from pageable memory a copy waits for the stream's earlier

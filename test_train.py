@@ -635,8 +635,8 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     assert "[data]" not in p.out                          # refused before the data or the models
     p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--lr", 1e-5)
     assert p.rc != 0 and "--lr 1e-05 (checkpoint: 0.0006)" in p.out, p.tail()
-    p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--distill", 0.5, "--labels", "target")
-    assert p.rc != 0 and "--distill 0.5 (checkpoint: 0.0), --labels target (checkpoint: data)" in p.out, p.tail()
+    p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--distill", 0.5)
+    assert p.rc != 0 and "--distill 0.5 (checkpoint: 0.0)" in p.out, p.tail()     # another loss: a new run
 
     with open(out / "metrics.jsonl", "a") as f:     # a killed run's steps after the checkpoint, one cut mid-line
         f.write(json.dumps({"step": last + 1, "loss": 1.0}) + "\n" + '{"step": 4, "lo')
@@ -647,16 +647,14 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     assert [r["step"] for r in metrics(out)] == list(range(1, last + 3))
 
 
-@pytest.mark.parametrize("loss", [("--distill", 0.5), ("--labels", "target")], ids=["distill", "target-labels"])
-def test_distillation_runs_the_whole_target_and_trains(llama, sharegpt, cache_dir, tmp_path, loss):
-    """--distill and --labels target: the target keeps its last layers and final norm (the teacher), and the run
-    trains on that loss; --distill outside [0, 1] and an unknown --labels are errors."""
+def test_distillation_runs_the_whole_target_and_trains(llama, sharegpt, cache_dir, tmp_path):
+    """--distill: the target keeps its last layers and final norm (the teacher's distribution), and the run trains
+    on the mixed loss; --distill outside [0, 1] is an error."""
     common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 30,
               "--heldout", 0, "--out-dir", tmp_path / "out"]
-    p = here("train_dflash", *common, "--distill", 1.5, "--labels", "model")
-    assert p.rc != 0 and "--distill must lie in [0, 1], got 1.5" in p.out and \
-        "--labels must be data|target, got model" in p.out, p.tail()
-    p = train(*common, *loss, "--max-steps", 3)
+    p = here("train_dflash", *common, "--distill", 1.5)
+    assert p.rc != 0 and "--distill must lie in [0, 1], got 1.5" in p.out, p.tail()
+    p = train(*common, "--distill", 0.5, "--max-steps", 3)
     assert_ok(p)
     assert "kept 4/4 layers and the final norm, no LM head" in p.out, p.tail()
     losses = [r["loss"] for r in metrics(tmp_path / "out")]
@@ -1283,8 +1281,8 @@ def test_warmup_cli_prints_the_table_of_every_device_and_shape(llama, tmp_path):
 
 def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
     """bench.py at toy size on CPU: every figure of the table lands in --json (values are timings, not
-    asserted), --pipeline-only runs the real loop on a 2-replica layout, and the step with the target's distribution
-    and labels runs the target's whole depth."""
+    asserted), --pipeline-only runs the real loop on a 2-replica layout, and the step with distillation runs the
+    target's whole depth."""
     bench = str(REPO / "bench.py")
     out = tmp_path / "bench.json"
     p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--steps", "1", "--rounds", "1",
@@ -1309,7 +1307,7 @@ def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
     assert res["pipeline_devices"] == {"target": "cpu", "drafter": "cpu,cpu"} and res["pipeline_tok_s"] > 0
     assert "[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 10" in p.out, p.out
     p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--steps", "1", "--rounds", "1", "--no-pipeline",
-                 "--distill", "0.5", "--labels", "target", "--json", str(out)], timeout=300)
+                 "--distill", "0.5", "--json", str(out)], timeout=300)
     assert_ok(p)
     assert "target forward (8 layers" in p.out and math.isfinite(json.loads(out.read_text())["drafter_ms"]), p.out
 

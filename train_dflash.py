@@ -149,9 +149,9 @@ class Trainer:
         if path is None:
             self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
             return
-        saved = {"distill": 0.0, "labels": "data", **state["config"]}    # a config without the keys: the data's labels
+        saved = {"distill": 0.0, **state["config"]}    # a config without the key: labels only
         changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {saved[k]})"
-                   for k in ("lr", "weight_decay", "distill", "labels") if saved[k] != getattr(self.cfg, k)]
+                   for k in ("lr", "weight_decay", "distill") if saved[k] != getattr(self.cfg, k)]
         if changed:
             raise SystemExit(f"error: {path} continues with its own optimiser and loss settings, but "
                              f"{', '.join(changed)}: drop the option(s) or start a new run")
@@ -319,8 +319,7 @@ class Trainer:
                 loss, acc, cnt = dm.drafter_forward_loss(dr, b["feats"].to(dev, non_blocking=True),
                                                          dm.to_device(ids, dev), dm.to_device(b["lm"], dev), anchors,
                                                          b["valid"], self.cfg.gamma, compiled.trunk(self.attn),
-                                                         weight_sum=wsum, distill=self.cfg.distill, taught=b["taught"],
-                                                         target_labels=self.cfg.labels == "target")
+                                                         weight_sum=wsum, distill=self.cfg.distill, taught=b["taught"])
             compiled.backward(loss, dev, shape, self.attn)
             loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
         compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
