@@ -608,7 +608,8 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     """--max-minutes: the progress line gives the share of the budget used, the run stops at the last
     step that ends within the budget and checkpoints it once; a resume counts the time already used (a spent
     budget: nothing to do). Without --resume an out dir with checkpoints is refused before any work; a
-    different --lr is an error (the optimiser's settings come from the checkpoint); a resume drops the
+    different --lr, --distill or --gamma is an error (the optimiser's and the loss's settings come from the
+    checkpoint); a resume drops the
     metrics of steps after the checkpoint and continues, with a notice, on a larger data set."""
     out = tmp_path / "out"
     common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 30,
@@ -635,8 +636,8 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     assert "[data]" not in p.out                          # refused before the data or the models
     p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--lr", 1e-5)
     assert p.rc != 0 and "--lr 1e-05 (checkpoint: 0.0006)" in p.out, p.tail()
-    p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--distill", 0.5)
-    assert p.rc != 0 and "--distill 0.5 (checkpoint: 0.0)" in p.out, p.tail()     # another loss: a new run
+    p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--distill", 0.5, "--gamma", 2)
+    assert p.rc != 0 and "--distill 0.5 (checkpoint: 0.0), --gamma 2.0 (checkpoint: 4.0)" in p.out, p.tail()  # a new run
 
     with open(out / "metrics.jsonl", "a") as f:     # a killed run's steps after the checkpoint, one cut mid-line
         f.write(json.dumps({"step": last + 1, "loss": 1.0}) + "\n" + '{"step": 4, "lo')

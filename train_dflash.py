@@ -151,10 +151,10 @@ class Trainer:
             return
         saved = {"distill": 0.0, **state["config"]}    # a config without the key: labels only
         changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {saved[k]})"
-                   for k in ("lr", "weight_decay", "distill") if saved[k] != getattr(self.cfg, k)]
+                   for k in ("lr", "weight_decay", "distill", "gamma") if saved[k] != getattr(self.cfg, k)]
         if changed:
             raise SystemExit(f"error: {path} continues with its own optimiser and loss settings, but "
-                             f"{', '.join(changed)}: drop the option(s) or start a new run")
+                             f"{', '.join(changed)}: pass the checkpoint's values or start a new run")
         self.replicas.load(state, path)
         self.resumed_from = path
         self.step, self.seconds_before, self.cursor = state["step"], state["train_seconds"], state["cursor"]
