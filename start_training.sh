@@ -29,9 +29,10 @@ if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   defaults=(--out-dir out/default --resume --distill 1.0 --max-minutes 15 --log-interval 100 --tensorboard auto)
   if [[ " $* " != *" --target "* ]]; then
     # the embedded default's small drafter: blocks of 8 (at its acceptance a round almost never gets past draft
-    # position 7) on twice the anchors, and batches of 4 sequences for more steps: higher acceptance in the same
-    # time (BENCHMARKS.md); a large target keeps the DFlash recipe's block 16 and its automatic batch
-    defaults+=(--block-size 8 --num-anchors 1024 --tokens-per-batch 12288)
+    # position 7) on twice the anchors, batches of 4 sequences for more steps, and the loss's weight falling faster
+    # over the block (gamma 2, not 4: most rounds end at the first draft positions): higher acceptance in the same
+    # time (BENCHMARKS.md); a large target keeps the DFlash recipe's block 16, its gamma and its automatic batch
+    defaults+=(--block-size 8 --num-anchors 1024 --tokens-per-batch 12288 --gamma 2)
     if [[ " $* " != *" --data "* && "${DFLASH_REGENERATE:-0}" = 1 ]]; then
       regen=.cache/sharegpt_v3_regenerated.jsonl     # a second start reuses it
       if ! $PY -u generate_data.py --out "$regen" 2>&1 | tee "$log"; then
