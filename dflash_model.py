@@ -340,7 +340,8 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
                 teacher=None, teacher_rows=None, distill=0.0):
     """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), chunk by chunk
     (the Triton kernel on a GPU): the loss (over the weight sum), and acc and counts (bs-1,) per position over
-    supervised positions.
+    supervised positions (acc: the drafter's most likely token is the label, or with a teacher the teacher's most
+    likely one, what greedy acceptance counts).
     `weight_sum`: the normaliser shared by micro-batches/replicas, so that their step equals one over all of them.
     teacher (P, H): the target's final hidden states whose next-token distributions the loss matches with weight
     `distill` (a KL), the CE to the labels keeping 1 - distill; teacher_rows (B*A*(bs-1),) host long: each scored

@@ -32,13 +32,15 @@ def ce_chunk_eager(logits, y, w, teacher=None, alpha=0.0, rows=None):
     """One chunk of the weighted loss from its (n, V) logits: (sum of w*loss, correct, dloss/dlogits * w). The loss is
     the CE to the labels y, or with teacher logits (1 - alpha) CE + alpha KL(teacher's softmax || softmax), row i's
     teacher being teacher[rows[i]] (rows shared by several logits rows: the teacher's LM head runs once for them).
-    correct: the label's logit is the row's maximum (argmax up to ties, without an index-tracking pass)."""
+    correct: the logit at the label, or with a teacher at the teacher's most likely token (what greedy acceptance
+    counts), is the row's maximum (argmax up to ties)."""
     if teacher is not None and rows is not None:
         teacher = teacher[rows]
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     tgt = x.gather(1, y[:, None]).squeeze(1)
-    rows, correct, g = lse - tgt, tgt >= x.amax(-1), torch.softmax(x, dim=-1)
+    top = tgt if teacher is None else x.gather(1, teacher.float().argmax(-1, keepdim=True)).squeeze(1)
+    rows, correct, g = lse - tgt, top >= x.amax(-1), torch.softmax(x, dim=-1)
     g[torch.arange(len(y), device=x.device), y] -= 1.0 if teacher is None else 1.0 - alpha
     if teacher is not None:
         t = teacher.float()
@@ -53,14 +55,15 @@ if triton is not None:
     def _ce_rows_kernel(x_ptr, t_ptr, r_ptr, g_ptr, y_ptr, w_ptr, loss_ptr, correct_ptr, stride, t_stride, alpha,
                         V: tl.constexpr, BLOCK: tl.constexpr, TEACHER: tl.constexpr):
         # one program per row: pass 1 keeps a running max and rescaled sum over the row (and the teacher's, with the
-        # teacher-weighted logit gap for the KL), pass 2 writes the gradient; the label's logit is one scalar load
+        # teacher-weighted logit gap for the KL, and the row's logit where the teacher's first maximum is), pass 2
+        # writes the gradient; the label's logit is one scalar load
         row = tl.program_id(0).to(tl.int64)
         x_row, g_row = x_ptr + row * stride, g_ptr + row * stride
         t_row = t_ptr + tl.load(r_ptr + row).to(tl.int64) * t_stride     # the teacher's row read in place
         cols = tl.arange(0, BLOCK)
         m = tl.max(tl.full([BLOCK], -1e30, tl.float32), 0)
         s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-        mt, st, gap = m, s, s
+        mt, st, gap, at_top = m, s, s, m
         for start in range(0, V, BLOCK):
             x = tl.load(x_row + start + cols, mask=start + cols < V, other=-1e30).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
@@ -68,7 +71,9 @@ if triton is not None:
             m = m_new
             if TEACHER:
                 t = tl.load(t_row + start + cols, mask=start + cols < V, other=-1e30).to(tl.float32)
-                mt_new = tl.maximum(mt, tl.max(t, 0))
+                bt = tl.max(t, 0)
+                at_top = tl.where(bt > mt, tl.sum(tl.where(cols == tl.argmax(t, 0), x, 0.0), 0), at_top)
+                mt_new = tl.maximum(mt, bt)
                 e = tl.exp(t - mt_new)
                 st = st * tl.exp(mt - mt_new) + tl.sum(e, 0)
                 gap = gap * tl.exp(mt - mt_new) + tl.sum(e * (x - t), 0)
@@ -77,12 +82,12 @@ if triton is not None:
         w = tl.load(w_ptr + row)
         tgt = tl.load(x_row + y).to(tl.float32)
         loss = m + tl.log(s) - tgt
-        hard = w
+        hard, top = w, tgt
         if TEACHER:
             loss = (1 - alpha) * loss + alpha * (m + tl.log(s) - mt - tl.log(st) - gap / st)
-            hard = w * (1 - alpha)
+            hard, top = w * (1 - alpha), at_top
         tl.store(loss_ptr + row, loss * w)
-        tl.store(correct_ptr + row, tgt >= m)
+        tl.store(correct_ptr + row, top >= m)
         for start in range(0, V, BLOCK):
             c = start + cols
             x = tl.load(x_row + c, mask=c < V, other=0.0).to(tl.float32)

@@ -36,12 +36,16 @@ def test_ce_kernel_equals_the_eager_ce_and_its_check_catches_a_wrong_kernel():
             w = torch.rand(n)
             w[2] = 0.0                                        # a row that is not scored
             teacher = (torch.randn(n, V) * 3).to(torch.bfloat16)
+            teacher[0] = logits[0]                            # a row whose most likely token is the teacher's
             shared = torch.arange(n) // 2                     # rows reading one teacher row in place, two at a time
             for args in [(), (teacher, 0.0), (teacher, 0.3), (teacher, 1.0), (teacher[: (n + 1) // 2], 0.5, shared)]:
                 loss, correct, g = dm._ce_chunk_triton_unchecked(logits, y, w, *args)
                 ref_loss, ref_correct, ref_g = dm.ce_chunk_eager(logits, y, w, *args)
                 torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
-                assert torch.equal(correct, ref_correct) and correct[:2].all(), (correct, ref_correct)
+                assert torch.equal(correct, ref_correct), (correct, ref_correct)
+                # correct: the row's maximum is at the label, or with a teacher at the teacher's most likely token
+                # (row 1: the label is the maximum, the teacher's choice is not)
+                assert correct[:2].tolist() == ([True, False] if args else [True, True]), (args, correct)
                 assert g.dtype == torch.bfloat16 and g.shape == logits.shape
                 torch.testing.assert_close(g.float(), ref_g.float(), rtol=2 ** -7, atol=1e-6)
                 assert g[2].abs().max() == 0                      # weight 0: no gradient
@@ -115,6 +119,22 @@ def test_adamw_kernel_compiles_for_the_h200_ahead_of_time():
     k = triton.compile(ASTSource(fn=ma._adamw_kernel, signature=sig, constexprs={"BLOCK": 1024}),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert len(k.asm["cubin"]) > 1000 and ".entry _adamw_kernel" in k.asm["ptx"]
+
+
+def test_ce_kernel_compiles_for_the_h200_ahead_of_time():
+    """The CE kernel, with and without the teacher, through Triton's compiler to an sm_90 cubin (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import kernels
+    sig = {"x_ptr": "*bf16", "t_ptr": "*bf16", "r_ptr": "*i64", "g_ptr": "*bf16", "y_ptr": "*i64", "w_ptr": "*fp32",
+           "loss_ptr": "*fp32", "correct_ptr": "*i1", "stride": "i32", "t_stride": "i32", "alpha": "fp32",
+           "V": "constexpr", "BLOCK": "constexpr", "TEACHER": "constexpr"}
+    for teacher in (False, True):
+        k = triton.compile(ASTSource(fn=kernels._ce_rows_kernel, signature=sig,
+                                     constexprs={"V": 49152, "BLOCK": 4096, "TEACHER": teacher}),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert len(k.asm["cubin"]) > 1000 and ".entry _ce_rows_kernel" in k.asm["ptx"]
 
 
 def test_row_attention_kernel_equals_masked_sdpa_and_its_check_catches_a_wrong_kernel():

@@ -538,7 +538,9 @@ def test_dflash_loss_matches_plain_weighted_ce_and_kl_and_gradient(chunk_rows, d
     assert torch.allclose(h1.grad, h2.grad, rtol=1e-4, atol=1e-7)
     assert h1.grad[:, 0::bs].abs().max() == 0                             # k = 0 rows get no gradient
     sup = (w > 0).view(B * A, bs - 1)
-    hit = (logits.argmax(-1) == y).view(B * A, bs - 1) & sup
+    top = y if teacher is None else (teacher[rows] @ W.t()).argmax(-1)     # the target's choice under distillation
+    assert teacher is None or (top != y).float().mean() > 0.5
+    hit = (logits.argmax(-1) == top).view(B * A, bs - 1) & sup
     assert torch.equal(counts, sup.sum(0).float())
     assert torch.allclose(acc, hit.sum(0).float() / sup.sum(0).clamp(min=1).float())
 
