@@ -71,8 +71,8 @@ if triton is not None:
             m = m_new
             if TEACHER:
                 t = tl.load(t_row + start + cols, mask=start + cols < V, other=-1e30).to(tl.float32)
-                bt = tl.max(t, 0)
-                at_top = tl.where(bt > mt, tl.sum(tl.where(cols == tl.argmax(t, 0), x, 0.0), 0), at_top)
+                bt, bi = tl.max(t, 0, return_indices=True)     # the block's first maximum and where it is
+                at_top = tl.where(bt > mt, tl.sum(tl.where(cols == bi, x, 0.0), 0), at_top)
                 mt_new = tl.maximum(mt, bt)
                 e = tl.exp(t - mt_new)
                 st = st * tl.exp(mt - mt_new) + tl.sum(e, 0)
