@@ -151,7 +151,8 @@ def main(argv=None):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t_drafter = timed("drafter_ms", step)
-    flops = dm.batch_flops(dcfg, S, anchors, valid, teacher=tcfg.teacher)
+    taught = len(dm.teacher_positions(anchors, valid, S, dcfg.block_size)[0]) if tcfg.teacher else 0
+    flops = dm.batch_flops(dcfg, S, anchors, valid, taught)
     mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     res.update(drafter_tok_s=B * S / t_drafter, drafter_mfu=flops / t_drafter / peak,
                drafter_tflop_per_step=flops / 1e12, drafter_peak_mem_gib=mem)

@@ -428,30 +428,24 @@ def matmul_flops(c, S, A, teacher_rows=0):
     qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * I * 3
     fc = 2 * S * len(c.target_layer_ids) * H * H
-    head = 2 * 2 * Q * (c.block_size - 1) / c.block_size * H * V + 2 * teacher_rows * H * V
-    return 2 * fc + 3 * c.num_draft_layers * layer + head
+    head = 2 * 2 * Q * (c.block_size - 1) / c.block_size * H * V
+    return 2 * fc + 3 * c.num_draft_layers * layer + head + teacher_flops(c, teacher_rows)
 
-def step_flops(c, S, A, ctx, teacher_rows=0):
+def teacher_flops(c, rows):
+    """The teacher's logits at `rows` positions: one frozen LM head matmul each, no backward."""
+    return 2 * rows * c.hidden_size * c.vocab_size
+
+def step_flops(c, S, A, ctx):
     """Matmuls plus attention over the visible keys only: ctx context keys (the mean anchor position) and the
     block's own, forward (QK^T and PV) and backward (2x the forward)."""
-    return matmul_flops(c, S, A, teacher_rows) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
+    return matmul_flops(c, S, A) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
         c.num_attention_heads * c.head_dim * (ctx + c.block_size)
 
-def batch_flops(c, S, anchors, valid, teacher=False):
-    """One drafter step on a (B, S) batch as it runs (padding included: the MFU is the device's); with a teacher,
-    its logits at each sequence's distinct positions (as many as teacher_positions gives, counted without it)."""
-    flops = 0
-    for a, v in zip(anchors, valid):
-        a = a[v].sort().values
-        if not len(a):
-            flops += step_flops(c, S, anchors.shape[1], 0.0)
-            continue
-        taught = 0
-        if teacher:   # anchor a teaches positions a .. a+bs-2 (< S): the part no later anchor's block covers
-            end = (a + c.block_size - 2).clamp(max=S - 1)
-            taught = int((torch.minimum(end, torch.cat([a[1:] - 1, end[-1:]])) - a + 1).clamp(min=0).sum())
-        flops += step_flops(c, S, anchors.shape[1], float(a.float().mean()), taught)
-    return flops
+def batch_flops(c, S, anchors, valid, taught=0):
+    """One drafter step on a (B, S) batch as it runs (padding included: the MFU is the device's), with the teacher's
+    logits at `taught` positions (distillation: as many as teacher_positions gives for the batch)."""
+    ctx = [float(a[v].float().mean()) if bool(v.any()) else 0.0 for a, v in zip(anchors, valid)]
+    return sum(step_flops(c, S, anchors.shape[1], x) for x in ctx) + teacher_flops(c, taught)
 
 # ---- 4. The target's features
 

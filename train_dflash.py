@@ -435,10 +435,10 @@ def prepare_batch(cfg, dcfg, S, keys, ids, lm, lengths):
     path): its anchors, distillation's taught positions, and its share of the step's sums."""
     anchors, valid = sample_anchors_for(cfg.seed, keys, lm, lengths, config.anchors_for(cfg, S), cfg.block_size)
     weights = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3]
-    return {"S": S, "ids": ids, "lm": lm, "anchors": anchors, "valid": valid,
-            "taught": dm.teacher_positions(anchors, valid, S, cfg.block_size) if cfg.teacher else None,
+    taught = dm.teacher_positions(anchors, valid, S, cfg.block_size) if cfg.teacher else None
+    return {"S": S, "ids": ids, "lm": lm, "anchors": anchors, "valid": valid, "taught": taught,
             "wsum": float(weights[:, :, 1:].sum()), "tokens": float(lengths.sum()),
-            "flops": dm.batch_flops(dcfg, S, anchors, valid, teacher=cfg.teacher)}
+            "flops": dm.batch_flops(dcfg, S, anchors, valid, taught=0 if taught is None else len(taught[0]))}
 
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
     """Drawn per (sample, epoch) with their own generator: the same however batches are split, and again on resume."""
