@@ -27,7 +27,7 @@ class TrainConfig:
     cache_dir: str = opt(".cache", "the embedded default's converted files and the tokenised data")
     max_samples: int = opt(0, "tokenise and train on only the first N conversations (0 = all)")
     heldout: int = opt(200, "held-out eval prompts: last N conversations (at most a tenth; side-by-side answers to "
-                            "one prompt count as one), <out_dir>/heldout.jsonl")
+                            "one prompt count as one), trained on in no file, <out_dir>/heldout.jsonl")
     num_draft_layers: int = opt(5, "drafter layers")
     block_size: int = opt(16, "tokens drafted per block (the anchor + block_size - 1 masked)")
     num_anchors: int = opt(512, "blocks per sequence, fewer where a sequence has fewer start positions")

@@ -348,14 +348,18 @@ def _encode(tokenizer, conversations, max_length):
     return out
 
 def _split_heldout(conversations, n):
-    """(trained, held out): the last n conversations (at most a tenth) are held out, side-by-side answers to one prompt
-    (generate_data.py --answers) counting as one: none of them is trained on, and the first is held out (eval_dflash.py
-    gets each prompt once)."""
-    prompt = lambda c: list(itertools.takewhile(lambda m: m["role"] != "assistant", c))
-    starts = [i for i, c in enumerate(conversations) if i == 0 or prompt(c) != prompt(conversations[i - 1])]
+    """(trained, held out): the last n prompts' runs of conversations (at most a tenth of the runs; side-by-side answers
+    of generate_data.py --answers form a run) are held out, the first of each listed (eval_dflash.py gets each prompt
+    once). No conversation with a held-out prompt is trained on, wherever it stands: a regenerated file given next to
+    its source holds the same prompts."""
+    prompt = lambda c: json.dumps(list(itertools.takewhile(lambda m: m["role"] != "assistant", c)), sort_keys=True)
+    keys = [prompt(c) for c in conversations]
+    starts = [i for i, k in enumerate(keys) if i == 0 or k != keys[i - 1]]
     k = min(n, len(starts) // 10)
     cut = starts[len(starts) - k] if k else len(conversations)
-    return conversations[:cut], [conversations[i] for i in starts[len(starts) - k:]]
+    held = {keys[i] for i in starts[len(starts) - k:]}
+    return ([c for c, key in zip(conversations[:cut], keys) if key not in held],
+            [conversations[i] for i in starts[len(starts) - k:]])
 
 def _generate(tokenizer, files, max_length, min_supervised, max_conversations, heldout, source):
     """A row per kept sample, then one whose `meta` holds the counts and held-out conversations, which the cache serves

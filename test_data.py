@@ -459,6 +459,27 @@ def test_answers_to_one_prompt_are_held_out_together_and_the_prompt_listed_once(
                for line in logs), logs
 
 
+def test_a_held_out_prompt_is_trained_on_in_no_file(qwen_tok, tmp_path):
+    """A regenerated file given before its source (--data regen.jsonl source.jsonl): the source's last prompts are
+    held out, and the regenerated answers to those prompts, earlier in the list, are not trained on either."""
+    from types import SimpleNamespace
+    prompt = lambda i: [{"role": "user", "content": f"question number {i}?"}]
+    answer = lambda i, who: [{"role": "assistant", "content": f"{who}: question number {i} gives {i * 7}, it says"}]
+    regen = _write_jsonl(tmp_path / "regen.jsonl", [{"messages": prompt(i) + answer(i, "target")} for i in range(30)])
+    source = _write_jsonl(tmp_path / "source.jsonl", [{"messages": prompt(i) + answer(i, "data")} for i in range(30)])
+    cfg = SimpleNamespace(max_length=128, block_size=4, cache_dir=str(tmp_path / "cache"), min_supervised=1,
+                          max_samples=0, heldout=5, out_dir=str(tmp_path))
+    logs = []
+    data, heldout = D.load_training_data(cfg, [regen, source], qwen_tok, len(qwen_tok), 0, logs.append)
+    assert D.load_conversations([heldout])[0] == [prompt(i) + answer(i, "data") for i in range(25, 30)]  # 60 // 10
+    trained = [qwen_tok.decode(ids) for ids in data["input_ids"]]
+    assert data["stats"]["samples"] == 50 and data["stats"]["not_trained"] == 10
+    assert not any(f"question number {i}?" in text for i in range(25, 30) for text in trained)
+    assert sum("question number 24?" in text for text in trained) == 2
+    assert any("5 held-out conversations (never trained on, nor 5 more with their prompts)" in line
+               for line in logs), logs
+
+
 def test_build_dataset_counts_template_errors(tmp_path):
     # a template that insists on alternating roles (as Llama-2/Mistral ones do)
     strict = QWEN_TEMPLATE.replace(
