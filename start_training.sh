@@ -32,7 +32,7 @@ if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
     # position 7) on twice the anchors, batches of 4 sequences for more steps, and the loss's weight falling faster
     # over the block (gamma 2, not 4: most rounds end at the first draft positions): higher acceptance in the same
     # time (BENCHMARKS.md); a large target keeps the DFlash recipe's block 16, its gamma and its automatic batch.
-    # One H200 trains about 7 epochs in 15 minutes: the budget, not the 8 epochs, ends the run (the schedule follows it)
+    # One H200 trains 6-7 epochs in 15 minutes: the budget, not the 8 epochs, ends the run (the schedule follows it)
     defaults+=(--block-size 8 --num-anchors 1024 --tokens-per-batch 12288 --gamma 2 --epochs 8)
     if [[ " $* " != *" --data "* && "${DFLASH_REGENERATE:-0}" = 1 ]]; then
       regen=.cache/sharegpt_v3_regenerated.jsonl     # a second start reuses it
