@@ -4,8 +4,8 @@
 # With no options it runs the embedded default: on CPU sized to finish in about 10 minutes, on GPUs
 # the DFlash recipe on every visible GPU. Options override those defaults. Output also goes to logs/.
 # On GPUs the embedded default trains on ShareGPT's answers with the target's own next-token distribution
-# as the loss (--distill 1.0); DFLASH_REGENERATE=1 first has the target rewrite the answers (generate_data.py,
-# once: the result is cached) and trains on those.
+# as the loss (--distill 1.0); DFLASH_REGENERATE=1 first has the target write answers of its own (generate_data.py,
+# once: the result is cached) and trains on those and ShareGPT's.
 # Run again, it continues from the newest checkpoint (--resume; a finished run has nothing to do).
 # DFLASH_SKIP_INSTALL=1 skips the package checks (tests); PYTHON picks the interpreter.
 set -euo pipefail
@@ -35,12 +35,17 @@ if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
     # One H200 trains 6-7 epochs in 15 minutes: the budget, not the 8 epochs, ends the run (the schedule follows it)
     defaults+=(--block-size 8 --num-anchors 1024 --tokens-per-batch 12288 --gamma 2 --epochs 8)
     if [[ " $* " != *" --data "* && "${DFLASH_REGENERATE:-0}" = 1 ]]; then
-      regen=.cache/sharegpt_v3_regenerated.jsonl     # a second start reuses it
-      if ! $PY -u generate_data.py --out "$regen" 2>&1 | tee "$log"; then
+      # sampled answers loop less than greedy ones; 512 new tokens cover what acceptance is measured on, and an
+      # answer cut there ends its conversation, untaught an end of turn the target did not write. Added to
+      # ShareGPT's answers: more distinct contexts for a drafter that begins to learn the samples it sees again
+      # (BENCHMARKS.md). ShareGPT last: its last conversations stay the held-out ones, their copies never trained on.
+      regen=.cache/sharegpt_v3_sampled.jsonl     # a second start reuses it
+      if ! $PY -u generate_data.py --out "$regen" --temperature 0.8 --max-new-tokens 512 --unfinished cut 2>&1 \
+           | tee "$log"; then
         echo "[start] generate_data.py failed (see $log); without DFLASH_REGENERATE=1 it trains on ShareGPT's answers"
         exit 1
       fi
-      defaults+=(--data "$regen")
+      defaults+=(--data "$regen" .cache/sharegpt_v3.jsonl)
     fi
   fi
 else
