@@ -355,11 +355,9 @@ def _split_heldout(conversations, n):
     prompt = lambda c: json.dumps(list(itertools.takewhile(lambda m: m["role"] != "assistant", c)), sort_keys=True)
     keys = [prompt(c) for c in conversations]
     starts = [i for i, k in enumerate(keys) if i == 0 or k != keys[i - 1]]
-    k = min(n, len(starts) // 10)
-    cut = starts[len(starts) - k] if k else len(conversations)
-    held = {keys[i] for i in starts[len(starts) - k:]}
-    return ([c for c, key in zip(conversations[:cut], keys) if key not in held],
-            [conversations[i] for i in starts[len(starts) - k:]])
+    firsts = starts[len(starts) - min(n, len(starts) // 10):]
+    held = {keys[i] for i in firsts}
+    return [c for c, key in zip(conversations, keys) if key not in held], [conversations[i] for i in firsts]
 
 def _generate(tokenizer, files, max_length, min_supervised, max_conversations, heldout, source):
     """A row per kept sample, then one whose `meta` holds the counts and held-out conversations, which the cache serves
