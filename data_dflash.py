@@ -322,7 +322,7 @@ def _template_message(tokenizer, what, short, long):
             f"Template starts {str(tokenizer.chat_template)[:120]!r}.")
 
 def _encode(tokenizer, conversations, max_length):
-    """Per conversation, (ids int32, mask uint8, truncated) tokenised in one batch, or why the template fails it."""
+    """Per conversation, (ids, loss mask, truncated) tokenised in one batch, or why the template fails it."""
     import jinja2
     out, texts = [None] * len(conversations), {}
     for i, messages in enumerate(conversations):
@@ -344,7 +344,7 @@ def _encode(tokenizer, conversations, max_length):
         mask = np.zeros(len(offsets), dtype=np.uint8)
         for start, end in spans:  # a token across a span's edge (a merged "\n\n") carries reply text too
             mask[(offsets[:, 0] < end) & (offsets[:, 1] > start)] = 1
-        out[i] = (np.asarray(ids[:max_length], dtype=np.int32), mask, cut is not None)
+        out[i] = (ids[:max_length], mask.tolist(), cut is not None)   # lists: what `datasets` writes fastest
     return out
 
 def _split_heldout(conversations, n):
@@ -383,7 +383,7 @@ def _generate(tokenizer, files, max_length, min_supervised, max_conversations, h
                 continue
             ids, mask, truncated = item
             meta["truncated"] += truncated
-            if int(mask.sum()) < min_supervised:
+            if sum(mask) < min_supervised:
                 skipped["too few supervised tokens"] += 1
             else:
                 yield {"input_ids": ids, "loss_mask": mask, "meta": ""}

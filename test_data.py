@@ -19,7 +19,7 @@ def tokenize_conversation(tokenizer, messages, max_length):
     item = D._encode(tokenizer, [messages], max_length)[0]
     if isinstance(item, Exception):
         raise item
-    return item[0].tolist(), item[1].tolist()
+    return item[0], item[1]
 
 # a Qwen2.5-like ChatML template: default system prompt, no {% generation %} markers
 QWEN_TEMPLATE = (
