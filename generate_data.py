@@ -158,7 +158,7 @@ class Shard:
 
 # ---- workers: one process per device, shards from a queue
 
-def worker(device, jobs, a, shards_dir, n_shards, t_run):
+def worker(device, jobs, a, shards_dir, n_shards, total, t_run):
     """Regenerate the shards of the queue `jobs` ((index, conversations); None ends) on `device`. The next shard's
     turns join the rows while the last ones still decode, so no shard waits for the longest chain of the one before."""
     if device.startswith("cuda"):
@@ -178,9 +178,10 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
         path = os.path.join(shards_dir, f"shard_{sh.i:05d}")
         data_dflash.write_json(path + ".json", sh.st)  # counts first: the .jsonl marks the shard done
         data_dflash.write_chat_jsonl(path + ".jsonl", [sh.done[k] for k in sorted(sh.done)])
+        partial = sum(len(s.convs) - len(s.regen) for s in shards.values()) // a.answers   # kept or not
         print(f"[gen] shard {sh.i + 1}/{n_shards} on {device}: {sh.st['conversations']} conversations, "
               f"{sh.st['answers']} answers, {sh.st['generated_tokens']:,} tokens | "
-              f"{progress(shards_dir, n_shards, t_run)}", flush=True)
+              f"{progress(shards_dir, n_shards, total, t_run, partial)}", flush=True)
 
     def more():   # the first turns of the next shard from the queue, [] once it is empty
         for job in queued:
@@ -211,8 +212,10 @@ def worker(device, jobs, a, shards_dir, n_shards, t_run):
 
     decoding.generate(engine, more, stops, decoding.picker(a.temperature, a.top_p), follow)
 
-def progress(shards_dir, n_shards, t_run):
-    """All workers' progress from the shards on disk; those written since t_run give the rate and the ETA."""
+def progress(shards_dir, n_shards, total, t_run, partial):
+    """All workers' progress from the shards on disk and the `partial` conversations finished in this worker's open
+    shards (a worker decodes several shards at once: the first to end has the others well under way): the
+    conversations finished since t_run give the ETA of the `total`."""
     done = []
     for f in sorted(os.listdir(shards_dir)):
         if f.startswith("shard_") and f.endswith(".jsonl"):
@@ -220,11 +223,12 @@ def progress(shards_dir, n_shards, t_run):
                 done.append(json.load(fh))
     now = [st for st in done if st.get("finished", 0) >= t_run]
     elapsed = time.time() - t_run
-    rate, per_shard = sum(st["generated_tokens"] for st in now) / elapsed, elapsed / max(1, len(now))
-    return (f"{len(done)}/{n_shards} shards, {rate:,.0f} tok/s this run, "
-            f"ETA {(n_shards - len(done)) * per_shard / 60:.1f} min")
+    ran = sum(st["conversations"] for st in now) + partial
+    left = total - sum(st["conversations"] for st in done) - partial
+    return (f"{len(done)}/{n_shards} shards, {sum(st['generated_tokens'] for st in now) / elapsed:,.0f} tok/s this "
+            f"run, ETA {left / max(ran, 1) * elapsed / 60:.1f} min")
 
-def run_workers(a, pending, shards_dir, n_shards):
+def run_workers(a, pending, shards_dir, n_shards, total):
     """One process per device (threads would serialise the host work between CUDA-graph replays on the GIL); one
     device works in this process."""
     ctx = torch.multiprocessing.get_context("spawn")
@@ -232,8 +236,8 @@ def run_workers(a, pending, shards_dir, n_shards):
     for job in pending + [None] * len(a.devices):
         q.put(job)
     if len(a.devices) == 1:
-        return worker(a.devices[0], q, a, shards_dir, n_shards, time.time())
-    procs = [ctx.Process(target=worker, args=(d, q, a, shards_dir, n_shards, time.time())) for d in a.devices]
+        return worker(a.devices[0], q, a, shards_dir, n_shards, total, time.time())
+    procs = [ctx.Process(target=worker, args=(d, q, a, shards_dir, n_shards, total, time.time())) for d in a.devices]
     for p in procs:
         p.start()
     for p in procs:
@@ -288,7 +292,7 @@ def main(argv=None):
     print(f"[gen] {len(shards)} shards of up to {a.shard_size} conversations, {len(shards) - len(pending)} done "
           f"before; target {a.target} on {', '.join(a.devices)}", flush=True)
     t0 = time.time()
-    run_workers(a, pending, shards_dir, len(shards))
+    run_workers(a, pending, shards_dir, len(shards), len(convs))
     t_gen, total, ran, this_run = time.time() - t0, Counter(skipped), {i for i, _ in pending}, 0
     with open(tmp := f"{a.out}.tmp{os.getpid()}", "wb") as out:  # renamed when whole: <out> means done
         for i in range(len(shards)):

@@ -197,6 +197,18 @@ def test_empty_input_greedy_copies_and_a_restart_with_other_settings_are_errors(
         generate(target, src, tmp_path / "y.jsonl", "--max-length", 512)
 
 
+def test_the_eta_counts_the_conversations_finished_in_shards_still_open(tmp_path, monkeypatch):
+    # shards 0 (an earlier run's) and 1 (this run's) on disk, 300 conversations of open shards finished: 500 of the
+    # 1,000 left at the rate of this run's 400 conversations in 100 s
+    for i, finished in enumerate((0.0, 950.0)):
+        D.write_json(tmp_path / f"shard_{i:05d}.json", {"conversations": 100, "generated_tokens": 5000,
+                                                        "finished": finished})
+        (tmp_path / f"shard_{i:05d}.jsonl").write_text("")
+    monkeypatch.setattr(G.time, "time", lambda: 1000.0)
+    line = G.progress(str(tmp_path), 10, 1000, 900.0, 300)
+    assert line == "2/10 shards, 50 tok/s this run, ETA 2.1 min", line
+
+
 def test_the_target_decodes_in_the_dtype_asked_for_and_the_manifest_records_it(target, tmp_path, monkeypatch):
     """--dtype bfloat16 on a CPU: the target is loaded in it and the manifest says so; a restart with --dtype auto
     (float32 on a CPU) is refused, as the precision decides the answers."""
