@@ -316,8 +316,7 @@ def main(argv=None):
     skips = ", ".join(f"{k}={v}" for k, v in skips.items()) or "none"
     print(f"[gen] done: {counts['written']} of {len(convs)} x {a.answers} conversations, {counts['turns_regenerated']} "
           f"answers, {counts['generated_tokens']:,} tokens ({run['tok_s']:,.0f} tok/s this run, load and graph "
-          f"capture included), {run['wall_seconds']:.1f} s | skipped: {skips} -> {a.out}\n"
-          f"[gen] train on it: python train_dflash.py --target {a.target} --data {a.out}")
+          f"capture included), {run['wall_seconds']:.1f} s | skipped: {skips} -> {a.out}")
     return 0
 
 if __name__ == "__main__":

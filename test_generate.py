@@ -52,6 +52,7 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
     from transformers import AutoModelForCausalLM
     src, out = chats(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
     assert generate(target, src, out, "--unfinished", "keep") == 0   # every answer feeds the next turn
+    done = capsys.readouterr().out.splitlines()[-1]   # the output ends on the done line, which names the file
     convs, skipped = D.load_conversations([str(out)])
     before, _ = D.load_conversations([src])
     assert not skipped and len(convs) == 3
@@ -84,7 +85,7 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
     assert m["counts"]["hit_max_new_tokens"] > 0 and not any("unfinished" in msg for c in convs for msg in c)
     assert m["settings"]["sources"][0]["path"] == os.path.abspath(src) and len(m["settings"]["target_sha256"]) == 64
     assert not os.path.exists(f"{out}.shards")
-    assert f"--data {out}" in capsys.readouterr().out
+    assert done.startswith("[gen] done: 3 of 3 x 1 conversations, 6 answers") and done.endswith(f"-> {out}")
     assert generate(target, src, out, "--unfinished", "keep") == 0  # finished: a second run only says so
     assert "nothing to do" in capsys.readouterr().out
 
