@@ -3,9 +3,9 @@
 # warm up, train, checkpoint, summarise.   bash start_training.sh [train_dflash.py options...]
 # With no options it runs the embedded default: on CPU sized to finish in about 10 minutes, on GPUs
 # the DFlash recipe on every visible GPU. Options override those defaults. Output also goes to logs/.
-# On GPUs the embedded default trains on ShareGPT's answers with the target's own next-token distribution
-# as the loss (--distill 1.0); DFLASH_REGENERATE=1 first has the target write answers of its own (generate_data.py,
-# once: the result is cached) and trains on those and ShareGPT's.
+# On GPUs the embedded default first has the target write answers of its own (generate_data.py, once: the result
+# is cached), then trains on those and ShareGPT's with the target's own next-token distribution as the loss
+# (--distill 1.0); DFLASH_REGENERATE=0 trains on ShareGPT's answers alone.
 # Run again, it continues from the newest checkpoint (--resume; a finished run has nothing to do).
 # DFLASH_SKIP_INSTALL=1 skips the package checks (tests); PYTHON picks the interpreter.
 set -euo pipefail
@@ -23,8 +23,7 @@ mkdir -p logs
 log="logs/train_$(date +%Y%m%d_%H%M%S).log"
 echo "[start] logging to $log"
 if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-  # distillation from the target beats its hard labels, and both beat training on its own rewritten answers of the
-  # embedded default at equal training time (BENCHMARKS.md)
+  # distillation from the target beats its hard labels at equal training time (BENCHMARKS.md)
   # a training time, not a number of epochs: a first start takes a known time (BENCHMARKS.md)
   defaults=(--out-dir out/default --resume --distill 1.0 --max-minutes 15 --log-interval 100 --tensorboard auto)
   if [[ " $* " != *" --target "* ]]; then
@@ -32,17 +31,18 @@ if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
     # position 7) on twice the anchors, batches of 4 sequences for more steps, and the loss's weight falling faster
     # over the block (gamma 2, not 4: most rounds end at the first draft positions): higher acceptance in the same
     # time (BENCHMARKS.md); a large target keeps the DFlash recipe's block 16, its gamma and its automatic batch.
-    # One H200 trains 6-7 epochs in 15 minutes: the budget, not the 8 epochs, ends the run (the schedule follows it)
+    # The budget, not the 8 epochs, ends the run on one H200 (the schedule follows it)
     defaults+=(--block-size 8 --num-anchors 1024 --tokens-per-batch 12288 --gamma 2 --epochs 8)
-    if [[ " $* " != *" --data "* && "${DFLASH_REGENERATE:-0}" = 1 ]]; then
-      # sampled answers loop less than greedy ones; 512 new tokens cover what acceptance is measured on, and an
-      # answer cut there ends its conversation, untaught an end of turn the target did not write. Added to
-      # ShareGPT's answers: more distinct contexts for a drafter that begins to learn the samples it sees again
-      # (BENCHMARKS.md). ShareGPT last: its last conversations stay the held-out ones, their copies never trained on.
+    if [[ " $* " != *" --data "* && "${DFLASH_REGENERATE:-1}" = 1 ]]; then
+      # the target's own answers next to ShareGPT's: higher acceptance in the same training time, the regeneration
+      # included in the run's time (BENCHMARKS.md). Sampled answers loop less than greedy ones; 512 new
+      # tokens cover what acceptance is measured on, and an answer cut there ends its conversation, untaught an end
+      # of turn the target did not write. ShareGPT last: its last conversations stay the held-out ones, their
+      # copies never trained on.
       regen=.cache/sharegpt_v3_sampled.jsonl     # a second start reuses it
       if ! $PY -u generate_data.py --out "$regen" --temperature 0.8 --max-new-tokens 512 --unfinished cut 2>&1 \
            | tee "$log"; then
-        echo "[start] generate_data.py failed (see $log); without DFLASH_REGENERATE=1 it trains on ShareGPT's answers"
+        echo "[start] generate_data.py failed (see $log); DFLASH_REGENERATE=0 trains on ShareGPT's answers alone"
         exit 1
       fi
       defaults+=(--data "$regen" .cache/sharegpt_v3.jsonl)
