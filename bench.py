@@ -139,11 +139,12 @@ def main(argv=None):
     lm = torch.ones(B, S, device=dev)
     lm[:, : S // 10] = 0
     anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size, torch.Generator().manual_seed(0))
+    taught = dm.teacher_positions(anchors, valid, S, dcfg.block_size) if tcfg.teacher else None   # the loader's work
 
     def step():
         with compiled.autocast(dev):
             loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn),
-                                           distill=a.distill)[0]
+                                           distill=a.distill, taught=taught)[0]
         compiled.backward(loss, dev, (B, S, A), attn)
         # the trainer's lone-replica step: the norm read by the host, the clip inside the update
         replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)
@@ -151,7 +152,6 @@ def main(argv=None):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t_drafter = timed("drafter_ms", step)
-    taught = len(dm.teacher_positions(anchors, valid, S, dcfg.block_size)[0]) if tcfg.teacher else 0
     flops = dm.batch_flops(dcfg, S, anchors, valid, taught)
     mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     res.update(drafter_tok_s=B * S / t_drafter, drafter_mfu=flops / t_drafter / peak,

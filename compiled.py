@@ -1,6 +1,5 @@
-"""The compile machinery: 1. the gate every compiled call passes, 2. the compiled calls (the drafter's flex trunk
-and its backward, the target's decoder layers and their CUDA graphs), 3. the persistent compile cache, 4. the
-warm-up, 5. streams and timers.
+"""The compile machinery: 1. the gate every compiled call passes, 2. the compiled calls (the drafter's flex trunk and
+backward, the target's layers and CUDA graphs), 3. the persistent compile cache, 4. the warm-up, 5. streams, timers.
 
 What torch does, by version (the one place this is written down):
   * Every compile that misses the AOTAutograd cache raises a process-global "FX tracing" flag (per thread from
@@ -207,10 +206,9 @@ def _layer_forward(layer, hidden_states, *args, **kwargs):
 _TARGET_NUMBERS = itertools.count()
 
 def compile_target_layers(target):
-    """Compile the target's decoder layers, called through GATE: regional (its layers share one graph per input
-    shape), with a code object per target (see the top). A layer of full causal attention gets no mask (rows are
-    right-padded: dm.target_forward): SDPA's causal kernel, and one graph per shape, also under a CUDA-graph
-    capture, where transformers builds the causal mask as a tensor."""
+    """Compile the target's decoder layers (one graph per shape for all of them, a code object per target: see the
+    top), called through GATE. A full-attention layer gets no mask (rows are right-padded): SDPA's causal kernel, and
+    one graph per shape also under a CUDA-graph capture, where transformers builds the mask as a tensor."""
     code = _layer_forward.__code__.replace(co_name=f"target_layers_{next(_TARGET_NUMBERS)}")
     fn = torch.compile(types.FunctionType(code, globals()), dynamic=False, fullgraph=True)
 
@@ -223,10 +221,9 @@ def compile_target_layers(target):
         layer.forward = functools.partial(gated, layer, getattr(layer.self_attn, "sliding_window", None) is None)
 
 class GraphedTarget:
-    """The trainer's target forward, dm.target_forward, as one CUDA-graph replay per (B, S) captured at the warm-up:
-    a small target's forward is bound by the host launching its kernels, and the trainer's target and drafter threads
-    launch theirs under one GIL. Off CUDA, and at a shape not captured, the forward runs as it is (through the gate,
-    which refuses an unwarmed shape)."""
+    """dm.target_forward as one CUDA-graph replay per (B, S) captured at the warm-up: a small target is bound by the
+    host launching its kernels under the GIL the drafter threads share. Off CUDA, or at a shape not captured, the
+    forward runs as it is (through the gate, which refuses an unwarmed shape)."""
     def __init__(self, target, layer_ids, final):
         self.target, self.layer_ids, self.final = target, list(layer_ids), final
         self.device = next(target.parameters()).device
@@ -252,8 +249,8 @@ class GraphedTarget:
 # ---- 3. The compile cache
 
 def use_compile_cache(cache_dir, log=print):
-    """Point inductor and triton at a persistent cache and record which build fills it: one filled by another
-    torch/triton/CUDA build or GPU misses every entry (a cold start), which is said here."""
+    """Point inductor and triton at a persistent cache and record which build fills it: another torch/triton/CUDA
+    build or GPU misses every entry (a cold start), which is said here."""
     cache_dir = os.path.abspath(cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
     os.environ.update(TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
@@ -280,8 +277,7 @@ def _cache_counters():
 # ---- 4. The warm-up
 
 def warm_shape(drafter, shape, gamma, attn):
-    """One forward + backward of the training computation at `shape` = (B, S, A); the drafter's gradients are
-    left as they were (absent ones absent, a flat buffer's views zeroed)."""
+    """One forward + backward of the training step at `shape` = (B, S, A); the gradients are left as they were."""
     B, S, A = shape
     c, dev = drafter.config, drafter.fc.weight.device
     feats = torch.randn(B, S, len(c.target_layer_ids) * c.hidden_size, device=dev, dtype=config.param_dtype(dev))
@@ -298,11 +294,10 @@ def warm_shape(drafter, shape, gamma, attn):
     sync_device(dev)
 
 def warm_target(graphed, B, S):
-    """Compile the target's layers at (B, S), capture its CUDA graph (GraphedTarget), and check the features as the
-    trainer gets them against eager ones position by position: returns the largest of the rows' median relative
-    errors. A wrong mask or layer moves most positions by order 1. bf16 rounding moves most by about 1e-2, and a few
-    of random tokens by order 1 (those where the target's outlier activations form on one path only), so a row's
-    median, not the whole batch's norm, is held to 0.1 (fp32: 1e-4)."""
+    """Compile the target's layers at (B, S), capture the graph, and check its features against eager ones: returns
+    the largest of the rows' median relative errors. A wrong mask or layer moves most positions by order 1; bf16
+    moves most by about 1e-2, and a few random tokens by order 1 (outlier activations forming on one path only), so
+    a row's median is held to 0.1 (fp32: 1e-4)."""
     dev, dtype = graphed.device, next(graphed.target.parameters()).dtype
     ids = torch.randint(0, graphed.target.config.vocab_size, (B, S), device=dev)
     tol = 1e-4 if dtype == torch.float32 else 0.1
@@ -359,9 +354,9 @@ def format_table(rows):
 
 @contextmanager
 def own_stream(dev):
-    """The calling thread's work on `dev` on a CUDA stream of its own (None off CUDA): threads sharing a GPU overlap
-    their kernels, and each one's sync_device waits for its own work only. The trainer's threads hand a tensor on only
-    after their sync_device, and drop it only after the reader's: no stream still reads memory that is reused."""
+    """The calling thread's work on a CUDA stream of its own (None off CUDA): threads sharing a GPU overlap, and each
+    sync_device waits for its own work. Threads hand a tensor on after their sync_device, and drop it after the
+    reader's: no stream reads reused memory."""
     if torch.device(dev).type != "cuda":
         yield None
         return
@@ -371,11 +366,9 @@ def own_stream(dev):
         yield stream
 
 def host_threads(devices):
-    """One intra-op CPU thread where every device is a GPU: the host's torch ops are then small bookkeeping run by
-    several threads at once (the trainer's loader, step loop, drafters), and an intra-op thread team for each would
-    contend with the others' for the cores, an op waiting milliseconds for its team. Set before any compile: dynamo
-    guards on the thread count in the process (inductor's on-disk cache keys on it only for CPU kernels, so another
-    process's GPU compiles, warmup.py's, still serve)."""
+    """One intra-op CPU thread where every device is a GPU: host ops are small bookkeeping in several threads, whose
+    thread teams would contend for the cores (an op waiting milliseconds). Set before any compile: dynamo guards on
+    it (inductor's disk cache only for CPU kernels: warmup.py's GPU compiles still serve)."""
     if all(torch.device(d).type == "cuda" for d in devices):
         torch.set_num_threads(1)
 
@@ -387,8 +380,7 @@ def autocast(dev):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.device(dev).type == "cuda")
 
 def median_time(fn, n, dev, rounds=1):
-    """(median, [min, max]) seconds per call: after 2 untimed calls, `rounds` rounds of `n` calls back to back,
-    each timed as a whole (a device sync at its two ends only, as in training)."""
+    """(median, [min, max]) seconds per call of `rounds` rounds of `n` calls back to back, after 2 untimed ones."""
     for _ in range(2):
         fn()
     per_call = []

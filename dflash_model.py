@@ -1,8 +1,6 @@
-"""The DFlash drafter: 1. config and model (Qwen3-shaped layers, keys/values injected from the target's features),
-2. the training mask and its tile-level BlockMask for flex_attention, 3. anchors, blocks, the chunked loss, FLOPs,
-4. hooks keeping the target layers' outputs, 5. save / load (config.json with dflash_config + model.safetensors).
-The compiled flex path and its gate are compiled.py's; decoding with a drafter is decoding.py's.
-"""
+"""The DFlash drafter: 1. config and model (Qwen3-shaped layers, keys/values from the target's features), 2. the
+training mask and its tile-level BlockMask, 3. anchors, blocks, the chunked loss, FLOPs, 4. the target's features,
+5. save / load in the serving format. The compiled path is compiled.py's; decoding is decoding.py's."""
 import functools
 import json
 import math
@@ -87,8 +85,7 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight.to(x.dtype)   # stays in the compute dtype (bf16 under autocast)
 
 def rope_tables(n_positions, head_dim, theta):
-    """fp32 cos/sin of each position's rotary angles, (n_positions, head_dim // 2): gathered by position in the step
-    (a load), not computed there (a pow, a sin and a cos per q/k element, forward and backward)."""
+    """fp32 cos/sin (n_positions, head_dim // 2): the step gathers them by position instead of computing them."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     ang = torch.arange(n_positions, dtype=torch.float32)[:, None] * inv
     return ang.cos(), ang.sin()
@@ -181,8 +178,7 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(target_feats))
 
     def body(self, target_feats, block_ids, ctx_pos, block_pos, attend):
-        """The final-normed hidden states of the block tokens; each layer projects the shared context to its own
-        keys/values."""
+        """The block tokens' final-normed hidden states; each layer projects the shared context to keys/values."""
         ctx = self.context(target_feats)
         h = F.embedding(block_ids, self.embed_weight).to(ctx.dtype)
         (cos_c, sin_c), (cos_q, sin_q) = self.rope(ctx_pos, ctx.dtype), self.rope(block_pos, ctx.dtype)
@@ -207,16 +203,14 @@ def dense_dflash_mask(anchors, S, bs):
     B, A = anchors.shape
     return create_mask(make_mask_mod(anchors, S, bs), B, None, A * bs, S + A * bs, device=anchors.device)
 
-# The block mask, built eagerly from the anchors at flex's 128 x 128 tile level: create_block_mask evaluates the
-# mask_mod on all B x Q x KV elements (compiled: minutes of Triton compile per shape). The mask's structure gives
-# each tile directly: context tile u (keys [128u, 128u+128), all < S) is seen by some row iff 128u < the query
-# tile's largest anchor, in full iff 128u + 128 <= its smallest; a block tile is seen iff the two tiles' block
-# ranges overlap, in full iff both lie in one and the same block. Full tiles skip the mask_mod in the kernel.
+# The block mask, built eagerly at flex's 128 x 128 tile level (create_block_mask evaluates the mask_mod on every
+# element: minutes of compile per shape). Context tile u is seen by some row iff 128u < the query tile's largest
+# anchor, in full iff 128u + 128 <= its smallest; a block tile iff the tiles' block ranges overlap, in full iff
+# both lie in one block. Full tiles skip the mask_mod in the kernel.
 TILE = 128
 
 def _ordered(tiles):
-    """(B, 1, R, C) bool tile map -> per row its count and column indices, those in the map first, ascending
-    (flex's kv_num_blocks / kv_indices layout, int32)."""
+    """(B, 1, R, C) bool tile map -> per row its count and indices, those in the map first (flex's layout)."""
     t = tiles.to(torch.int32).contiguous()    # the q-side maps are transposes: contiguous, as flex's
     return t.sum(-1, dtype=torch.int32), torch.argsort(t, dim=-1, descending=True, stable=True).to(torch.int32)
 
@@ -338,14 +332,11 @@ CHUNK_ROWS = 3072
 
 def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None,
                 teacher=None, teacher_rows=None, distill=0.0):
-    """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), chunk by chunk
-    (the Triton kernel on a GPU): the loss (over the weight sum), and acc and counts (bs-1,) per position over
-    supervised positions (acc: the drafter's most likely token is the label, or with a teacher the teacher's most
-    likely one, what greedy acceptance counts).
-    `weight_sum`: the normaliser shared by micro-batches/replicas, so that their step equals one over all of them.
-    teacher (P, H): the target's final hidden states whose next-token distributions the loss matches with weight
-    `distill` (a KL), the CE to the labels keeping 1 - distill; teacher_rows (B*A*(bs-1),) host long: each scored
-    row's teacher (see teacher_positions: a chunk of rows reads one short range of them)."""
+    """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), chunk by chunk:
+    the loss over `weight_sum` (shared by micro-batches and replicas: their step is one over all of them), and per
+    position acc and counts (bs-1,) (acc: the drafter's top token is the label, or the teacher's top one).
+    teacher (P, H): the target's final hidden states, whose distributions the loss matches with weight `distill` (a
+    KL), the CE keeping 1 - distill; teacher_rows (B*A*(bs-1),) host long: each scored row's (teacher_positions)."""
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
@@ -361,11 +352,10 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     return loss, (correct.view(B * A, bs - 1) & sup).sum(0).float() / counts.clamp(min=1), counts
 
 def teacher_positions(anchors, valid, S, block_size):
-    """The positions distillation needs and each scored row's index into them. Block row k of anchor a is taught
-    the target's distribution after position a + k - 1; overlapping blocks share positions, so the teacher's LM head
-    runs once per distinct position. From host anchors (on a device they cost a sync): positions (P,) ascending
-    flat b * S + p; rows (B*A*(bs-1),) long, ascending but for block overlaps, so that a chunk of rows needs one short
-    range of positions (the rows of an unsampled anchor repeat the row before them)."""
+    """Distillation's positions (P,) (flat b * S + p, ascending; the teacher's LM head runs once for each) and each
+    scored row's index into them: block row k of anchor a is taught the distribution after position a + k - 1. Rows
+    ascend but for block overlaps, so a chunk of rows needs one short range (an unsampled anchor's rows repeat the
+    row before). From host anchors: on a device they cost a sync."""
     anchors, valid = anchors.cpu(), valid.cpu()
     B, A = anchors.shape
     k = torch.arange(1, block_size)
@@ -391,9 +381,8 @@ def dense_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
 
 def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma, trunk=dense_trunk,
                          weight_sum=None, distill=0.0, taught=None):
-    """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk on GPUs) -> loss. distill > 0:
-    target_feats ends with the target's final hidden states (target_forward(final=True)), the KL's teacher; `taught`:
-    teacher_positions' result when computed ahead (the trainer's loader thread)."""
+    """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk) -> loss. distill > 0: target_feats
+    ends with the target's final hidden states (the teacher); `taught`: teacher_positions' result, if computed ahead."""
     c, (B, S) = drafter.config, input_ids.shape
     host_anchors, host_valid = anchors, valid
     anchors, valid = to_device(anchors, input_ids.device), to_device(valid, input_ids.device)
@@ -413,45 +402,39 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
                        teacher_rows=rows, distill=distill)
 
 def to_device(t, dev):
-    """A host tensor to `dev` without the host waiting: from pageable memory a copy waits for the stream's earlier
-    work (the previous step's optimiser); from pinned memory it is queued like a kernel."""
+    """A host tensor to `dev` through pinned memory: queued like a kernel (a pageable copy waits for the stream)."""
     if t.device == dev or dev.type != "cuda" or t.device.type != "cpu":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)
 
-def matmul_flops(c, S, A, teacher_rows=0):
-    """FLOPs of the drafter's matmuls in one forward+backward of one sequence: a trainable matmul costs 3x its
-    forward, the fc 2x (the target's features need no gradient), the frozen LM head 2 matmuls (logits, grad of
-    the hidden states) on the A*(bs-1) scored rows, plus one on the teacher's rows (distillation's logits)."""
+def matmul_flops(c, S, A):
+    """The drafter's matmul FLOPs in one forward+backward of a sequence: 3x the forward for a trainable matmul, 2x for
+    the fc (its input needs no gradient), the frozen LM head's two (logits, hidden grad) on the scored rows."""
     Q = A * c.block_size
     H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * I * 3
     fc = 2 * S * len(c.target_layer_ids) * H * H
     head = 2 * 2 * Q * (c.block_size - 1) / c.block_size * H * V
-    return 2 * fc + 3 * c.num_draft_layers * layer + head + teacher_flops(c, teacher_rows)
-
-def teacher_flops(c, rows):
-    """The teacher's logits at `rows` positions: one frozen LM head matmul each, no backward."""
-    return 2 * rows * c.hidden_size * c.vocab_size
+    return 2 * fc + 3 * c.num_draft_layers * layer + head
 
 def step_flops(c, S, A, ctx):
-    """Matmuls plus attention over the visible keys only: ctx context keys (the mean anchor position) and the
-    block's own, forward (QK^T and PV) and backward (2x the forward)."""
+    """Matmuls plus attention over the visible keys: ctx context keys (the mean anchor) and the block's, 3x forward."""
     return matmul_flops(c, S, A) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
         c.num_attention_heads * c.head_dim * (ctx + c.block_size)
 
-def batch_flops(c, S, anchors, valid, taught=0):
-    """One drafter step on a (B, S) batch as it runs (padding included: the MFU is the device's), with the teacher's
-    logits at `taught` positions (distillation: as many as teacher_positions gives for the batch)."""
+def batch_flops(c, S, anchors, valid, taught=None):
+    """One drafter step on a (B, S) batch as it runs (padding included), with the teacher's logits (one frozen LM head
+    matmul) at the positions of `taught` (teacher_positions' result; None: no distillation)."""
     ctx = [float(a[v].float().mean()) if bool(v.any()) else 0.0 for a, v in zip(anchors, valid)]
-    return sum(step_flops(c, S, anchors.shape[1], x) for x in ctx) + teacher_flops(c, taught)
+    teacher = 0 if taught is None else 2 * len(taught[0]) * c.hidden_size * c.vocab_size
+    return sum(step_flops(c, S, anchors.shape[1], x) for x in ctx) + teacher
 
 # ---- 4. The target's features
 
 def capture(target, layer_ids):
-    """From now on every forward of the target keeps the outputs of its decoder layers `layer_ids` (idempotent).
-    Hooks of our own: transformers' output_hidden_states goes through a ContextVar a compiled layer cannot trace."""
+    """Every later forward of the target keeps its layers `layer_ids`' outputs (idempotent): hooks, as transformers'
+    output_hidden_states goes through a ContextVar a compiled layer cannot trace."""
     if not hasattr(target, "captured"):
         target.captured, target.hooked = {}, set()
     for i in sorted(set(layer_ids) - target.hooked):
@@ -460,10 +443,9 @@ def capture(target, layer_ids):
         target.hooked.add(i)
 
 def target_forward(target, input_ids, layer_ids, final=False):
-    """One batch through the target's base model (no LM head): the outputs of `layer_ids`, concatenated, and with
-    `final` its final normed hidden states after them (a target of its whole depth: distillation's teacher). Rows are
-    right-padded, and under causal attention a position never sees the positions after it: a row's real positions
-    get their exact features with no padding mask (its padded positions' features are never read)."""
+    """The target's base model on a batch: the outputs of `layer_ids`, concatenated, with `final` its final normed
+    hidden states after them (distillation's teacher). Rows are right-padded: under causal attention a real position
+    gets its exact features without a padding mask (padded positions' features are never read)."""
     if final and isinstance(target.model.norm, nn.Identity):   # config.load_target cut it: no teacher there
         raise ValueError("target_forward(final=True) needs the target's whole depth: config.load_target(whole=True)")
     capture(target, layer_ids)
@@ -479,8 +461,7 @@ HF_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_v
            "num_target_layers", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
-    """Write config.json + model.safetensors (trainable weights only) to `path`. `state`: a host copy of
-    drafter.state_dict() taken earlier (a background checkpoint), else the drafter's current weights."""
+    """config.json + model.safetensors (trainable weights) in `path`; `state`: a host copy of the state_dict."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     state = drafter.state_dict() if state is None else state
@@ -500,8 +481,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
         json.dump(hf, f, indent=2)
 
 def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
-    """Load a saved drafter; `target` provides the frozen embedding and LM head. What is not a drafter for this
-    target is a one-line error naming the file."""
+    """A saved drafter with `target`'s frozen embedding and LM head; else a one-line error naming the file."""
     from safetensors.torch import load_file
     cfg_path, weights = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     if not os.path.isfile(cfg_path):

@@ -54,13 +54,10 @@ class Trainer:
                              "must see the same --out-dir (a file system all nodes share)")
         # done already: by the steps, or by the budget's rule (see loop) applied to the end the checkpointed step
         # predicted for its successor; said with the command that measures the result
-        if self.step >= self.total_steps:
-            done = f"already at step {self.step} of {self.total_steps}: nothing to do"
-        elif cfg.max_minutes and self.next_end_s >= 60 * cfg.max_minutes:
-            done = (f"the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
-                    f"{self.step}: nothing to do (a larger --max-minutes continues)")
-        else:
-            done = ""
+        done = (f"already at step {self.step} of {self.total_steps}: nothing to do" if self.step >= self.total_steps
+                else f"the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
+                f"{self.step}: nothing to do (a larger --max-minutes continues)"
+                if cfg.max_minutes and self.next_end_s >= 60 * cfg.max_minutes else "")
         if done:
             log(f"[run] {done}\n[run] measure its acceptance: {self.eval_command(self.resumed_from)}")
             return 0
@@ -74,8 +71,7 @@ class Trainer:
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers
         self.peak_flops = compiled.measure_peak_flops(self.ddevs[0])
         now = time.time()
-        log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s")
-        log(f"[run] start-up {now - T_PROCESS:.1f}s: imports + environment report {t_setup - T_PROCESS:.1f}s, "
+        log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s\n[run] start-up {now - T_PROCESS:.1f}s: imports + environment report {t_setup - T_PROCESS:.1f}s, "
             f"setup + data {t_models - t_setup:.1f}s, models + resume {t_warm - t_models:.1f}s, warm-up + matmul "
             f"peak {now - t_warm:.1f}s")
         return self.loop()
@@ -100,8 +96,7 @@ class Trainer:
         self.pad_id = 0 if self.tok is None else (
             self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id)
         mask = "-" if self.tok is None else repr(self.tok.convert_ids_to_tokens(self.dcfg.mask_token_id))
-        log(f"[model] drafter {self.dcfg}")
-        log(f"[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {cfg.gamma}, attention {self.attn}"
+        log(f"[model] drafter {self.dcfg}\n[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {cfg.gamma}, attention {self.attn}"
             + (" (CPU: FlexAttention has no backward, dense-mask SDPA)" if self.ddevs[0].type == "cpu" else ""))
         self.data, self.heldout = data_dflash.load_training_data(cfg, files, self.tok, self.dcfg.vocab_size,
                                                                  self.rank, log)
@@ -147,8 +142,7 @@ class Trainer:
             return
         path, state = ck.load_newest(self.cfg.out_dir, self.log)
         if path is None:
-            self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
-            return
+            return self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
         saved = {"distill": 0.0, **state["config"]}    # a config without the key: labels only
         changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {saved[k]})"
                    for k in ("lr", "weight_decay", "distill", "gamma") if saved[k] != getattr(self.cfg, k)]
@@ -438,7 +432,7 @@ def prepare_batch(cfg, dcfg, S, keys, ids, lm, lengths):
     taught = dm.teacher_positions(anchors, valid, S, cfg.block_size) if cfg.teacher else None
     return {"S": S, "ids": ids, "lm": lm, "anchors": anchors, "valid": valid, "taught": taught,
             "wsum": float(weights[:, :, 1:].sum()), "tokens": float(lengths.sum()),
-            "flops": dm.batch_flops(dcfg, S, anchors, valid, taught=0 if taught is None else len(taught[0]))}
+            "flops": dm.batch_flops(dcfg, S, anchors, valid, taught)}
 
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
     """Drawn per (sample, epoch) with their own generator: the same however batches are split, and again on resume."""
