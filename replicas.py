@@ -12,7 +12,7 @@ from master_adamw import MasterAdamW
 
 class Replicas:
     def __init__(self, dcfg, emb, head, devices, cfg, world, lr_lambda, log):
-        self.world, self.pending_fp = world, None
+        self.world = world
         self.drafters = [config.new_drafter(dcfg, emb, head, d, cfg.seed) for d in devices]   # identical replicas
         self.opts = [MasterAdamW(dr.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                  param_dtype=config.param_dtype(d)) for dr, d in zip(self.drafters, devices)]
@@ -97,27 +97,16 @@ class Replicas:
         names, tensors = map(list, zip(*self.drafters[r].named_parameters()))
         return names + [n + " (master)" for n in names], tensors + self.opts[r].masters()
 
-    def watch(self, step, interval):
-        """Compares the fingerprints queued an interval ago: ready by now, as this step's stats came after them."""
-        if len(self.drafters) > 1 or self.world > 1:
-            self.check_fingerprints()
-            if step % interval == 0:
-                self.queue_fingerprints(step)
-
-    def queue_fingerprints(self, step):
-        """Copied to the host without a wait; across ranks, replica 0's min and max (equal iff all agree)."""
+    def check(self, step):
+        """Every replica, and across ranks replica 0's min and max (equal iff all agree), as this rank's replica 0."""
+        if len(self.drafters) == 1 and self.world == 1:
+            return
         fps = [ck.fingerprint(self.tensors(r)[1]) for r in range(len(self.drafters))]
         if self.world > 1:
             fps += [fps[0].clone(), fps[0].clone()]
             dist.all_reduce(fps[-2], op=dist.ReduceOp.MIN)
             dist.all_reduce(fps[-1], op=dist.ReduceOp.MAX)
-        self.pending_fp = (step, [host_copy(fp) for fp in fps])
-
-    def check_fingerprints(self):
-        if self.pending_fp is None:
-            return
-        (step, pending), self.pending_fp = self.pending_fp, None
-        fps, R = [read(host, ready) for host, ready in pending], len(self.drafters)
+        fps, R = [fp.cpu() for fp in fps], len(self.drafters)
         bad = self.differing(fps[:R]) + self.differing(fps[R:], who="another rank")    # none: one rank
         if bad:
             raise RuntimeError(f"drafter replicas diverged by step {step}: {len(bad)} tensor fingerprint(s) differ, "
@@ -139,9 +128,7 @@ class Replicas:
         """At the end of the run, on every rank: every replica of every rank as rank 0's replica 0."""
         if len(self.drafters) == 1 and self.world == 1:
             return
-        self.check_fingerprints()
-        self.queue_fingerprints(step)
-        self.check_fingerprints()
+        self.check(step)
         n = sum(p.numel() for p in self.drafters[0].parameters())
         log(f"[replicas] {len(self.drafters)} replica(s) x {self.world} rank(s) bit-identical after step {step} "
             f"({n:,} parameters each; fingerprint {self.digests()[0]})")

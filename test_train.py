@@ -734,19 +734,17 @@ def _replicas(n, world=1):
         m.load_state_dict(first.state_dict())
         r.drafters.append(m)
     r.opts = [MasterAdamW(m.parameters(), lr=0.1, param_dtype=torch.float32) for m in r.drafters]
-    r.world, r.pending_fp = world, None
+    r.world = world
     return r
 
 
-def test_replica_fingerprints_every_log_interval_catch_a_divergence_at_the_next_step():
-    """Fingerprints queued after step k are compared at step k+1: equal replicas pass; one that differs
-    by offsetting +-e (a float sum would not see it), or -0.0 against 0.0 (torch.equal would not),
-    stops the run naming the tensor and the step; the end-of-run check and digests() say the same."""
+def test_replica_fingerprints_catch_a_divergence_naming_the_tensor_and_the_step():
+    """The check at a log interval: equal replicas pass; one that differs by offsetting +-e (a float sum
+    would not see it), or -0.0 against 0.0 (torch.equal would not), stops the run naming the tensor and
+    the step; the end-of-run check and digests() say the same."""
     r = _replicas(2)
     a, b = r.drafters
-    r.check_fingerprints()                   # nothing queued yet: nothing to compare
-    r.queue_fingerprints(10)
-    r.check_fingerprints()
+    r.check(10)
     logged = []
     r.check_identical(7, logged.append)
     assert logged == ["[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 7 (20 parameters each; "
@@ -754,16 +752,14 @@ def test_replica_fingerprints_every_log_interval_catch_a_divergence_at_the_next_
     with torch.no_grad():
         b.weight[0, 0] += 0.5
         b.weight[0, 1] -= 0.5
-    r.queue_fingerprints(20)
     with pytest.raises(RuntimeError, match=r"diverged by step 20: 1 tensor fingerprint\(s\) differ, first \['replica 1: weight'\]"):
-        r.check_fingerprints()
+        r.check(20)
     with torch.no_grad():
         b.weight.copy_(a.weight)
         a.bias[0], b.bias[0] = 0.0, -0.0
     assert torch.equal(a.bias, b.bias)       # what a value comparison would accept
-    r.queue_fingerprints(30)
     with pytest.raises(RuntimeError, match=r"by step 30: .*replica 1: bias"):
-        r.check_fingerprints()
+        r.check(30)
     with pytest.raises(RuntimeError, match="replica 1: bias"):
         r.digests()
 

@@ -235,7 +235,8 @@ class Trainer:
                 self.losses.append(self.last["loss"])
                 self.busy_at_last = {k: list(v) for k, v in self.busy.items()}   # the summary's window
                 metrics.write(json.dumps(self.last) + "\n")
-                reps.watch(step, cfg.log_interval)
+                if step % cfg.log_interval == 0:
+                    reps.check(step)
                 budget_end = bool(cfg.max_minutes and self.next_end_s >= budget)
                 if budget_end:
                     log(f"[run] time budget of {cfg.max_minutes} min: step {step} is the last that ends within it")
