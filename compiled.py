@@ -33,7 +33,7 @@ from environment import CACHE_INFO_FILE, cache_info
 
 # ---- 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every key the
 # run uses; then warmed keys share it under dynamo's "fail_on_recompile" stance, so nothing compiles behind its
-# back. An unwarmed key is an error, or (on_unwarmed="compile") compiles holding the gate exclusively.
+# back, and an unwarmed key is an error.
 
 class UnwarmedShapeError(RuntimeError):
     pass
@@ -42,9 +42,9 @@ class CompileGate:
     def __init__(self):
         self.cond, self.local = threading.Condition(), threading.local()
         self.readers, self.writer, self.waiting = 0, None, 0     # threads in shared calls; the exclusive holder
-        self.warm, self.warmed, self.on_unwarmed = False, set(), "error"
+        self.warm, self.warmed = False, set()
         self.recompile_limit, self.generation, self.log = 8, 0, print   # the limit: sized by the warm-up
-        self.stats = {"exclusive": 0, "late_compiles": 0, "max_waiting": 0}
+        self.stats = {"exclusive": 0, "max_waiting": 0}
 
     def configure_thread(self):
         """Set and verify the dynamo settings in the calling thread (idempotent)."""
@@ -113,24 +113,14 @@ class CompileGate:
                             f"compiled call '{name}' {tuple(shape)} on {device} was warmed, but dynamo wants to "
                             "recompile it now (a guard changed: dtype, grad mode, module or a Python constant). "
                             f"Refusing: under the warm gate nothing may compile. ({e})") from e
-            if self.warm and self.on_unwarmed != "compile":
+            if self.warm:
                 raise UnwarmedShapeError(
                     f"compiled call '{name}' with shape {tuple(shape)} on {device} was not warmed up. "
                     f"Warmed keys: {sorted(k for k in self.warmed if k[1] == str(device))}. "
-                    "Add the shape to the warm-up buckets, or pass --on-unwarmed compile to compile it "
-                    "under an exclusive hold of the gate.")
+                    "Every shape the run uses must be in the warm-up's shape plan.")
             with self.exclusive():
                 self.stats["exclusive"] += 1
-                if not self.warm:
-                    out = fn(*args, **kwargs)
-                else:
-                    self.log(f"[gate] NOTICE: compiling unwarmed '{name}' shape {tuple(shape)} on {device} "
-                             "while holding the gate exclusively (other threads wait)")
-                    self.stats["late_compiles"] += 1
-                    t0 = time.time()
-                    with torch.compiler.set_stance("default"):      # back to "fail_on_recompile" on exit
-                        out = fn(*args, **kwargs)
-                    self.log(f"[gate] compiled '{name}' {tuple(shape)} on {device} in {time.time() - t0:.1f}s")
+                out = fn(*args, **kwargs)
             self.warmed.add(key)
             return out
         finally:
@@ -148,7 +138,7 @@ class CompileGate:
             torch.compiler.set_stance("fail_on_recompile")
             self.warm = True
         self.log(f"[gate] warm: {len(self.warmed)} compiled keys, recompile_limit={self.recompile_limit}, "
-                 f"unwarmed shapes -> {self.on_unwarmed}")
+                 "unwarmed shapes -> error")
 
 GATE = CompileGate()
 
@@ -314,14 +304,14 @@ def warm_target(graphed, B, S):
                          f"{tol:g}): refusing to train on them. Report it with `python diagnose.py` output")
     return worst
 
-def warm_up(drafters, shapes, gamma, attn, on_unwarmed="error", log=print, targets=()):
+def warm_up(drafters, shapes, gamma, attn, log=print, targets=()):
     """Warm every (target, (B, S)) of compiled targets (GraphedTarget) and every (replica, shape) in turn, size the
     recompile limit, then mark the gate warm. Returns the table rows [(device, shape, seconds, how)]."""
     target_shapes = sorted({(B, S) for B, S, _ in shapes})
     # dynamo entries: per (replica, shape) on the drafter's code object, per ((B, S), layer kind) on a target's
     kinds = len(set(getattr(targets[0].target.config, "layer_types", None) or [0])) if targets else 0
     GATE.set_recompile_limit(max(len(drafters) * len(shapes), kinds * len(target_shapes)) + 2)
-    GATE.on_unwarmed, rows, t_start = on_unwarmed, [], time.time()
+    rows, t_start = [], time.time()
     n = len(targets) * len(target_shapes) + len(drafters) * len(shapes)
 
     def timed(dev, shape, fn, compiled):

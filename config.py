@@ -57,7 +57,6 @@ class TrainConfig:
     drafter_devices: str = opt("auto", "e.g. cuda:2,cuda:3; auto = the GPUs the target does not take")
     attn: str = opt("auto", "flex (compiled drafter and target layers, GPUs) | sdpa (dense mask, eager: CPU) | "
                             "auto (flex on GPUs, sdpa on CPU)")
-    on_unwarmed: str = opt("error", "a shape the warm-up did not compile: error | compile (exclusively, logged)")
     compile_cache: str = opt("", "persistent inductor/triton cache; '' = <out_dir>/compile_cache")
     queue_depth: int = opt(4, "batches buffered per target and drafter thread")
     # output
@@ -99,7 +98,6 @@ def parse_args(argv):
     bs = cfg.block_size     # every bad option next, in one line, before any slow set-up
     errs = [msg for bad, msg in [
         (cfg.attn not in ("auto", "flex", "sdpa"), f"--attn must be auto|flex|sdpa, got {cfg.attn}"),
-        (cfg.on_unwarmed not in ("error", "compile"), f"--on-unwarmed must be error|compile, got {cfg.on_unwarmed}"),
         (bs < 2 or cfg.num_anchors < 1 or cfg.max_length < 2 * bs,
          "need --block-size >= 2, --num-anchors >= 1, --max-length >= 2 x block size"),
         (min(cfg.grad_accum, cfg.keep_last, cfg.log_interval, cfg.ckpt_interval, cfg.queue_depth) < 1,

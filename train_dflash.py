@@ -65,7 +65,7 @@ class Trainer:
         compiled.GATE.log = log
         if self.attn == "flex":
             compiled.use_compile_cache(cfg.compile_cache, log)
-        compiled.warm_up(self.replicas.drafters, self.shapes, cfg.gamma, self.attn, cfg.on_unwarmed, log,
+        compiled.warm_up(self.replicas.drafters, self.shapes, cfg.gamma, self.attn, log,
                          targets=self.graphed if self.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers

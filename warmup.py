@@ -45,7 +45,7 @@ def main(argv=None):
             targets.append(compiled.GraphedTarget(target, dcfg.target_layer_ids, final=cfg.teacher))
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
           f"attention {attn}")
-    print(compiled.format_table(compiled.warm_up(drafters, shapes, cfg.gamma, attn, cfg.on_unwarmed, targets=targets)))
+    print(compiled.format_table(compiled.warm_up(drafters, shapes, cfg.gamma, attn, targets=targets)))
 
 if __name__ == "__main__":
     main()
