@@ -1,7 +1,7 @@
 """Decoding with the target: generate (many answers at once, for generate_data.py) and speculate (greedy, plain or
-with n-gram lookup or a DFlash drafter proposing, for eval_dflash.py). Engine: a static KV cache of rows over the
-target's own HF layers, only the attention replaced, each row at its own position; on a GPU each step shape is one
-CUDA-graph replay (a small target's step is otherwise hundreds of kernel launches for little work)."""
+with n-gram lookup or a DFlash drafter proposing, for eval_dflash.py). Engine: a static KV cache of rows, each at its
+own position, under the target's own HF layers (only the attention replaced); on a GPU each step shape is one
+CUDA-graph replay, as a small target's step is otherwise hundreds of launches for little work."""
 import heapq
 import itertools
 import math
@@ -13,15 +13,15 @@ import torch.nn.functional as F
 import kernels
 
 def stop_token_ids(tok, target):
-    """Sorted ids that end generation: the generation_config's eos (an int or a list: Llama-3.1 lists <|eot_id|>
-    there), the tokenizer's eos and <|im_end|> (looked up in the vocabulary: convert_tokens_to_ids gives unk)."""
+    """Sorted ids that end generation: the generation_config's eos (an int or a list), the tokenizer's eos and
+    <|im_end|> (looked up in the vocabulary: convert_tokens_to_ids gives unk)."""
     gen = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     ids = {*(gen if isinstance(gen, (list, tuple)) else [gen]), tok.eos_token_id, tok.get_vocab().get("<|im_end|>")}
     return sorted(t for t in ids if isinstance(t, int) and t >= 0)
 
 def replay(graphs, key, fn, device):
-    """fn() on a CPU; on a GPU a replay of the CUDA graph captured from fn under `key` (fn touches only tensors
-    that outlive it; the graphs of one dict share a memory pool, so they must never run at the same time)."""
+    """fn() on a CPU; on a GPU a replay of the CUDA graph captured from fn under `key` (fn touches only tensors that
+    outlive it; one dict's graphs share a memory pool: they never run at the same time)."""
     if device.type != "cuda":
         return fn()
     if key not in graphs:
@@ -43,8 +43,8 @@ def kv_shape(c, rows, length):
     return rows, length, c.num_key_value_heads, head_dim
 
 class Engine:
-    """The target over a static cache of `rows` rows of `length` tokens, returning the outputs of `feature_layers`
-    too (a drafter's input). compile: the decoder layers run compiled, the attention outside their graphs."""
+    """The target over a static cache of `rows` rows of `length` tokens, also returning `feature_layers`' outputs (a
+    drafter's input). compile: the decoder layers run compiled, the attention outside their graphs."""
     PREFILL_TOKENS = 65536     # padded tokens per prefill batch at most (but a lone prompt)
     CALL_TOKENS = 2048         # a prefill batch's fixed cost, in padded tokens
     GRAPH_TOKENS = 16384       # a batch of at most these, padded to powers of two, is a graph replay (see shape)
@@ -101,12 +101,10 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, rows, prompts, features=None, starts=None):
-        """Write the prompts into cache rows `rows`: their next-token logits (n, V). starts[i]: the first
-        starts[i] tokens of prompts[i] are in its row already (an earlier turn's), so only the rest is computed.
-        features(rows, feats, lens), if given, takes each batch's features as it is prefilled (a drafter's context,
-        from position 0): no tensor holds every prompt's. A batch runs in the shape() it is padded to: a padding
-        token writes to its row's last position, which no prompt reaches (an answer has one token at least), a
-        padding row to the batch's first row's."""
+        """Write the prompts into cache rows `rows`: their next-token logits (n, V). The first starts[i] tokens of
+        prompts[i] are in its row already (an earlier turn's). features(rows, feats, lens), if given, takes each
+        batch's features as it is prefilled (a drafter's context). A batch runs in the shape() it is padded to: a
+        padding token writes to its row's last position, which no prompt reaches, a padding row to the first row's."""
         dev, logits, starts = self.model.device, None, starts or [0] * len(prompts)
         for take in self.batches([len(p) - s for p, s in zip(prompts, starts)]):
             n, T = len(take), max(len(prompts[i]) - starts[i] for i in take)
@@ -138,17 +136,16 @@ class Engine:
 
     @classmethod
     def shape(cls, n, T):
-        """(rows, tokens, graph) a batch of n prompts of up to T new tokens runs in. A small batch is one CUDA-graph
-        replay, its rows and tokens padded to powers of two, so that few shapes are captured (eager, its hundreds of
-        small kernels cost more host time than their work); a larger one runs eager in its own shape (its work
+        """(rows, tokens, graph) a batch of n prompts of up to T new tokens runs in: a small one is a CUDA-graph replay,
+        padded to powers of two so that few shapes are captured; a larger one runs eager in its own shape (its work
         outweighs the launches, and padding would add to it)."""
         R, T_pad = kernels.pow2(n), kernels.pow2(T)
         return (R, T_pad, True) if R * T_pad <= cls.GRAPH_TOKENS else (n, T, False)
 
     @classmethod
     def batches(cls, lens):
-        """Prompt indices in batches, longest first: the split of the length order with the fewest padded tokens
-        (in their shape(), + CALL_TOKENS a batch), none over PREFILL_TOKENS unless it is one prompt."""
+        """Prompt indices in batches, longest first: the split of the length order with the fewest padded tokens (in
+        their shape(), + CALL_TOKENS a batch), none over PREFILL_TOKENS unless it is one prompt."""
         order = sorted(range(len(lens)), key=lambda i: -lens[i])
         L = [lens[i] for i in order]
         cost, start = [0] + [math.inf] * len(L), [0] * (len(L) + 1)
@@ -168,8 +165,7 @@ class Engine:
     @torch.no_grad()
     def step(self, ids, pos):
         """Logits (rows, T, V) and features of ids (n, T) fed to rows [0, n) from positions pos (n,) on. A row at a
-        position < 0, or past n, idles: it writes to its last position only (which no prompt reaches, see prefill),
-        so a row kept for a conversation's next turn keeps its cache."""
+        position < 0, or past n, idles: it writes to its last position only (see prefill), keeping its cache."""
         (n, T), dev = ids.shape, self.pos.device
         if T not in self.inputs:    # a graph reads the tensors it was captured with: these stay
             self.inputs[T] = torch.zeros(self.rows, T, dtype=torch.long, device=dev), torch.arange(T, device=dev)
@@ -198,8 +194,8 @@ def engine_attention(module, q, k, v, mask, scaling=None, engine=None, **kw):
     return engine.attend(module.layer_idx, q, k, v, scaling), None
 
 def picker(temperature, top_p):
-    """Greedy, or sampling at `temperature` within the `top_p` nucleus: (logits (rows, V), seeds (rows,)) -> ids.
-    Gumbel noise hashed from the row's seed and the token id: the same answer whichever rows or device decode it."""
+    """Greedy, or sampling at `temperature` within the `top_p` nucleus: (logits (rows, V), seeds (rows,)) -> ids. The
+    Gumbel noise is hashed from the row's seed and the token id: the same answer whichever row or device decodes it."""
     if temperature <= 0:
         return lambda logits, seeds: logits.argmax(-1)
 
@@ -217,17 +213,14 @@ def picker(temperature, top_p):
 
 @torch.no_grad()
 def generate(engine, more, stops, pick, follow=lambda ended: []):
-    """Decode requests ((group, ...) key, prompt ids, budget, chain, seed) until none is left: more() returns more
-    ([] at the end) while fewer wait than there are rows; pick(logits, seeds) -> ids, seeds = the request's seed +
-    the token's index. An answer ends at a stop id (kept) or after `budget` tokens; follow([(key, tokens)] of the
-    answers a step ended) returns their next turns, in a thread while the next step decodes (a chat template is
-    host work the GPU would wait for). A next turn (a request of the answer's key) takes the answer's row, whose
-    cache holds the prompt and the answer: only the new prompt's ids after those it shares with them are prefilled
-    (a conversation's later turns would otherwise prefill the whole conversation again). Other requests go by group
-    (a shard), then longest chain first, so a group's last turns do not decode alone at the end. The bookkeeping is
-    tensors: host work grows with the answers that end. The steps run one ahead of the host: each is queued with
-    the last one's picks still on the device, before the host reads them (a row whose answer they end decodes one
-    token more, never kept), so the GPU does not wait for the host's bookkeeping between steps."""
+    """Decode requests ((group, ...) key, prompt ids, budget, chain, seed) until none is left: more() gives more ([]
+    at the end) while fewer wait than there are rows; pick(logits, seeds) -> ids, seeds = the request's seed + the
+    token's index. An answer ends at a stop id (kept) or after `budget` tokens; follow([(key, tokens)]) returns the
+    ended answers' next turns, run in a thread while the next step decodes. A next turn takes its answer's row and
+    prefills only the ids after those the row's cache shares with it. Other requests go by group (a shard), then
+    longest chain first, so a group's last turns do not decode alone at the end. Each step is queued before the host
+    reads the last one's picks (a row they end decodes one token more, never kept): the GPU never waits for the
+    host's bookkeeping."""
     n, heap, order, done_more, dev = engine.rows, [], itertools.count(), False, engine.pos.device
     push = lambda r: heapq.heappush(heap, (r[0][0], -r[3], len(r[1]), next(order), r))   # (group, chain)
     req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
@@ -319,8 +312,8 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
                 pending, ended = (pool.submit(follow_shared, ended), [k for k, _ in ended]), []
 
 class NGram:
-    """Prompt lookup: the up to block_size-1 tokens that followed the latest earlier occurrence of the row's last 3
-    tokens, else 2, else 1. An index of where each n-gram last started makes a lookup cost what the round added."""
+    """Prompt lookup: the up to block_size-1 tokens after the latest earlier occurrence of the row's last 3 tokens,
+    else 2, else 1; an index of each n-gram's last start makes a lookup cost what the round added."""
     N = 3
 
     def __init__(self, block_size):
@@ -349,9 +342,8 @@ class NGram:
         pass
 
 class DrafterRows:
-    """A DFlash drafter proposing for each row of an engine over its own cache: each round one block step (a graph
-    replay on a GPU) adds the committed tokens' features to it and drafts block_size-1 tokens after the last.
-    compile: the drafter's layers run compiled, the attention outside their graphs (as the Engine's)."""
+    """A DFlash drafter proposing for each engine row over its own cache: each round one block step (a graph replay on
+    a GPU) adds the committed tokens' features and drafts block_size-1 tokens. compile: as the Engine's."""
 
     def __init__(self, drafter, rows, length, compile=False):
         c, dev, dt = drafter.config, drafter.fc.weight.device, drafter.fc.weight.dtype
@@ -402,8 +394,8 @@ class DrafterRows:
 
     @torch.compiler.disable   # a compiled layer's graph breaks here: cache rows and row kernel run as they are
     def attend(self, q, k, v):
-        """Layer self.layer's keys: the new context's, then the block's (which overwrite the context's invalid tail),
-        join the cache; the block reads the row up to its end (it sees all of itself)."""
+        """Layer self.layer's keys join the cache, the new context's, then the block's (over the context's invalid
+        tail); the block reads the row up to its own end."""
         i, bs = self.layer, self.block_size
         for pos, part in ((self.pos_c, slice(0, bs)), (self.pos_q, slice(bs, 2 * bs))):
             self.k[i][self.rows, pos] = k[:, :, part].transpose(1, 2)
@@ -425,8 +417,8 @@ def _block_layer(layer, h, ctx, cos_c, sin_c, cos_q, sin_q, rows):
 
 @torch.no_grad()
 def speculate(engine, prompts, max_new_tokens, stops, proposer=None):
-    """Greedy decoding of each prompt in a row of its own, as it would decode alone: [(new tokens, acceptance
-    lengths)] per prompt. An answer ends at a stop id (kept) or after max_new_tokens."""
+    """Greedy decoding of each prompt in a row of its own, as it would decode alone: [(new tokens, acceptance lengths)]
+    per prompt; an answer ends at a stop id (kept) or after max_new_tokens."""
     R, dev, stops = len(prompts), engine.pos.device, set(stops)
     seqs, rounds, live = [list(p) for p in prompts], [[] for _ in prompts], [True] * R
     logits = engine.prefill(list(range(R)), prompts, proposer.prefill if proposer else None)   # batched by length

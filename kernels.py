@@ -1,8 +1,7 @@
-"""The hand-written Triton kernels, each next to the torch code it must equal and checked against it on each
-device's first use (a kernel a new Triton build compiles wrongly stops the run at its start): 1. the LM head's
-cross entropy over one chunk of logits, 2. AdamW over bf16 weights with fp32 masters, 3. decoding attention.
-Without Triton (CPU-only installs) the torch versions run; test_kernels.py runs both on CPU via Triton's interpreter.
-"""
+"""The hand-written Triton kernels, each next to the torch code it must equal and checked against it on each device's
+first use (a kernel a new Triton build miscompiles stops the run at its start): 1. the LM head's cross entropy over a
+chunk of logits, 2. AdamW over bf16 weights with fp32 masters, 3. decoding attention. Without Triton the torch
+versions run; test_kernels.py runs both on CPU through Triton's interpreter."""
 import math
 import threading
 from contextlib import nullcontext
@@ -31,9 +30,8 @@ def _check_once(checked, dev, check, *args):
 def ce_chunk_eager(logits, y, w, teacher=None, alpha=0.0, rows=None):
     """One chunk of the weighted loss from its (n, V) logits: (sum of w*loss, correct, dloss/dlogits * w). The loss is
     the CE to the labels y, or with teacher logits (1 - alpha) CE + alpha KL(teacher's softmax || softmax), row i's
-    teacher being teacher[rows[i]] (rows shared by several logits rows: the teacher's LM head runs once for them).
-    correct: the logit at the label, or with a teacher at the teacher's most likely token (what greedy acceptance
-    counts), is the row's maximum (argmax up to ties)."""
+    teacher being teacher[rows[i]]. correct: the logit at the label (with a teacher: at the teacher's top token) is
+    the row's maximum."""
     if teacher is not None and rows is not None:
         teacher = teacher[rows]
     x = logits.float()
@@ -113,8 +111,7 @@ def _ce_chunk_triton_unchecked(logits, y, w, teacher=None, alpha=0.0, rows=None)
     return loss.sum(), correct, g
 
 def ce_chunk_triton(logits, y, w, teacher=None, alpha=0.0, rows=None):
-    """ce_chunk_eager's result from one Triton kernel, two passes over the logits: faster than inductor's, and
-    nothing to compile through the gate."""
+    """ce_chunk_eager's result from one Triton kernel, two passes over the logits: nothing to compile in the gate."""
     _check_once(_CE_CHECKED, (logits.device, teacher is not None), _check_ce_kernel, logits[:16], y[:16], w[:16],
                 teacher, alpha, None if rows is None else rows[:16])
     return _ce_chunk_triton_unchecked(logits, y, w, teacher, alpha, rows)
@@ -177,8 +174,8 @@ def adamw_triton(p, g, st, scale, *args):
         _update_triton(p, g, st, scale, *args)
 
 def _check_adamw_kernel(dev):
-    """The Triton pass against the torch-op pass on random data (bf16 weight and grad, a clip factor), and a
-    nan clip factor storing nothing, at a ragged size and one divisible by 16 (Triton compiles it apart)."""
+    """The Triton pass against the torch ops on random data with a clip factor, and a nan factor storing nothing, at a
+    ragged size and one divisible by 16 (Triton compiles it apart)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     n = 3 * 4096 + 17                                     # several blocks and a ragged tail
     mk = lambda: torch.randn(n, device=dev, generator=gen)
@@ -208,9 +205,8 @@ def _check_adamw_kernel(dev):
 # ---- 3. Decoding attention: each row of a static KV cache read up to its own length
 
 def row_attention_torch(q, k, v, lens, causal, scale, rows=None):
-    """q (R, H, T, D) against the cache rows `rows` (R,) (default 0..R-1) of k, v (rows, L, KV heads, D): query t of
-    row r sees the keys j < lens[r] + t (causal) or j < lens[r] (all of its block): -> (R, T, H, D). SDPA over the
-    cache up to the longest row, masked."""
+    """q (R, H, T, D) against cache rows `rows` (R,) (default 0..R-1) of k, v (rows, L, KV heads, D) -> (R, T, H, D):
+    query t of row r sees keys j < lens[r] + t (causal) or j < lens[r]. SDPA up to the longest row, masked."""
     n = min(k.shape[1], int(lens.max()) + q.shape[2])   # the keys some row sees (a sync: no CUDA graph runs this)
     k, v = (c[:len(q), :n] if rows is None else c[rows, :n] for c in (k, v))
     j, t = torch.arange(n, device=q.device), torch.arange(q.shape[2], device=q.device)
@@ -267,8 +263,7 @@ def pow2(n):
     return 1 << (n - 1).bit_length()   # the least power of two >= n
 
 def _query_tile(q, k):
-    """(queries x grouped heads per tile, tiles): a decoding step's in one tile, a prefill's long prompts in several;
-    fp32 tiles take twice the registers."""
+    """(queries x grouped heads per tile, tiles): a decoding step's in one tile, a prefill's in several."""
     m = q.shape[2] * q.shape[1] // k.shape[2]
     tile = min(pow2(max(m, 16)), 64 if q.dtype == torch.float32 else 128)
     return tile, -(-m // tile)
@@ -287,9 +282,8 @@ def _row_attention_triton_unchecked(q, k, v, lens, causal, scale, rows=None):
     return out
 
 def row_attention(q, k, v, lens, causal, scale, rows=None):
-    """row_attention_torch's result, on a GPU from one Triton kernel reading each row's keys only up to its length
-    (SDPA reads every row's whole cache); checked on the first call of each (device, dtype, causal, one query tile
-    or several), before any capture."""
+    """row_attention_torch's result; on a GPU one Triton kernel reads each row's keys only up to its length, checked
+    on the first call of each (device, dtype, causal, one query tile or several), before any capture."""
     if not q.is_cuda or triton is None:
         return row_attention_torch(q, k, v, lens, causal, scale, rows)
     _check_once(_ROW_CHECKED, (q.device, q.dtype, causal, _query_tile(q, k)[1] > 1), _check_row_attention, q, k, v,
