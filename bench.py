@@ -4,8 +4,6 @@
     python bench.py --tiny             # the same code at toy size (CPU: seconds)
     python bench.py --all-shapes       # cold warm-up of every default bucket, then the pipeline's warm start
     python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1   # the loop, any layout
-
-Times are the median of --rounds rounds of --steps calls back to back.
 """
 import argparse
 import json
@@ -21,6 +19,7 @@ import torch
 
 import compiled
 import config
+import data_dflash
 import dflash_model as dm
 import replicas
 from master_adamw import MasterAdamW
@@ -38,8 +37,8 @@ def parse_args(argv):
                    help="a target's config.json (random weights of its shape) instead of Qwen3-8B's")
     p.add_argument("--seq", type=int, default=0, help="sequence length (default 3072; tiny 256)")
     p.add_argument("--anchors", type=int, default=0, help="anchors per sequence (default 512; tiny 16)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds; the median is reported")
+    p.add_argument("--steps", type=int, default=10, help="timed calls back to back per round")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds; the median time per call is reported")
     p.add_argument("--all-shapes", action="store_true", help="cold warm-up of every default bucket")
     p.add_argument("--pipeline-steps", type=int, default=40, help="optimiser steps of the pipeline run")
     p.add_argument("--no-pipeline", action="store_true", help="skip the threaded pipeline")
@@ -48,10 +47,8 @@ def parse_args(argv):
     p.add_argument("--drafter-devices", default="", help="pipeline drafter devices (default: --device)")
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
     p.add_argument("--device", default="", help="device of the one-device measurements (default cuda:0, or cpu)")
-    p.add_argument("--node-gpus", type=int, default=8,
-                   help="print the predicted tokens/s of every layout of a node of this many such GPUs")
-    p.add_argument("--distill", type=float, default=0.0,
-                   help="the drafter step with this weight on the KL to the target (train_dflash.py --distill)")
+    p.add_argument("--node-gpus", type=int, default=8, help="predict tokens/s of every layout of this many such GPUs")
+    p.add_argument("--distill", type=float, default=0.0, help="the step's KL weight, as train_dflash.py --distill")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)
     if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
@@ -75,19 +72,16 @@ def main(argv=None):
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     spec = a.spec if a.target_config else TINY if a.tiny or dev.type == "cpu" else QWEN3_8B
-    S = a.seq or (256 if spec is TINY else 3072)
-    A = a.anchors or (16 if spec is TINY else 512)
+    S, A = a.seq or (256 if spec is TINY else 3072), a.anchors or (16 if spec is TINY else 512)
     cfg_path = os.path.join(tmp, "target_config.json")
-    with open(cfg_path, "w") as f:
-        json.dump(spec, f)
+    data_dflash.write_json(cfg_path, spec)
     tcfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A, distill=a.distill)
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
            "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
     log = lambda m: print(m, flush=True)
     if a.pipeline_only:
-        res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))
-        return report(a, res)
+        return report(a, res | pipeline(a, tcfg, cache, tmp, S, A, dev, log))
     peak = compiled.measure_peak_flops(dev)
     res["peak_tflops"] = peak / 1e12
     log(f"[bench] {res['device']} torch {torch.__version__}: matmul peak {peak / 1e12:.0f} TFLOP/s")
@@ -96,8 +90,7 @@ def main(argv=None):
         t, spread = compiled.median_time(fn, a.steps, dev, a.rounds)
         res[name], res["spread_ms"][name] = 1e3 * t, [round(1e3 * s, 2) for s in spread]
         return t
-
-    # --- the models, then the trainer's cold warm-up: the drafter's shapes, and the target's on a GPU
+    # the models, then the trainer's cold warm-up: the drafter's shapes, and the target's on a GPU
     target_cfg, _ = config.load_target_config(tcfg.target)
     dcfg = config.make_drafter_config(tcfg, target_cfg, None)
     target = config.load_target(tcfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log,
@@ -114,28 +107,20 @@ def main(argv=None):
     graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=tcfg.teacher)
     t0 = time.time()
     rows = compiled.warm_up([drafter], shapes, 7.0, attn, log=log, targets=[graphed] if attn == "flex" else ())
-    res["warmup_cold_s"] = time.time() - t0
-    res["warmup_rows"] = [[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows]
+    res.update(warmup_cold_s=time.time() - t0, warmup_rows=[[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows])
     log(compiled.format_table(rows))
-
-    # --- the target forward alone: as the trainer runs it, and eager
     ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
-
-    def target_fwd():
-        return graphed(ids)
 
     def target_eager():       # the eager baseline, deliberately uncompiled: only timed against the compiled one
         with torch.compiler.set_stance("force_eager"):
             return graphed.forward(ids)
-    t_target, t_eager = timed("target_ms", target_fwd), timed("target_eager_ms", target_eager)
+    t_target, t_eager = timed("target_ms", lambda: graphed(ids)), timed("target_eager_ms", target_eager)
     n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
     res.update(target_tok_s=B * S / t_target, target_mfu=2 * n_params * B * S / t_target / peak)
     log(f"[bench] target forward ({len(target.model.layers)} layers, {B} x {S} tokens, {attn}): "
         f"{1e3 * t_target:.1f} ms = {B * S / t_target:,.0f} tok/s, MFU {res['target_mfu']:.1%} "
         f"(eager {1e3 * t_eager:.1f} ms)")
-    feats = target_fwd()
-
-    # --- the drafter: timed steps
+    feats = graphed(ids)
     lm = torch.ones(B, S, device=dev)
     lm[:, : S // 10] = 0
     anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size, torch.Generator().manual_seed(0))
@@ -146,8 +131,7 @@ def main(argv=None):
             loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn),
                                            distill=a.distill, taught=taught)[0]
         compiled.backward(loss, dev, (B, S, A), attn)
-        # the trainer's lone-replica step: the norm read by the host, the clip inside the update
-        replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)
+        replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)   # the trainer's lone-replica step
         opt.zero_grad(set_to_none=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -158,16 +142,13 @@ def main(argv=None):
                drafter_tflop_per_step=flops / 1e12, drafter_peak_mem_gib=mem)
     log(f"[bench] drafter step: {1e3 * t_drafter:.1f} ms = {B * S / t_drafter:,.0f} target tok/s, "
         f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {mem:.1f} GiB" if mem is not None else ""))
-
     res["sum_of_parts_tok_s"] = B * S / (t_target + t_drafter)
     res["layouts"] = layouts(a.node_gpus, B * S, t_target, t_drafter)
     log(f"[bench] predicted layouts of {a.node_gpus} such GPUs (from the two times above):\n"
         + format_layouts(res["layouts"]))
     del target, graphed, drafter, opt, feats
     torch.cuda.empty_cache()       # a no-op where CUDA never started
-
-    # --- the threaded pipeline (the real train_dflash loop) on the same, now warm, compile cache
-    if not a.no_pipeline:
+    if not a.no_pipeline:          # the real train_dflash loop, on the same, now warm, compile cache
         res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))
         res["pipeline_vs_sum_of_parts"] = res["pipeline_tok_s"] / res["sum_of_parts_tok_s"]
         log(f"[bench] pipeline {res['pipeline_tok_s']:,.0f} tok/s vs sum of parts "
@@ -177,14 +158,11 @@ def main(argv=None):
 def report(a, res):
     print(json.dumps(res, indent=1))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        data_dflash.write_json(a.json, res)
     return res
 
 def layouts(n, tokens, t_target, t_drafter):
-    """Every layout of n GPUs, best first, with its predicted tokens/s from one target forward and one drafter step
-    of `tokens`: all n doing both roles (the sum of its parts, as the pipeline measures), and k target GPUs feeding
-    n - k drafter GPUs (the slower side binds)."""
+    """Every layout of n GPUs, best first, with its tokens/s predicted from a target forward and a drafter step."""
     gpus = lambda ids: ",".join(f"cuda:{i}" for i in ids)
     eff = lambda replicas: 0.95 if replicas > 1 else 1.0   # the assumed gradient-sync efficiency of several replicas
     rows = [dict(name=f"{n} GPU{'s' * (n > 1)} both roles", target_devices=gpus(range(n)),
@@ -206,12 +184,11 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     """train_dflash.py on synthetic full-length samples: median tokens/s after its first log line, warm-up, busy."""
     devices = {"target": a.target_devices or str(dev), "drafter": a.drafter_devices or str(dev)}
     cmd = [sys.executable, "-u", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dflash.py"),
-           "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S),
-           # --all-shapes warms every default bucket (the warm start of all shapes); only the S bucket trains
-           *([] if a.all_shapes else ["--buckets", str(S)]),
-           "--num-anchors", str(A), "--target-devices", devices["target"], "--drafter-devices", devices["drafter"],
-           "--max-steps", str(a.pipeline_steps), "--log-interval", "5", "--ckpt-interval", "100000",
-           "--compile-cache", cache, "--out-dir", os.path.join(tmp, "pipeline_out")]
+           "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S), "--num-anchors", str(A),
+           *([] if a.all_shapes else ["--buckets", str(S)]),    # --all-shapes: warm every default bucket
+           "--target-devices", devices["target"], "--drafter-devices", devices["drafter"], "--log-interval", "5",
+           "--max-steps", str(a.pipeline_steps), "--ckpt-interval", "100000", "--compile-cache", cache,
+           "--out-dir", os.path.join(tmp, "pipeline_out")]
     log("[bench] pipeline: " + " ".join(cmd))
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -222,14 +199,13 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     rates = [float(x.replace(",", "")) for x in re.findall(r"\| ([\d,]+) tok/s \|", text)]
     warm = re.search(r"\[warmup\] done in ([\d.]+)s", text)
     busy = re.search(r"busy\s+target \[(.*?)\] drafter \[(.*?)\]", text)
-    res = {"pipeline_tok_s": statistics.median(rates[1:]) if len(rates) > 1 else float("nan"),
-           "pipeline_tok_s_spread": [min(rates[1:]), max(rates[1:])] if len(rates) > 2 else None,
-           "warmup_warm_cache_s": float(warm.group(1)) if warm else None,
-           "pipeline_busy": busy.group(0) if busy else None, "pipeline_wall_s": wall, "pipeline_devices": devices}
     for line in text.splitlines():
         if line.startswith(("step ", "[warmup]", "[replicas]", "[run] start-up")) or "busy" in line:
             log("  | " + line)
-    return res
+    return {"pipeline_tok_s": statistics.median(rates[1:]) if len(rates) > 1 else float("nan"),
+            "pipeline_tok_s_spread": [min(rates[1:]), max(rates[1:])] if len(rates) > 2 else None,
+            "warmup_warm_cache_s": float(warm.group(1)) if warm else None,
+            "pipeline_busy": busy.group(0) if busy else None, "pipeline_wall_s": wall, "pipeline_devices": devices}
 
 if __name__ == "__main__":
     main()

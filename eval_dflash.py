@@ -3,10 +3,9 @@
     python eval_dflash.py --target PATH_OR_HUB_NAME --drafter out/step_000690/drafter --prompts out/heldout.jsonl
     python eval_dflash.py --target ... --drafter out/step_000*/drafter --prompts ...   # compare checkpoints
 
-Each prompt (a conversation up to its first reply) is decoded greedily by the target alone, with n-gram prompt
-lookup and with each drafter, the prompts side by side, in --dtype: tau, its histogram and acceptance by draft
-position. Every output must equal the target's, or the exit status is 1. Then the speed as served: each of
---speed-prompts prompts alone in --speed-dtype, on a GPU through compiled target and drafter layers and CUDA graphs.
+Each prompt (a conversation up to its first reply) is decoded greedily, side by side in --dtype, by the target
+alone, by n-gram prompt lookup and by each drafter; an output unequal to the target's makes the exit status 1. Then
+the speed as served: --speed-prompts prompts, each alone, in --speed-dtype (on a GPU: compiled layers and CUDA graphs).
 """
 import argparse
 import collections
@@ -23,13 +22,11 @@ import decoding
 import dflash_model as dm
 
 DTYPES = ["float32", "bfloat16", "float16"]
-NGRAM_BLOCK = 16
 
 def parse_args(argv):
     p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
-    p.add_argument("--drafter", nargs="+", required=True, metavar="PATH",
-                   help="one or more drafter folders, all of one block size, measured on the same prompts")
+    p.add_argument("--drafter", nargs="+", required=True, metavar="PATH", help="drafter folders, all of one block size")
     p.add_argument("--prompts", nargs="+", required=True, help="ShareGPT JSON/JSONL or chat JSONL")
     p.add_argument("--num-prompts", type=int, default=None, help="default: 100 on a GPU, 5 on a CPU")
     p.add_argument("--skip", type=int, default=0, help="skip this many usable prompts first")
@@ -43,7 +40,10 @@ def parse_args(argv):
                    help="the first N prompts timed at batch 1 (default: 20 on a GPU, 1 on a CPU; 0 = no speed table)")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
     a = p.parse_args(argv)
-    a.drafters = dict(zip(drafter_labels(a.drafter), a.drafter))
+    # a short name per drafter: step_000690 of .../step_000690/drafter, else the folder's name; else the paths
+    parts = [os.path.normpath(f).split(os.sep) for f in a.drafter]
+    short = [q[-2] if q[-1] == "drafter" and len(q) > 1 else q[-1] for q in parts]
+    a.drafters = dict(zip(short if len(set(short)) == len(short) else map(os.path.normpath, a.drafter), a.drafter))
     if len(a.drafters) < len(a.drafter):
         p.error(f"a drafter is given twice: {' '.join(a.drafter)}")
     if missing := [f for f in a.prompts if data_dflash.names_a_file(f) and not os.path.isfile(f)]:
@@ -52,17 +52,11 @@ def parse_args(argv):
             or a.skip < 0 or (a.speed_prompts or 0) < 0:
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1, --skip, --speed-prompts >= 0")
     config.check_devices([a.device])
-    gpu = torch.device(a.device).type == "cuda"
+    gpu = a.gpu = torch.device(a.device).type == "cuda"
     a.num_prompts = a.num_prompts or (100 if gpu else 5)
     a.max_new_tokens = a.max_new_tokens or (128 if gpu else 32)
     a.speed_prompts = min(a.num_prompts, (20 if gpu else 1) if a.speed_prompts is None else a.speed_prompts)
     return a
-
-def drafter_labels(paths):
-    """A short name per drafter: step_000690 of .../step_000690/drafter, else the folder's name; else the paths."""
-    parts = [os.path.normpath(p).split(os.sep) for p in paths]
-    short = [q[-2] if q[-1] == "drafter" and len(q) > 1 else q[-1] for q in parts]
-    return short if len(set(short)) == len(short) else [os.path.normpath(p) for p in paths]
 
 def prompts_from(files, tokenizer, n, skip, max_tokens):
     """The ids of usable prompts skip .. skip + n (each conversation up to its first reply)."""
@@ -73,7 +67,7 @@ def prompts_from(files, tokenizer, n, skip, max_tokens):
             out.append(ids)
         if len(out) >= skip + n:
             break
-    if len(out) < skip + n:
+    else:       # never reached skip + n
         print(f"[eval] NOTICE: only {len(out) - skip} usable prompts (asked for {n})")
     return out[skip: skip + n]
 
@@ -81,14 +75,12 @@ def proposers(drafters, bs, rows, length, compile=False):
     """(name, feature layers, a fresh proposer) of each way to decode."""
     return [("target greedy", (), lambda: None),
             *((lb, d.config.target_layer_ids, lambda d=d: decoding.DrafterRows(d, rows, length, compile))
-              for lb, d in drafters.items()),
-            ("n-gram lookup", (), lambda: decoding.NGram(bs))]
+              for lb, d in drafters.items()), ("n-gram lookup", (), lambda: decoding.NGram(bs))]
 
 def decode_all(target, drafters, prompts, n, stops, bs, device):
     """{name: [(new tokens, acceptance lengths)] per prompt}, the prompts in batches."""
     length = max(map(len, prompts)) + n + 2 * bs
-    rows = min(len(prompts), decoding.Engine.fit(target, length, most=len(prompts)))
-    out = {}
+    rows, out = min(len(prompts), decoding.Engine.fit(target, length, most=len(prompts))), {}
     for name, layers, make in proposers(drafters, bs, rows, length):
         compiled.sync_device(device)
         t0, engine, proposer, out[name] = time.time(), decoding.Engine(target, rows, length, layers), make(), []
@@ -122,9 +114,8 @@ def main(argv=None):
     sizes = {lb: d.config.block_size for lb, d in drafters.items()}
     if len(set(sizes.values())) > 1:      # the report and its JSON name one drafter block size
         raise SystemExit(f"error: the drafters' block sizes differ ({sizes}): compare drafters of one block size")
-    # n-gram lookup drafts what it would alone (15 tokens) however short the drafters' blocks: a fair baseline
     stops, dbs = decoding.stop_token_ids(tok, target), next(iter(sizes.values()))
-    bs = max(dbs, NGRAM_BLOCK)
+    bs = max(dbs, 16)     # n-gram lookup drafts what it would alone (15 tokens), however short the drafters' blocks
     prompts = prompts_from(a.prompts, tok, a.num_prompts, a.skip, a.max_prompt_tokens)
     if not prompts:
         raise SystemExit("error: no usable prompts")
@@ -143,34 +134,29 @@ def main(argv=None):
         rounds = sum(hist.values())
         res["methods"][name] = {"mean_tau": sum(L * c for L, c in hist.items()) / max(1, rounds), "rounds": rounds,
                                 "histogram": dict(sorted(hist.items())),
-                                "acceptance_by_position": acceptance_by_position(
-                                    hist, bs if name == "n-gram lookup" else dbs),
+                                "acceptance_by_position": acceptance_by_position(hist, dbs if name in drafters else bs),
                                 "lossless": len(prompts) - len(bad), "mismatches": bad}
     for i, (p, (r, _)) in enumerate(zip(prompts, ref)):
         taus = {name: sum(got[i][1]) / len(got[i][1]) if got[i][1] else None for name, got in outs.items()}
         res["per_prompt"].append({"prompt": a.skip + i, "tokens_in": len(p), "tokens_out": len(r), "tau": taus})
     if a.speed_prompts:
-        del outs, ref
         target.to(getattr(torch, a.speed_dtype))
         drafters = {lb: dm.load_drafter(p, target, device=a.device, dtype=getattr(torch, a.speed_dtype)).eval()
                     for lb, p in a.drafters.items()}
         times = speed(target, drafters, prompts[:a.speed_prompts], a.max_new_tokens, stops, bs, a.device)
         greedy_rate = times["target greedy"][0] / times["target greedy"][1]
         res["speed"] = {"prompts": a.speed_prompts, "dtype": a.speed_dtype, "batch": 1,
-                        "loop": "CUDA graphs, compiled target and drafters" if torch.device(a.device).type == "cuda"
-                        else "eager",
+                        "loop": "CUDA graphs, compiled target and drafters" if a.gpu else "eager",
                         "methods": {name: {"tokens": t, "seconds": s, "tok_s": t / s, "speedup": t / s / greedy_rate}
                                     for name, (t, s) in times.items()}}
     res["seconds"] = time.time() - t_start
     return report(res, a.json)
 
 def first_difference(target, prompt, ref, out):
-    """Where an output leaves the target's, and the target's logit margin there (tiny: a near-tie that block
-    verification and one-token decoding round apart; large: a bug)."""
+    """Where an output first differs, and the target's logit margin there (tiny: a rounding near-tie; large: a bug)."""
     at = next((i for i, (x, y) in enumerate(zip(ref, out)) if x != y), min(len(ref), len(out)))
     with torch.no_grad():
-        logits = target(torch.tensor([prompt + ref[:at]], device=target.device)).logits[0, -1].float()
-    top = logits.topk(2).values
+        top = target(torch.tensor([prompt + ref[:at]], device=target.device)).logits[0, -1].float().topk(2).values
     return {"at": at, "margin": float(top[0] - top[1])}
 
 def format_histogram(*hists, bs, width=8):
@@ -180,14 +166,13 @@ def format_histogram(*hists, bs, width=8):
                      + f" {'#' * int(40 * hists[0].get(L, 0) / max(1, top))}" for L in range(1, bs + 1))
 
 def acceptance_by_position(hist, bs):
-    """For draft position k = 1..bs-1: of the rounds that accepted at least k tokens, the share that accepted
-    at least k+1; None where no round reached it."""
+    """Per draft position k = 1..bs-1: of the rounds accepting >= k tokens, the share accepting > k; None if none."""
     at_least = [sum(c for L, c in hist.items() if L >= k) for k in range(1, bs + 1)]
     return [at_least[k] / at_least[k - 1] if at_least[k - 1] else None for k in range(1, bs)]
 
 def report(res, json_path):
     bs, n, m, names = res["ngram_block"], res["prompts"], res["methods"], list(res["methods"])
-    sp, w = res.get("speed"), max(16, *map(len, names))
+    sp, w, cw = res.get("speed"), max(16, *map(len, names)), max(8, *map(len, names))
     print("\nDFlash drafters: " + ", ".join(f"{lb} = {p}" for lb, p in res["drafters"].items()))
     print(f"tau and losslessness: {n} prompts side by side, {res['dtype']}; " + (
         f"tok/s: {sp['prompts']} prompts at batch 1, {sp['dtype']}, {sp['loop']}" if sp else "no speed table"))
@@ -196,7 +181,6 @@ def report(res, json_path):
         r, s = m.get(name), sp and sp["methods"][name]
         print(f"{name:{w}s} " + (f"{r['mean_tau']:6.3f} {r['lossless']:>5d}/{n:<3d}" if r else f"{'':6s} {'':9s}")
               + (f" {s['tok_s']:9.1f} {s['speedup']:8.2f}x" if s else ""))
-    cw = max(8, *map(len, names))
     print(f"acceptance lengths (rounds; block {res['block_size']}, n-gram lookup {bs}):\n     "
           + " ".join(f"{name:>{cw}s}" for name in names))
     print(format_histogram(*({int(k): v for k, v in m[name]["histogram"].items()} for name in names), bs=bs, width=cw))
