@@ -23,9 +23,8 @@ FX_ERROR = "Detected that you are using FX to symbolically trace"
 MODES = ("nogate", "gate", "warm")
 # Frames between "who wants a graph" and Tracer.trace: fx itself, decorators and context managers.
 PLUMBING = ("torch/fx/", "torch/_compile.py", "torch/_dynamo/eval_frame.py", "torch/utils/_contextlib.py", "<stdlib>/")
-# Folder prefixes cut from a frame's file name: site-packages, the project, the stdlib, and any.
 FRAME_ROOTS = [(os.path.dirname(os.path.dirname(torch.__file__)) + os.sep, ""), (HERE + os.sep, ""),
-               (os.path.dirname(os.__file__) + os.sep, "<stdlib>/"), ("", "")]
+               (os.path.dirname(os.__file__) + os.sep, "<stdlib>/"), ("", "")]   # cut from frames' file names
 
 def _group_raises(events):
     """Per site that raised the flag, most frequent first; user_frame: the innermost frame outside torch."""
@@ -46,8 +45,7 @@ def run_exercise(mode, threads, seconds, device):
     thread_local = _fx_flag_thread_local()   # no other thread yet: safe
     gate, dev = compiled.GATE, torch.device(device)
     gate.set_recompile_limit(max(8, threads + 2))
-    # Each thread's args, by its name: the drafter's attention, small on CPU where the compile dominates anyway; eager
-    # create_block_mask uses vmap, not make_fx: it does not raise the FX flag.
+    # the drafter's attention per thread (small on CPU: compiles dominate); eager create_block_mask: vmap, no FX flag
     B, H, D, L1, dtype = (1, 4, 64, 128, torch.float32) if dev.type == "cpu" else (1, 8, 128, 1024, torch.bfloat16)
     inputs = {f"worker-{i}-L{L}": (*(torch.randn(B, H, L, D, device=dev, dtype=dtype) for _ in range(3)),
                                    create_block_mask(lambda b, h, q, kv: q >= kv, B, None, L, L, device=dev))
@@ -111,14 +109,13 @@ def run_exercise(mode, threads, seconds, device):
             "per_thread": per, "error_samples": samples, "gate_stats": dict(gate.stats),
             "flag_raises": len(events), "flag_up_after_run": _fx_flag(), "raises": _group_raises(events)}
 
-def run_child(spec):
+def run_child(**spec):
     print(f"[diagnose] mode {spec['mode']}: {spec['threads']} threads, flex on {spec['device']}, "
           f"{spec['seconds']:g} s, cold cache (compiles take a while)...", file=sys.stderr, flush=True)
     code = ("import json, sys, compile_race\n"
             "print(json.dumps(compile_race.run_exercise(**json.loads(sys.argv[1])), default=str))")
     with tempfile.TemporaryDirectory(prefix="dflash_diag_") as tmp:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
-                   TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton")
         try:
             r = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], cwd=HERE, env=env, capture_output=True,
                                text=True, timeout=spec["seconds"] + 1800)

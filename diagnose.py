@@ -3,10 +3,9 @@
     python diagnose.py                            this machine's environment + the 15 newest packages
     python diagnose.py --against out/step_000690  what changed since that checkpoint's env.json
     python diagnose.py --race-test [--threads 3 --seconds 20 --modes nogate,gate,warm]
-        threads compiling at once, without and with the gate: errors, calls/s, who raises the FX flag
+        threads compiling at once, without and with compiled.GATE: errors, calls/s, who raises the FX flag
 
-The race (compiled.py's notes on torch versions): while one thread compiles, a compiled call in another fails or
-runs uncompiled; compiled.GATE keeps compiles exclusive. compile_race.py measures it, imported for --race-test only."""
+The race (compiled.py's torch notes): while one thread compiles, a compiled call in another fails or runs uncompiled."""
 import argparse
 import json
 import os
@@ -46,19 +45,18 @@ def main(argv=None):
     ap.add_argument("--race-test", action="store_true", help="threaded cold-cache compile race, without and with gate")
     ap.add_argument("--threads", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=20.0, help="per mode")
-    ap.add_argument("--modes", default="nogate,gate", help="comma list of nogate,gate,warm")
+    ap.add_argument("--modes", default="nogate,gate", type=lambda s: s.split(","), help="comma list: nogate,gate,warm")
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu", help="default: %(default)s")
     ap.add_argument("--cache-dir", help="compile cache to describe (default: the checkpoint's, or the current one)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     a, rc = ap.parse_args(argv), 0
     if a.race_test:
-        import compile_race
-        if bad := set(a.modes.split(",")) - set(compile_race.MODES):
-            ap.error(f"unknown mode(s) {sorted(bad)}: use {', '.join(compile_race.MODES)}")
-        results = [compile_race.run_child(dict(mode=m, threads=a.threads, seconds=a.seconds,
-                                                device=a.device)) for m in a.modes.split(",")]
+        from compile_race import MODES, format_race_table, run_child   # the experiment: loaded only when asked for
+        if bad := set(a.modes) - set(MODES):
+            ap.error(f"unknown mode(s) {sorted(bad)}: use {', '.join(MODES)}")
+        results = [run_child(mode=m, threads=a.threads, seconds=a.seconds, device=a.device) for m in a.modes]
         obj = {"command": "race-test", "device": a.device, "modes": results}
-        text, rc = compile_race.format_race_table(results), int(any(r.get("failed") for r in results))
+        text, rc = format_race_table(results), int(any(r.get("failed") for r in results))
     elif a.against:
         try:
             obj, text = _against(a.against, a.cache_dir)

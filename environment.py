@@ -20,9 +20,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE_INFO_FILE = "dflash_cache_info.json"   # compiled.use_compile_cache records there which build fills the cache
-# Recorded variables: these prefixes and names change speed or numerics (TF32, cuBLAS, streams, libraries, code).
-ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TORCHDYNAMO_", "TRITON_", "CUDA_VISIBLE_DEVICES", "NCCL_",
-                "PYTORCH_", "OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "HF_")
+ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TORCHDYNAMO_", "TRITON_", "CUDA_VISIBLE_DEVICES", "NCCL_", "PYTORCH_",
+                "OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "HF_")   # with ENV_NAMES: what changes speed or numerics
 ENV_NAMES = {"LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "NVIDIA_TF32_OVERRIDE",
              "CUBLAS_WORKSPACE_CONFIG", "CUDA_MODULE_LOADING", "MKL_NUM_THREADS"}
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")   # logs get shared: recorded as <set>
@@ -74,10 +73,8 @@ def _gpus():
     try:
         r = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(NVIDIA_SMI_FIELDS), "--format=csv,noheader"],
                            capture_output=True, text=True, timeout=30)
-    except FileNotFoundError:   # no NVIDIA driver here: nothing to ask
-        return g
-    except Exception as e:
-        return g | {"nvidia_smi": [f"error: {type(e).__name__}: {e}"]}
+    except Exception as e:   # FileNotFoundError: no NVIDIA driver here, nothing to ask
+        return g if isinstance(e, FileNotFoundError) else g | {"nvidia_smi": [f"error: {type(e).__name__}: {e}"]}
     lines = [line.strip() for line in r.stdout.splitlines() if line.strip()]
     if r.returncode == 0 and lines and all(line.count(",") == len(NVIDIA_SMI_FIELDS) - 1 for line in lines):
         return g | {"nvidia_smi": lines, "driver": lines[0].split(",")[2].strip()}
@@ -101,17 +98,16 @@ def _default_cache_dir():   # inductor's rule, without importing inductor (secon
 def _cache_state(cache_dir):
     chosen = cache_dir or _env_vars().get("TORCHINDUCTOR_CACHE_DIR")   # as recorded: inductor's export is no choice
     source = "argument" if cache_dir else "TORCHINDUCTOR_CACHE_DIR" if chosen else "inductor default"
-    path = chosen or _default_cache_dir()
-    c = {"path": os.path.abspath(path), "source": source, "exists": os.path.isdir(path), "info": cache_info(path)}
+    path = os.path.abspath(chosen or _default_cache_dir())
     files = []
-    for root, _, names in os.walk(c["path"]):
+    for root, _, names in os.walk(path):
         for name in names:
             with suppress(OSError):   # inductor renames and removes files while we walk
                 files.append((name, os.lstat(os.path.join(root, name))))
     mtimes = [st.st_mtime for name, st in files if not name.endswith(".lock")]   # filelock may touch it at each lock
-    c.update(size_bytes=sum(st.st_size for _, st in files), file_count=len(files),
-             oldest_mtime=min(mtimes, default=None), newest_mtime=max(mtimes, default=None))
-    return c
+    return {"path": path, "source": source, "exists": os.path.isdir(path), "info": cache_info(path),
+            "size_bytes": sum(st.st_size for _, st in files), "file_count": len(files),
+            "oldest_mtime": min(mtimes, default=None), "newest_mtime": max(mtimes, default=None)}
 
 def cache_info(cache_dir):
     """The build record compiled.use_compile_cache writes: None if absent, {"error": why} if unreadable."""
@@ -140,7 +136,6 @@ def _git_state(path=HERE):
             errors.append(f"git {args[0]}: {why[0][:200]}")
         except Exception as e:   # no git, or it hangs
             errors.append(f"git {args[0]}: {type(e).__name__}: {e}")
-
     if (head := git("rev-parse", "HEAD")) is not None:
         g["commit"] = head.decode().strip()
         if (status := git("status", "--porcelain", "--untracked-files=no")) is not None:
@@ -153,9 +148,7 @@ def _git_state(path=HERE):
         if (others := git("ls-files", "--others", "--exclude-standard")) is not None:
             names = sorted(line for line in others.decode(errors="replace").splitlines() if line.strip())
             g["untracked_files"], g["untracked_count"] = names[:50], len(names)
-    if errors:
-        g["error"] = "; ".join(errors)
-    return g
+    return g | {"error": "; ".join(errors)} if errors else g
 
 def installed_packages():
     """[(name, version, mtime of its dist-info folder, which pip creates at each install)], newest first."""
@@ -176,8 +169,7 @@ def natural_race_expected(fx_flag_thread_local=None):
                 "0 errors here says nothing about torch 2.11")
     return "yes: a compile in one thread makes compiled calls in other threads fail (the compile gate keeps them apart)"
 
-# --- What changed, and the report. IGNORED: fields that change on every call or grow in any healthy run, and the
-# trainer's note changed_during_run (shown apart).
+# --- What changed, and the report. IGNORED: what changes at every call or grows in a healthy run, a note shown apart.
 IGNORED = {"time", "time_unix", "changed_during_run", "compile_cache.size_bytes", "compile_cache.file_count",
            "compile_cache.oldest_mtime", "compile_cache.newest_mtime"}
 MISSING = "(missing)"
@@ -187,19 +179,16 @@ TRAINER_SET_VARS = {"env_vars.TORCHINDUCTOR_CACHE_DIR", "env_vars.TRITON_CACHE_D
 TRAINER_DEFAULT_VARS = {"env_vars.TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "env_vars.TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 def diff_env(old, new):
-    # a JSON round trip makes tuples lists and keys strings on both sides, as in env.json
-    old, new = json.loads(json.dumps(old, default=str)), json.loads(json.dumps(new, default=str))
-    fo, fn = _flatten(old), _flatten(new)
+    fo, fn = (_flatten(json.loads(json.dumps(env, default=str))) for env in (old, new))   # compared as in env.json
     same_cache = fo.get("compile_cache.path") == fn.get("compile_cache.path")
     rows = []
     for k in sorted(fo | fn):
         a, b = fo.get(k, MISSING), fn.get(k, MISSING)
-        if (a == b or k in IGNORED or (k in TRAINER_SET_VARS and same_cache)
-                or (k in TRAINER_DEFAULT_VARS and {a, b} == {MISSING, TRAINER_DEFAULT_VARS[k]})):
-            continue
-        if None in (a, b) and MISSING in (a, b) and any(x.startswith(k + ".") for x in fo | fn):
-            continue   # None on one side, a dict on the other (the cache info appeared): its keys say it
-        rows.append((k, a, b))
+        if not (a == b or k in IGNORED or (k in TRAINER_SET_VARS and same_cache)
+                or (k in TRAINER_DEFAULT_VARS and {a, b} == {MISSING, TRAINER_DEFAULT_VARS[k]})
+                # None on one side, a dict on the other (the cache info appeared): its keys say it
+                or (None in (a, b) and MISSING in (a, b) and any(x.startswith(k + ".") for x in fo | fn))):
+            rows.append((k, a, b))
     # A healthy cache only gains files: a newer oldest file says it was rebuilt (cold compiles: the race window).
     oc, nc = old.get("compile_cache") or {}, new.get("compile_cache") or {}
     if same_cache and oc.get("exists") and nc.get("exists") and oc.get("oldest_mtime"):
@@ -226,18 +215,15 @@ def format_report(env):
              f"  torch {v.get('torch')}  git {str(v.get('torch_git'))[:12]}  CUDA {v.get('cuda')}  "
              f"cuDNN {v.get('cudnn')}",
              "  " + "  ".join(f"{k} {v.get(k)}" for k in ("triton", *LIBRARIES))]
-    if g.get("count"):
-        kinds = Counter(zip(g["names"], g["memory_gib"], g["capability"]))
-        lines.append("  GPUs: " + ", ".join(f"{n} x {name} ({mem} GiB, capability {cap})"
-                                            for (name, mem, cap), n in kinds.items()) + f", driver {g['driver']}")
-    else:
-        lines.append(f"  GPUs: none visible to torch (CUDA available: {g.get('cuda_available')})"
-                     + (f"; nvidia-smi: {g['nvidia_smi']}" if g.get("nvidia_smi") else ""))
+    kinds = Counter(zip(g.get("names", []), g.get("memory_gib", []), g.get("capability", [])))
+    gpus = ", ".join(f"{n} x {name} ({mem} GiB, capability {cap})" for (name, mem, cap), n in kinds.items())
+    lines.append(f"  GPUs: {gpus}, driver {g.get('driver')}" if g.get("count") else
+                 f"  GPUs: none visible to torch (CUDA available: {g.get('cuda_available')})"
+                 + (f"; nvidia-smi: {g['nvidia_smi']}" if g.get("nvidia_smi") else ""))
     dirty = ("dirty: unknown" if p.get("dirty") is None else "clean" if not p["dirty"] else
              f"DIRTY: {', '.join(p['dirty_files'])} (diff sha256 {str(p.get('diff_sha256'))[:12]})")
     lines.append(f"  project {p.get('dir')}  commit {p.get('commit')}  {dirty}")
-    if p.get("error"):
-        lines.append(f"    git error: {p['error']}")
+    lines += [f"    git error: {p['error']}"] if p.get("error") else []
     if p.get("untracked_count"):
         lines.append(f"    {p['untracked_count']} untracked: {', '.join(p['untracked_files'])}")
     lines.append(f"  compile cache {c.get('path')} ({c.get('source')}): " + (
