@@ -43,7 +43,7 @@ class CompileGate:
         self.cond, self.local = threading.Condition(), threading.local()
         self.readers, self.writer, self.waiting = 0, None, 0     # threads in shared calls; the exclusive holder
         self.warm, self.warmed = False, set()
-        self.recompile_limit, self.generation, self.log = 8, 0, print   # the limit: sized by the warm-up
+        self.recompile_limit, self.generation = 8, 0   # the limit: sized by the warm-up
         self.stats = {"exclusive": 0, "max_waiting": 0}
 
     def configure_thread(self):
@@ -132,12 +132,12 @@ class CompileGate:
         return (name, str(device), tuple(shape), torch.is_grad_enabled(),
                 torch.is_autocast_enabled("cuda") if str(device).startswith("cuda") else False)
 
-    def mark_warm(self):
+    def mark_warm(self, log=print):
         """Warm-up done: from now on compiled calls share the gate and may not recompile."""
         with self.exclusive():
             torch.compiler.set_stance("fail_on_recompile")
             self.warm = True
-        self.log(f"[gate] warm: {len(self.warmed)} compiled keys, recompile_limit={self.recompile_limit}, "
+        log(f"[gate] warm: {len(self.warmed)} compiled keys, recompile_limit={self.recompile_limit}, "
                  "unwarmed shapes -> error")
 
 GATE = CompileGate()
@@ -331,7 +331,7 @@ def warm_up(drafters, shapes, gamma, attn, log=print, targets=()):
     for drafter in drafters:
         for shape in shapes:
             timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, gamma, attn), attn == "flex")
-    GATE.mark_warm()
+    GATE.mark_warm(log)
     return rows
 
 def format_table(rows):

@@ -452,7 +452,8 @@ def test_warm_up_compiles_each_replica_and_shape_sizes_the_recompile_limit_and_m
     assert GATE.recompile_limit == 2 * 2 + 2 and GATE.warm
     assert "total" in compiled.format_table(rows)
     # each line counts the pairs and, but for the last, gives the rest's ETA
-    found = [re.match(r"\[warmup\] (\d)/4 cpu .*?( \| ETA \d+s)?$", m) for m in logs]
+    assert logs[-1].startswith("[gate] warm: ")                    # through the warm-up's log
+    found = [re.match(r"\[warmup\] (\d)/4 cpu .*?( \| ETA \d+s)?$", m) for m in logs[:-1]]
     assert [(m.group(1), m.group(2) is not None) for m in found] == \
         [("1", True), ("2", True), ("3", True), ("4", False)], logs
     reset_gate()
