@@ -138,7 +138,7 @@ class CompileGate:
             torch.compiler.set_stance("fail_on_recompile")
             self.warm = True
         log(f"[gate] warm: {len(self.warmed)} compiled keys, recompile_limit={self.recompile_limit}, "
-                 "unwarmed shapes -> error")
+            "unwarmed shapes -> error")
 
 GATE = CompileGate()
 

@@ -70,10 +70,10 @@ class Trainer:
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers
         self.peak_flops = compiled.measure_peak_flops(self.ddevs[0])
         now = time.time()
-        log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s\n[run] start-up "
-            f"{now - T_PROCESS:.1f}s: imports + environment report {t_setup - T_PROCESS:.1f}s, setup + data "
-            f"{t_models - t_setup:.1f}s, models + resume {t_warm - t_models:.1f}s, warm-up + matmul peak "
-            f"{now - t_warm:.1f}s")
+        log(f"[mfu] measured matmul peak on {self.ddevs[0]}: {self.peak_flops / 1e12:.1f} TFLOP/s")
+        log(f"[run] start-up {now - T_PROCESS:.1f}s: imports + environment report {t_setup - T_PROCESS:.1f}s, "
+            f"setup + data {t_models - t_setup:.1f}s, models + resume {t_warm - t_models:.1f}s, warm-up + matmul "
+            f"peak {now - t_warm:.1f}s")
         return self.loop()
 
     # --- config, data, models, resume ----------------------------------------------------------------
@@ -96,9 +96,9 @@ class Trainer:
         self.pad_id = 0 if self.tok is None else (
             self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id)
         mask = "-" if self.tok is None else repr(self.tok.convert_ids_to_tokens(self.dcfg.mask_token_id))
-        log(f"[model] drafter {self.dcfg}\n[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {cfg.gamma}, "
-            f"attention {self.attn}" + (" (CPU: FlexAttention has no backward, dense-mask SDPA)"
-                                        if self.ddevs[0].type == "cpu" else ""))
+        log(f"[model] drafter {self.dcfg}")
+        log(f"[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {cfg.gamma}, attention {self.attn}"
+            + (" (CPU: FlexAttention has no backward, dense-mask SDPA)" if self.ddevs[0].type == "cpu" else ""))
         self.data, self.heldout = data_dflash.load_training_data(cfg, files, self.tok, self.dcfg.vocab_size,
                                                                  self.rank, log)
         memory = config.batch_memory(self.dcfg, self.tcfg, self.tdevs, self.ddevs)
@@ -143,7 +143,8 @@ class Trainer:
             return
         path, state = ck.load_newest(self.cfg.out_dir, self.log)
         if path is None:
-            return self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
+            self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
+            return
         saved = {"distill": 0.0, **state["config"]}    # a config without the key: labels only
         changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {saved[k]})"
                    for k in ("lr", "weight_decay", "distill", "gamma") if saved[k] != getattr(self.cfg, k)]
