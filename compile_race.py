@@ -1,9 +1,9 @@
-"""The compile race, measured (python diagnose.py --race-test): threads call one compiled function on a cold cache,
+"""The compile race, measured (python diagnose.py --race-test): threads call compiled flex attention on a cold cache,
 each at its own shape, so each thread's first call compiles while the others call, in a child process per mode:
   nogate  the compiled function called directly
   gate    through compiled.GATE before the warm-up: every compiled call exclusive
   warm    every shape compiled serially first, then GATE.mark_warm(): shared calls, no compiles
-Who raises the FX flag is recorded with its stack (Tracer.trace patched), grouped by site."""
+Every rise of the FX-tracing flag is recorded with its thread and stack (Tracer.trace wrapped), grouped by site."""
 import functools
 import json
 import os
@@ -17,32 +17,35 @@ from collections import Counter
 
 import torch
 
-from environment import HERE, _fx_flag, _fx_flag_thread_local, natural_race_expected
+from environment import HERE, natural_race_expected
 
 FX_ERROR = "Detected that you are using FX to symbolically trace"
 MODES = ("nogate", "gate", "warm")
-# Frames between "who wants a graph" and Tracer.trace: fx itself, decorators and context managers.
-PLUMBING = ("torch/fx/", "torch/_compile.py", "torch/_dynamo/eval_frame.py", "torch/utils/_contextlib.py", "<stdlib>/")
-FRAME_ROOTS = [(os.path.dirname(os.path.dirname(torch.__file__)) + os.sep, ""), (HERE + os.sep, ""),
-               (os.path.dirname(os.__file__) + os.sep, "<stdlib>/"), ("", "")]   # cut from frames' file names
+TORCH_ROOT = os.path.dirname(os.path.dirname(torch.__file__)) + os.sep
+# Frames between "who wants a graph" and Tracer.trace: fx itself, decorators, context managers (and the stdlib's).
+PLUMBING = ("torch/fx/", "torch/_compile.py", "torch/_dynamo/eval_frame.py", "torch/utils/_contextlib.py", "/")
 
-def _group_raises(events):
-    """Per site that raised the flag, most frequent first; user_frame: the innermost frame outside torch."""
+def fx_flag():   # read directly where it is a module global: is_fx_tracing() logs a warning
+    flag = getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", None)
+    return flag if isinstance(flag, bool) else bool(torch.fx._symbolic_trace.is_fx_tracing())
+
+def _sites(events):
+    """Per site that raised the flag, most frequent first: the frame that traced, the innermost one outside the
+    plumbing (who asked for the graph) and outside torch (whose call it was), torch's and this folder's paths cut."""
     groups = {}
     for thread, stack in events:
-        frames = [next(label + f.filename[len(root):] for root, label in FRAME_ROOTS if f.filename.startswith(root))
-                  + f":{f.lineno} in {f.name}" for f in stack[::-1]]   # innermost first
+        frames = [next((f.filename[len(r):] for r in (TORCH_ROOT, HERE + os.sep) if f.filename.startswith(r)),
+                       f.filename) + f":{f.lineno} in {f.name}" for f in reversed(stack)]   # innermost first
         key = (frames[0], next((f for f in frames if not f.startswith(PLUMBING)), None),
-               next((f for f in frames if not f.startswith(("torch/", "<stdlib>"))), None))
-        groups.setdefault(key, []).append(thread)
-    return sorted(({"count": len(ts), "threads": Counter(ts), "tracing_frame": key[0], "requested_by": key[1],
-                    "user_frame": key[2]} for key, ts in groups.items()), key=lambda gr: -gr["count"])
+               next((f for f in frames if not f.startswith(("torch/", "/"))), None))
+        groups.setdefault(key, Counter())[thread] += 1
+    return sorted(({"count": sum(ts.values()), "threads": ts, "tracing_frame": k[0], "requested_by": k[1],
+                    "user_frame": k[2]} for k, ts in groups.items()), key=lambda g: -g["count"])
 
 def run_exercise(mode, threads, seconds, device):
     """The threaded exercise in this process: meaningful only in a fresh one with a cold cache (run_child)."""
     import compiled
     from torch.nn.attention.flex_attention import create_block_mask
-    thread_local = _fx_flag_thread_local()   # no other thread yet: safe
     gate, dev = compiled.GATE, torch.device(device)
     gate.set_recompile_limit(max(8, threads + 2))
     # the drafter's attention per thread (small on CPU: compiles dominate); eager create_block_mask: vmap, no FX flag
@@ -50,64 +53,53 @@ def run_exercise(mode, threads, seconds, device):
     inputs = {f"worker-{i}-L{L}": (*(torch.randn(B, H, L, D, device=dev, dtype=dtype) for _ in range(3)),
                                    create_block_mask(lambda b, h, q, kv: q >= kv, B, None, L, L, device=dev))
               for i, L in enumerate(range(L1, L1 * (threads + 1), L1))}
-    stats = {n: dict(name=n, shape=list(args[0].shape), calls=0, fx_errors=0, other_errors=0, exposed_calls=0)
-             for n, args in inputs.items()}
-    samples, called, barrier = [], set(), threading.Barrier(threads)
-
-    def fn(*args):   # a call that STARTS while the flag is up is the one that fails (compiled.py's torch notes)
-        if _fx_flag() and (s := stats.get(threading.current_thread().name)):
-            s["exposed_calls"] += 1
-        return compiled.compiled_flex(*args)
+    calls, errors, samples, called, barrier = Counter(), Counter(), [], set(), threading.Barrier(threads)
 
     @torch.no_grad()
-    def one_call(x, *a):   # nogate: the compiled function called directly; x's shape tells the threads apart
-        return fn(x, *a) if mode == "nogate" else gate.run("flex", x.device, x.shape, fn, x, *a)
+    def one_call(x, *a):   # x's shape tells the threads apart
+        f = compiled.compiled_flex
+        return f(x, *a) if mode == "nogate" else gate.run("flex", x.device, x.shape, f, x, *a)
 
     def worker(me, args):
         gate.configure_thread()   # dynamo's config is per thread (compiled.py's torch notes)
         barrier.wait()
-        start, s = time.time(), stats[me]
+        start = time.time()
         # until --seconds are up and every thread has made its first (compiling) call (or 10 more minutes)
         while time.time() < start + seconds or (len(called) < threads and time.time() < start + seconds + 600):
             try:
                 one_call(*args)
-                s["calls"] += 1
+                calls[me] += 1
             except Exception as e:   # counted, and the thread carries on: how often does it happen?
-                s["fx_errors" if FX_ERROR in str(e) else "other_errors"] += 1
+                errors["fx_errors" if FX_ERROR in str(e) else "other_errors"] += 1
                 if len(samples) < 5:
                     samples.append(f"{me}: {type(e).__name__}: {str(e)[:300]}")
             called.add(me)
             time.sleep(0.001)   # the rest of a training step: threads that hammer starve the compiling one
         compiled.sync_device(dev)
-        run_s = time.time() - start
-        s.update(run_s=round(run_s, 3), calls_per_s=round(s["calls"] / run_s, 1))
 
-    # Every rise of the FX flag, with its thread and stack: make_fx's tracer reaches Tracer.trace through super().
-    events, trace = [], torch.fx.Tracer.trace
+    events, trace = [], torch.fx.Tracer.trace   # make_fx's tracer reaches Tracer.trace through super()
 
     @functools.wraps(trace)
     def recording_trace(tracer, *args, **kwargs):
-        if not _fx_flag():   # up already: a nested trace, not a rise
+        if not fx_flag():   # up already: a nested trace, not a rise
             events.append((threading.current_thread().name, traceback.extract_stack()[:-1]))
         return trace(tracer, *args, **kwargs)
     torch.fx.Tracer.trace = recording_trace
-    if mode == "warm":   # what warmup.py does: every shape, one at a time, before the threads start
+    if mode == "warm":   # what the warm-up does: every shape, one at a time, before the threads start
         for args in inputs.values():
             one_call(*args)
         gate.mark_warm()
-    workers = [threading.Thread(target=worker, args=(n, args), name=n) for n, args in inputs.items()]
+    t0, workers = time.time(), [threading.Thread(target=worker, args=item, name=item[0]) for item in inputs.items()]
     for t in workers:
         t.start()
     for t in workers:
         t.join()
-    per, rates = list(stats.values()), [s["calls_per_s"] for s in stats.values()]
-    return {"mode": mode, "exercise": "flex", "device": str(dev), "threads": threads, "seconds": seconds,
-            "torch": torch.__version__, "torch_git": torch.version.git_version,
-            "flex_fx_flag_thread_local": thread_local, "natural_race_expected": natural_race_expected(thread_local),
-            **{k: sum(s[k] for s in per) for k in ("fx_errors", "other_errors", "exposed_calls")},
-            "calls_per_s_per_thread": rates, "calls_per_s_total": round(sum(rates), 1),
-            "per_thread": per, "error_samples": samples, "gate_stats": dict(gate.stats),
-            "flag_raises": len(events), "flag_up_after_run": _fx_flag(), "raises": _group_raises(events)}
+    return {"mode": mode, "device": str(dev), "threads": threads, "seconds": seconds, "torch": torch.__version__,
+            "torch_git": torch.version.git_version, "natural_race_expected": natural_race_expected(),
+            "calls": [calls[n] for n in inputs], "calls_per_s": round(sum(calls.values()) / (time.time() - t0), 1),
+            "fx_errors": errors["fx_errors"], "other_errors": errors["other_errors"], "error_samples": samples,
+            "gate_stats": dict(gate.stats), "flag_raises": len(events), "flag_up_after_run": fx_flag(),
+            "sites": _sites(events)}
 
 def run_child(**spec):
     print(f"[diagnose] mode {spec['mode']}: {spec['threads']} threads, flex on {spec['device']}, "
@@ -126,26 +118,19 @@ def run_child(**spec):
     return json.loads(r.stdout.splitlines()[-1])   # the child's last line: anything it logged comes before
 
 def format_race_table(results):
-    head = (f"{'mode':<7} {'FX err':>6} {'other':>5} {'exposed':>7}  {'calls per thread':<22} "
-            f"{'calls/s per thread':<24} {'total/s':>8}")
-    lines, ok = [head, "-" * len(head)], [r for r in results if not r.get("failed")]
+    lines = [f"{'mode':<7} {'FX err':>6} {'other':>5}  {'calls per thread':<22} {'calls/s':>8}", "-" * 53]
     for r in results:
-        col = lambda key: " / ".join(str(p[key]) for p in r["per_thread"])
         lines += [f"{r['mode']:<7} FAILED: {r['failed']}"] if r.get("failed") else [
-            f"{r['mode']:<7} {r['fx_errors']:>6} {r['other_errors']:>5} {r['exposed_calls']:>7}  {col('calls'):<22} "
-            f"{col('calls_per_s'):<24} {r['calls_per_s_total']:>8g}",
-            *(f"        error: {s}" for s in r["error_samples"][:3])]
-    for r in ok[:1]:   # what every mode shares
-        lines += ["", f"torch {r['torch']} (git {str(r['torch_git'])[:12]}), {r['exercise']} on {r['device']}; "
-                  f"natural race expected: {r['natural_race_expected']}",
-                  "exposed = calls started while another thread held the FX flag up (the gate must show 0); "
-                  "calls/s include the cold compiles and waits: raise --seconds for steady state"]
-    for r in ok:     # who raised the FX flag, where, for whom
+            f"{r['mode']:<7} {r['fx_errors']:>6} {r['other_errors']:>5}  {' / '.join(map(str, r['calls'])):<22} "
+            f"{r['calls_per_s']:>8g}", *(f"        error: {s}" for s in r["error_samples"][:3])]
+    for i, r in enumerate(r for r in results if not r.get("failed")):
+        if i == 0:   # what every mode shares
+            lines += ["", f"torch {r['torch']} (git {str(r['torch_git'])[:12]}), flex on {r['device']}; natural race "
+                      f"expected: {r['natural_race_expected']}; calls/s include the cold compiles and waits"]
         stuck = "UP (stuck: every compiled call now fails or runs uncompiled)" if r["flag_up_after_run"] else "down"
-        lines += ["", f"mode {r['mode']}: the FX flag rose {r['flag_raises']} times at {len(r['raises'])} sites; "
+        lines += ["", f"mode {r['mode']}: the FX flag rose {r['flag_raises']} times at {len(r['sites'])} sites; "
                   f"after the run it is {stuck}"]
-        for gr in r["raises"]:
-            threads = ", ".join(f"{t} ({n})" for t, n in sorted(gr["threads"].items()))
-            lines.append(f"  {gr['count']}x in {threads}: traced at {gr['tracing_frame']}, for "
-                         f"{gr['requested_by']}, called from {gr['user_frame']}")
+        lines += [f"  {g['count']}x in {', '.join(f'{t} ({n})' for t, n in sorted(g['threads'].items()))}: traced "
+                  f"at {g['tracing_frame']}, for {g['requested_by']}, called from {g['user_frame']}"
+                  for g in r["sites"]]
     return "\n".join(lines)

@@ -13,8 +13,7 @@ import sys
 
 import torch
 
-from environment import (collect_env, diff_env, format_packages, format_report, installed_packages,
-                         natural_race_expected, _fx_flag_thread_local)
+from environment import collect_env, diff_env, format_packages, format_report, installed_packages
 
 def _against(folder, cache_dir):
     if not os.path.isdir(folder):
@@ -67,8 +66,6 @@ def main(argv=None):
             return 2
     else:
         env = collect_env(a.cache_dir)
-        env["flex_fx_flag_thread_local"] = _fx_flag_thread_local()   # this process runs no other thread: safe here
-        env["natural_race_expected"] = natural_race_expected(env["flex_fx_flag_thread_local"])
         recent = installed_packages()[:15]
         obj = {"env": env, "recent_packages": [{"name": n, "version": v, "mtime": t} for n, v, t in recent]}
         text = format_report(env) + "\n" + format_packages(recent, "15 most recently installed/modified packages:")

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 
 import torch
@@ -159,12 +158,12 @@ def installed_packages():
             rows[name.lower()] = (name, d.version, os.path.getmtime(d._path))
     return sorted(rows.values(), key=lambda r: -r[2])
 
-def natural_race_expected(fx_flag_thread_local=None):
-    """Does the cold-cache compile race show by itself? By the thread probe where it ran, else by version."""
+def natural_race_expected():
+    """Does the cold-cache compile race show by itself on this torch (diagnose.py --race-test measures it)?"""
     version = tuple(int(x) for x in torch.__version__.split(".")[:2])
-    if fx_flag_thread_local or (fx_flag_thread_local is None and version >= (2, 14)):
+    if version >= (2, 14):
         return "no: the FX-tracing flag is per thread"
-    if (2, 12) <= version < (2, 14):
+    if version >= (2, 12):
         return ("masked: torch 2.12/2.13 hide the FX flag from other threads while anything compiles; "
                 "0 errors here says nothing about torch 2.11")
     return "yes: a compile in one thread makes compiled calls in other threads fail (the compile gate keeps them apart)"
@@ -237,10 +236,6 @@ def format_report(env):
         lines += [f"    WARNING: filled by another build ({'; '.join(other)}): its entries will miss"] if other else []
     elif c.get("exists"):
         lines.append(f"    no {CACHE_INFO_FILE}: unknown which build filled it")
-    if "flex_fx_flag_thread_local" in env:   # the thread probe: only the command line runs it
-        flag = {None: "unknown (not seen even by the tracing thread)", True: "per thread",
-                False: "PROCESS-GLOBAL (a compile in one thread is seen by all)"}[env["flex_fx_flag_thread_local"]]
-        lines.append(f"  FX-tracing flag: {flag}")
     variables = "  ".join(f"{k}={x}" for k, x in (env.get("env_vars") or {}).items())
     lines += [f"  natural compile race expected: {env.get('natural_race_expected')}",
               f"  env: {variables or '(none of the recorded variables)'}"]
@@ -248,20 +243,3 @@ def format_report(env):
 
 def format_packages(rows, title):
     return "\n".join([title] + ([f"  {_fmt_time(t)}  {n} {ver}" for n, ver, t in rows] or ["  (none)"]))
-
-# --- The thread probe raises the FX flag for real: it runs only where no other thread runs compiled code.
-def _fx_flag():   # this thread's view; read directly where it is a module global: is_fx_tracing() logs a warning
-    flag = getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", None)
-    return flag if isinstance(flag, bool) else bool(torch.fx._symbolic_trace.is_fx_tracing())
-
-def _fx_flag_thread_local():
-    """Is the FX flag per thread? Measured by behaviour: another thread reads it while this one traces."""
-    seen = []
-
-    def traced(x):
-        with ThreadPoolExecutor(1) as other:
-            seen.append((_fx_flag(), other.submit(_fx_flag).result()))
-        return x + 1
-    torch.fx.symbolic_trace(traced)
-    here, there = seen[0]
-    return (not there) if here else None   # None: not up even where the trace runs, so "there" says nothing
