@@ -1,8 +1,7 @@
-"""Benchmark on one device: target forward (compiled and eager), drafter step, warm-up, pipeline, layouts.
+"""Benchmark on one device: target forward (compiled and eager), drafter step, warm-up, the threaded pipeline.
 
     python bench.py                    # Qwen3-8B-shaped random target, 5-layer drafter, S 3072, 512 anchors
     python bench.py --tiny             # the same code at toy size (CPU: seconds)
-    python bench.py --all-shapes       # cold warm-up of every default bucket, then the pipeline's warm start
     python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1   # the loop, any layout
 """
 import argparse
@@ -39,7 +38,6 @@ def parse_args(argv):
     p.add_argument("--anchors", type=int, default=0, help="anchors per sequence (default 512; tiny 16)")
     p.add_argument("--steps", type=int, default=10, help="timed calls back to back per round")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds; the median time per call is reported")
-    p.add_argument("--all-shapes", action="store_true", help="cold warm-up of every default bucket")
     p.add_argument("--pipeline-steps", type=int, default=40, help="optimiser steps of the pipeline run")
     p.add_argument("--no-pipeline", action="store_true", help="skip the threaded pipeline")
     p.add_argument("--pipeline-only", action="store_true", help="only the threaded pipeline")
@@ -47,7 +45,6 @@ def parse_args(argv):
     p.add_argument("--drafter-devices", default="", help="pipeline drafter devices (default: --device)")
     p.add_argument("--cache", default="", help="compile cache (default: a fresh temporary folder = cold)")
     p.add_argument("--device", default="", help="device of the one-device measurements (default cuda:0, or cpu)")
-    p.add_argument("--node-gpus", type=int, default=8, help="predict tokens/s of every layout of this many such GPUs")
     p.add_argument("--distill", type=float, default=0.0, help="the step's KL weight, as train_dflash.py --distill")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)
@@ -100,13 +97,12 @@ def main(argv=None):
     drafter = config.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
                                  target.get_output_embeddings().weight.detach(), dev, 0)
     opt = MasterAdamW(drafter.parameters(), lr=1e-5, param_dtype=config.param_dtype(dev))
-    shapes = plan if a.all_shapes else [(B, S, A)]
     attn = "flex" if dev.type == "cuda" else "sdpa"
     if attn == "flex":
         compiled.compile_target_layers(target)
     graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=tcfg.teacher)
     t0 = time.time()
-    rows = compiled.warm_up([drafter], shapes, 7.0, attn, log=log, targets=[graphed] if attn == "flex" else ())
+    rows = compiled.warm_up([drafter], [(B, S, A)], 7.0, attn, log=log, targets=[graphed] if attn == "flex" else ())
     res.update(warmup_cold_s=time.time() - t0, warmup_rows=[[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows])
     log(compiled.format_table(rows))
     ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
@@ -143,9 +139,6 @@ def main(argv=None):
     log(f"[bench] drafter step: {1e3 * t_drafter:.1f} ms = {B * S / t_drafter:,.0f} target tok/s, "
         f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {mem:.1f} GiB" if mem is not None else ""))
     res["sum_of_parts_tok_s"] = B * S / (t_target + t_drafter)
-    res["layouts"] = layouts(a.node_gpus, B * S, t_target, t_drafter)
-    log(f"[bench] predicted layouts of {a.node_gpus} such GPUs (from the two times above):\n"
-        + format_layouts(res["layouts"]))
     del target, graphed, drafter, opt, feats
     torch.cuda.empty_cache()       # a no-op where CUDA never started
     if not a.no_pipeline:          # the real train_dflash loop, on the same, now warm, compile cache
@@ -161,34 +154,14 @@ def report(a, res):
         data_dflash.write_json(a.json, res)
     return res
 
-def layouts(n, tokens, t_target, t_drafter):
-    """Every layout of n GPUs, best first, with its tokens/s predicted from a target forward and a drafter step."""
-    gpus = lambda ids: ",".join(f"cuda:{i}" for i in ids)
-    eff = lambda replicas: 0.95 if replicas > 1 else 1.0   # the assumed gradient-sync efficiency of several replicas
-    rows = [dict(name=f"{n} GPU{'s' * (n > 1)} both roles", target_devices=gpus(range(n)),
-                 drafter_devices=gpus(range(n)), tok_s=n * eff(n) * tokens / (t_target + t_drafter), binds="both")]
-    for k in range(1, n):
-        target, drafter = k / t_target, (n - k) * eff(n - k) / t_drafter
-        rows.append(dict(name=f"{k} target + {n - k} drafter", target_devices=gpus(range(k)),
-                         drafter_devices=gpus(range(k, n)), tok_s=min(target, drafter) * tokens,
-                         binds="target" if target < drafter else "drafter"))
-    return sorted(rows, key=lambda r: -r["tok_s"])
-
-def format_layouts(rows):
-    short = lambda s: s if "," not in s else f"{s.split(',')[0]}-{s.split(',')[-1].split(':')[1]}"
-    return "\n".join([f"{'layout':<22} {'tok/s':>9}  {'binds':<8} --target-devices / --drafter-devices"] + [
-        f"{r['name']:<22} {r['tok_s']:>9,.0f}  {r['binds']:<8} {short(r['target_devices'])} / "
-        f"{short(r['drafter_devices'])}" for r in rows])
-
 def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     """train_dflash.py on synthetic full-length samples: median tokens/s after its first log line, warm-up, busy."""
     devices = {"target": a.target_devices or str(dev), "drafter": a.drafter_devices or str(dev)}
     cmd = [sys.executable, "-u", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dflash.py"),
            "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S), "--num-anchors", str(A),
-           *([] if a.all_shapes else ["--buckets", str(S)]),    # --all-shapes: warm every default bucket
-           "--target-devices", devices["target"], "--drafter-devices", devices["drafter"], "--log-interval", "5",
-           "--max-steps", str(a.pipeline_steps), "--ckpt-interval", "100000", "--compile-cache", cache,
-           "--out-dir", os.path.join(tmp, "pipeline_out")]
+           "--buckets", str(S), "--target-devices", devices["target"], "--drafter-devices", devices["drafter"],
+           "--log-interval", "5", "--max-steps", str(a.pipeline_steps), "--ckpt-interval", "100000",
+           "--compile-cache", cache, "--out-dir", os.path.join(tmp, "pipeline_out")]
     log("[bench] pipeline: " + " ".join(cmd))
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)

@@ -1287,11 +1287,6 @@ def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
                 "sum_of_parts_tok_s", "pipeline_tok_s", "pipeline_vs_sum_of_parts", "warmup_warm_cache_s"):
         assert isinstance(res[key], float) and math.isfinite(res[key]), (key, res.get(key))
     assert set(res["spread_ms"]) == {"target_ms", "target_eager_ms", "drafter_ms"}
-    rows = {(r["target_devices"], r["drafter_devices"]): r["tok_s"] for r in res["layouts"]}   # 8 such GPUs
-    t, d, n = res["target_ms"] / 1e3, res["drafter_ms"] / 1e3, res["target_tok_s"] * res["target_ms"] / 1e3
-    assert len(rows) == 8 and "layouts of 8 such GPUs" in p.out
-    assert rows[(",".join(f"cuda:{i}" for i in range(5)), "cuda:5,cuda:6,cuda:7")] == \
-        pytest.approx(min(5 / t, 3 * 0.95 / d) * n)                       # the original 5 + 3 split
     out2 = tmp_path / "layout.json"
     p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--pipeline-only", "--target-devices", "cpu",
                  "--drafter-devices", "cpu,cpu", "--pipeline-steps", "10", "--json", str(out2)], timeout=300)
