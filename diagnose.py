@@ -25,16 +25,13 @@ def _against(folder, cache_dir):
     if not isinstance(old, dict) or "time_unix" not in old:
         raise ValueError(f"{path} is not an env.json written by train_dflash.py (no time_unix)")
     diffs = diff_env(old, collect_env(cache_dir or (old.get("compile_cache") or {}).get("path")))
-    during, newer = old.get("changed_during_run") or [], [r for r in installed_packages() if r[2] > old["time_unix"]]
+    newer = [r for r in installed_packages() if r[2] > old["time_unix"]]
     show, w = lambda x: json.dumps(x, default=str), max([len(k) for k, _, _ in diffs] + [10])
     text = [f"Changes since {folder} (its env.json: the environment of the run that wrote it, recorded "
             f"{old.get('time')} on {old.get('hostname')}):"]
     text += [f"  {k:<{w}}  {show(o)}  ->  {show(n)}" for k, o, n in diffs] or ["  no field differs"]
-    if during:   # the run kept what it loaded at its start: the left side above
-        text.append(f"While that run was going, {len(during)} field(s) changed (the run kept the first value):")
-        text += [f"  {k}  {show(o)}  ->  {show(n)}" for k, o, n in during]
     text.append(format_packages(newer, f"Packages installed or modified after the checkpoint ({len(newer)}):"))
-    return ({"checkpoint": folder, "checkpoint_time": old.get("time"), "changed_during_run": during,
+    return ({"checkpoint": folder, "checkpoint_time": old.get("time"),
              "differences": [{"field": k, "old": o, "new": n} for k, o, n in diffs],
              "packages_after": [{"name": n, "version": v, "mtime": t} for n, v, t in newer]}, "\n".join(text))
 

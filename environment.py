@@ -36,7 +36,7 @@ def collect_env(cache_dir=None):
              # as is: a venv's python is a symlink to the base interpreter, and the venv is what runs
              "python_executable": lambda: sys.executable, "python_prefix": lambda: sys.prefix,
              "versions": _versions, "gpus": _gpus, "env_vars": _env_vars, "project": _git_state,
-             "compile_cache": lambda: _cache_state(cache_dir), "natural_race_expected": natural_race_expected,
+             "compile_cache": lambda: cache_state(cache_dir), "natural_race_expected": natural_race_expected,
              "packages": lambda: {n: v for n, v, _ in sorted(installed_packages(), key=lambda r: r[0].lower())}}
     for key, fn in parts.items():
         try:
@@ -94,7 +94,7 @@ def _default_cache_dir():   # inductor's rule, without importing inductor (secon
         user = f"uid_{os.getuid()}"
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
-def _cache_state(cache_dir):
+def cache_state(cache_dir):
     chosen = cache_dir or _env_vars().get("TORCHINDUCTOR_CACHE_DIR")   # as recorded: inductor's export is no choice
     source = "argument" if cache_dir else "TORCHINDUCTOR_CACHE_DIR" if chosen else "inductor default"
     path = os.path.abspath(chosen or _default_cache_dir())
@@ -169,7 +169,7 @@ def natural_race_expected():
     return "yes: a compile in one thread makes compiled calls in other threads fail (the compile gate keeps them apart)"
 
 # --- What changed, and the report. IGNORED: what changes at every call or grows in a healthy run, a note shown apart.
-IGNORED = {"time", "time_unix", "changed_during_run", "compile_cache.size_bytes", "compile_cache.file_count",
+IGNORED = {"time", "time_unix", "compile_cache.size_bytes", "compile_cache.file_count",
            "compile_cache.oldest_mtime", "compile_cache.newest_mtime"}
 MISSING = "(missing)"
 # compiled.use_compile_cache() sets the first from the cache path (compared on its own) and only defaults the second:

@@ -32,7 +32,7 @@ from replicas import Replicas
 
 class Trainer:
     def __init__(self, cfg, log, env=None):
-        self.cfg, self.log, self.env_at_start, self.env_change_said, self.mfu_warned = cfg, log, env, False, False
+        self.cfg, self.log, self.env_at_start, self.mfu_warned = cfg, log, env, False
         self.run, self.time_frac, self.next_end_s = Run(), 0.0, 0.0   # the share of --max-minutes used; see loop
         self.stopped = 0      # the signal that stopped the run at a step, on any rank: see loop
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -398,18 +398,8 @@ class Trainer:
         return f"python eval_dflash.py --target {self.tpath} --drafter {ckpt}/drafter --prompts {prompts}"
 
     def checkpoint_env(self):
-        """env.json: the environment the run STARTED in (its code and packages were loaded then), and what changed."""
-        now = environment.collect_env(self.cfg.compile_cache)
-        # the cache grows, and this process's own variables change only by its libraries (inductor exports some)
-        changed = [r for r in environment.diff_env(self.env_at_start, now)
-                   if not r[0].startswith(("compile_cache.", "env_vars."))]
-        if changed and not self.env_change_said:     # once: every later checkpoint has the same news
-            self.env_change_said = True
-            self.log(f"WARNING: the environment changed while this run was going ({len(changed)} field(s): "
-                     + "; ".join(f"{k} {a} -> {b}" for k, a, b in changed[:3])[:300] + "). Checkpoints keep "
-                     "the environment the run started with, and these changes under changed_during_run")
-        return {**self.env_at_start, "compile_cache": now["compile_cache"],
-                "changed_during_run": [list(r) for r in changed]}
+        """env.json: the environment the run STARTED in (its code and packages were loaded then), the cache as now."""
+        return {**self.env_at_start, "compile_cache": environment.cache_state(self.cfg.compile_cache)}
 
     def train_seconds(self):
         """Training time of the whole run, the runs it resumed included: what --max-minutes budgets."""
