@@ -29,7 +29,6 @@ def parse_args(argv):
     p.add_argument("--drafter", nargs="+", required=True, metavar="PATH", help="drafter folders, all of one block size")
     p.add_argument("--prompts", nargs="+", required=True, help="ShareGPT JSON/JSONL or chat JSONL")
     p.add_argument("--num-prompts", type=int, default=None, help="default: 100 on a GPU, 5 on a CPU")
-    p.add_argument("--skip", type=int, default=0, help="skip this many usable prompts first")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 128 on a GPU, 32 on a CPU")
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -49,8 +48,8 @@ def parse_args(argv):
     if missing := [f for f in a.prompts if data_dflash.names_a_file(f) and not os.path.isfile(f)]:
         p.error(f"prompt file not found: {', '.join(missing)}")
     if min(1 if x is None else x for x in (a.num_prompts, a.max_new_tokens, a.max_prompt_tokens)) < 1 \
-            or a.skip < 0 or (a.speed_prompts or 0) < 0:
-        p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1, --skip, --speed-prompts >= 0")
+            or (a.speed_prompts or 0) < 0:
+        p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1, --speed-prompts >= 0")
     config.check_devices([a.device])
     gpu = a.gpu = torch.device(a.device).type == "cuda"
     a.num_prompts = a.num_prompts or (100 if gpu else 5)
@@ -58,18 +57,17 @@ def parse_args(argv):
     a.speed_prompts = min(a.num_prompts, (20 if gpu else 1) if a.speed_prompts is None else a.speed_prompts)
     return a
 
-def prompts_from(files, tokenizer, n, skip, max_tokens):
-    """The ids of usable prompts skip .. skip + n (each conversation up to its first reply)."""
+def prompts_from(files, tokenizer, n, max_tokens):
+    """The ids of the first n usable prompts (each conversation up to its first reply)."""
     out = []
     for msgs in data_dflash.load_conversations(files)[0]:
         first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")   # not 0: leading replies are dropped
         if ids := data_dflash.prompt_ids(tokenizer, [msgs[:first]], max_tokens)[0][0]:
             out.append(ids)
-        if len(out) >= skip + n:
-            break
-    else:       # never reached skip + n
-        print(f"[eval] NOTICE: only {len(out) - skip} usable prompts (asked for {n})")
-    return out[skip: skip + n]
+        if len(out) >= n:
+            return out
+    print(f"[eval] NOTICE: only {len(out)} usable prompts (asked for {n})")
+    return out
 
 def proposers(drafters, bs, rows, length, compile=False):
     """(name, feature layers, a fresh proposer) of each way to decode."""
@@ -116,19 +114,19 @@ def main(argv=None):
         raise SystemExit(f"error: the drafters' block sizes differ ({sizes}): compare drafters of one block size")
     stops, dbs = decoding.stop_token_ids(tok, target), next(iter(sizes.values()))
     bs = max(dbs, 16)     # n-gram lookup drafts what it would alone (15 tokens), however short the drafters' blocks
-    prompts = prompts_from(a.prompts, tok, a.num_prompts, a.skip, a.max_prompt_tokens)
+    prompts = prompts_from(a.prompts, tok, a.num_prompts, a.max_prompt_tokens)
     if not prompts:
         raise SystemExit("error: no usable prompts")
     print(f"[eval] {len(prompts)} prompts, target {a.target}, {len(drafters)} drafter(s), {a.dtype} on {a.device}, "
           f"block {dbs}, stop ids {stops}; baseline: n-gram prompt lookup (last 3/2/1 tokens, up to {bs - 1})")
     outs = decode_all(target, drafters, prompts, a.max_new_tokens, stops, bs, a.device)
     ref = outs.pop("target greedy")
-    res = {"prompts": len(prompts), "skip": a.skip, "target": a.target, "drafters": a.drafters,
+    res = {"prompts": len(prompts), "target": a.target, "drafters": a.drafters,
            "prompt_files": a.prompts, "max_prompt_tokens": a.max_prompt_tokens, "max_new_tokens": a.max_new_tokens,
            "dtype": a.dtype, "device": str(a.device), "block_size": dbs, "ngram_block": bs,
            "tokens_out": sum(len(o) for o, _ in ref), "methods": {}, "per_prompt": []}
     for name, got in outs.items():
-        bad = [{"prompt": a.skip + i, **first_difference(target, p, r, o)}
+        bad = [{"prompt": i, **first_difference(target, p, r, o)}
                for i, (p, (r, _), (o, _)) in enumerate(zip(prompts, ref, got)) if o != r]
         hist = collections.Counter(x for _, acc in got for x in acc)
         rounds = sum(hist.values())
@@ -138,7 +136,7 @@ def main(argv=None):
                                 "lossless": len(prompts) - len(bad), "mismatches": bad}
     for i, (p, (r, _)) in enumerate(zip(prompts, ref)):
         taus = {name: sum(got[i][1]) / len(got[i][1]) if got[i][1] else None for name, got in outs.items()}
-        res["per_prompt"].append({"prompt": a.skip + i, "tokens_in": len(p), "tokens_out": len(r), "tau": taus})
+        res["per_prompt"].append({"prompt": i, "tokens_in": len(p), "tokens_out": len(r), "tau": taus})
     if a.speed_prompts:
         target.to(getattr(torch, a.speed_dtype))
         drafters = {lb: dm.load_drafter(p, target, device=a.device, dtype=getattr(torch, a.speed_dtype)).eval()
@@ -159,12 +157,6 @@ def first_difference(target, prompt, ref, out):
         top = target(torch.tensor([prompt + ref[:at]], device=target.device)).logits[0, -1].float().topk(2).values
     return {"at": at, "margin": float(top[0] - top[1])}
 
-def format_histogram(*hists, bs, width=8):
-    """A row per acceptance length 1..bs: each method's count of rounds, a bar for the first."""
-    top = max(hists[0].values(), default=0)
-    return "\n".join(f"  {L:2d} " + " ".join(f"{h.get(L, 0):{width}d}" for h in hists)
-                     + f" {'#' * int(40 * hists[0].get(L, 0) / max(1, top))}" for L in range(1, bs + 1))
-
 def acceptance_by_position(hist, bs):
     """Per draft position k = 1..bs-1: of the rounds accepting >= k tokens, the share accepting > k; None if none."""
     at_least = [sum(c for L, c in hist.items() if L >= k) for k in range(1, bs + 1)]
@@ -172,7 +164,7 @@ def acceptance_by_position(hist, bs):
 
 def report(res, json_path):
     bs, n, m, names = res["ngram_block"], res["prompts"], res["methods"], list(res["methods"])
-    sp, w, cw = res.get("speed"), max(16, *map(len, names)), max(8, *map(len, names))
+    sp, w = res.get("speed"), max(16, *map(len, names))
     print("\nDFlash drafters: " + ", ".join(f"{lb} = {p}" for lb, p in res["drafters"].items()))
     print(f"tau and losslessness: {n} prompts side by side, {res['dtype']}; " + (
         f"tok/s: {sp['prompts']} prompts at batch 1, {sp['dtype']}, {sp['loop']}" if sp else "no speed table"))
@@ -181,9 +173,6 @@ def report(res, json_path):
         r, s = m.get(name), sp and sp["methods"][name]
         print(f"{name:{w}s} " + (f"{r['mean_tau']:6.3f} {r['lossless']:>5d}/{n:<3d}" if r else f"{'':6s} {'':9s}")
               + (f" {s['tok_s']:9.1f} {s['speedup']:8.2f}x" if s else ""))
-    print(f"acceptance lengths (rounds; block {res['block_size']}, n-gram lookup {bs}):\n     "
-          + " ".join(f"{name:>{cw}s}" for name in names))
-    print(format_histogram(*({int(k): v for k, v in m[name]["histogram"].items()} for name in names), bs=bs, width=cw))
     print(f"acceptance by draft position 1..{bs - 1} (of the rounds that reach it, the share that accept it):")
     for name in names:
         print(f"  {name:{w}s} " + " ".join(f"{'-' if x is None else format(x, '.2f'):>4s}"

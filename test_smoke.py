@@ -4,7 +4,7 @@ In file order: layer ids, the drafter config from HF target configs, the trainin
 vs a naive loop, the tile-level BlockMask), compiled flex == SDPA, blocks / labels / weights / loss /
 gradient, anchor sampling, the decoding engine (greedy vs HF generate, lossless speculative decoding, a
 batch of prompts as each alone), an overfit run that proves mask, labels and inference agree, save/load in
-the serving format, the compile gate, the warm-up, eval_dflash's stop ids and histogram.
+the serving format, the compile gate, the warm-up, eval_dflash's stop ids and acceptance by position.
 
 Compiles are expensive on this CPU (7-40 s each), so every flex test shares ONE shape set through the
 module-scoped `flex_case` fixture, and all flex calls run under torch.no_grad (grad mode is a dynamo
@@ -1008,7 +1008,7 @@ def test_generate_refuses_positions_beyond_the_rope_table(targets):
 
 
 # -----------------------------------------------------------------------------
-# 11. what warmup.py builds, the block-mask guard, eval_dflash's stop ids and histogram
+# 11. what warmup.py builds, the block-mask guard, eval_dflash's stop ids and acceptance by position
 
 
 def tiny_config_json(path, **extra):
@@ -1298,17 +1298,6 @@ def test_ngram_lookup_tau_on_a_hand_made_sequence_equals_the_hand_count():
         tokens += torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
         ids, k = ngram.propose([tokens], torch.tensor([tokens[-1]]))
         assert ids[0, :int(k[0])].tolist() == scan(tokens, 5), tokens
-
-
-def test_eval_histogram_without_drafting_rounds():
-    import collections
-    import eval_dflash
-    empty = eval_dflash.format_histogram(collections.Counter(), bs=4).splitlines()    # no rounds: all zero, no error
-    assert [line.split() for line in empty] == [["1", "0"], ["2", "0"], ["3", "0"], ["4", "0"]]
-    bars = eval_dflash.format_histogram(collections.Counter({1: 2, 3: 4}), bs=4).splitlines()
-    assert [line.count("#") for line in bars] == [20, 0, 40, 0]
-    two = eval_dflash.format_histogram(collections.Counter({1: 2}), collections.Counter({2: 5}), bs=2).splitlines()
-    assert [line.split()[:3] for line in two] == [["1", "2", "0"], ["2", "0", "5"]]
 
 
 def test_eval_acceptance_by_position_from_a_histogram_equals_the_hand_count():

@@ -1311,7 +1311,7 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
     # step_000001 is untrained; step_000002 drafts the token the target repeats most after the first prompt
     # (its layer adds nothing: each block position's logits are those of its input, the mask token), so
     # the two drafters measure differently
-    x = eval_dflash.prompts_from([str(prompts)], AutoTokenizer.from_pretrained(llama), 1, 0, 1024)[0]
+    x = eval_dflash.prompts_from([str(prompts)], AutoTokenizer.from_pretrained(llama), 1, 1024)[0]
     common = collections.Counter(decoding.speculate(decoding.Engine(target, 1, 256), [x], 32, [])[0][0]).most_common(1)[0][0]
     drafters = {}
     for seed, label, bs in ((0, "step_000001", 4), (1, "step_000002", 4), (2, "step_000003", 8)):

@@ -32,7 +32,7 @@ from replicas import Replicas
 
 class Trainer:
     def __init__(self, cfg, log, env=None):
-        self.cfg, self.log, self.env_at_start, self.mfu_warned = cfg, log, env, False
+        self.cfg, self.log, self.env_at_start = cfg, log, env
         self.run, self.time_frac, self.next_end_s = Run(), 0.0, 0.0   # the share of --max-minutes used; see loop
         self.stopped = 0      # the signal that stopped the run at a step, on any rank: see loop
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -346,11 +346,6 @@ class Trainer:
         return x, dict(tot, t=now, busy=busy, step=step)
 
     def warn_if_slow(self, x, tok_hist):
-        if x["mfu_drafter"] > 1.0 and not self.mfu_warned:
-            self.mfu_warned = True
-            self.log(f"WARNING: MFU above 100%: the matmul peak measured at the start ({self.peak_flops / 1e12:.0f} "
-                     f"TFLOP/s on {self.ddevs[0]}) was too low; was the device busy with another process then? This "
-                     "run's MFU figures are not comparable")
         recent = tok_hist[-19:]
         tok_hist.append(x["tok_s"])
         if len(recent) >= 5 and x["tok_s"] < 0.5 * statistics.median(recent):
