@@ -7,9 +7,8 @@ What torch does, by version (the one place this is written down):
     symbolically trace a dynamo-optimized function") or, with error_on_nested_fx_trace=False, runs uncompiled
     (flex: its dense path, silently). 2.12 and 2.13 hide the flag from other threads while anything compiles.
   * dynamo's config is per thread from torch 2.12: every thread passing the gate sets it and reads it back.
-  * Two threads running one entry of a code object's dynamo cache at once can see a spurious recompile ("runtime
-    guards failed even though they passed"): a code object per target, a GPU per compiled drafter replica
-    (config.resolve_attn).
+  * Two threads at once in one code object's dynamo cache entry can see a spurious recompile ("runtime guards failed
+    even though they passed"): a code object per target, a GPU per compiled drafter replica (config.resolve_attn).
   * CPU inductor (torch 2.13) miscompiles a chain of boolean masks and flex tiles cut short: the DFlash mask is
     two comparisons, and flex shapes are multiples of 128.
 """
@@ -32,8 +31,7 @@ import dflash_model as dm
 from environment import CACHE_INFO_FILE, cache_info
 
 # ---- 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every key the
-# run uses; then warmed keys share it under dynamo's "fail_on_recompile" stance, so nothing compiles behind its
-# back, and an unwarmed key is an error.
+# run uses; then warmed keys share it and may not compile ("fail_on_recompile" stance); an unwarmed key is an error.
 
 class UnwarmedShapeError(RuntimeError):
     pass
@@ -142,8 +140,7 @@ class CompileGate:
 
 GATE = CompileGate()
 
-# ---- 2. The compiled calls, called only through GATE.run. dynamic=False: each shape is its own fully specialised
-# entry (the length buckets keep them few).
+# ---- 2. The compiled calls, only through GATE.run; dynamic=False: an entry per shape (length buckets keep them few).
 
 def require_compiled(what):
     # dynamo folds this away when it compiles; run eagerly (dynamo disabled), flex would take its dense path silently
@@ -175,9 +172,8 @@ compiled_body = torch.compile(_body_impl, dynamic=False, fullgraph=True)
 def flex_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
     """dm.drafter_forward_loss's trunk on GPUs: the tile-level block mask and the compiled body, gated."""
     (B, S), A, bs = ctx_pos.shape, anchors.shape[1], drafter.config.block_size
-    bm = dm.create_dflash_block_mask(anchors, S, bs)
-    return GATE.run("drafter_fwd", ctx_pos.device, (B, S, A, bs), compiled_body, drafter, target_feats,
-                    block_ids, ctx_pos, block_pos, bm)
+    return GATE.run("drafter_fwd", ctx_pos.device, (B, S, A, bs), compiled_body, drafter, target_feats, block_ids,
+                    ctx_pos, block_pos, dm.create_dflash_block_mask(anchors, S, bs))
 
 def trunk(attn):
     """The drafter trunk of --attn: flex (compiled, gated) or sdpa (dense mask, eager)."""
@@ -211,13 +207,11 @@ def compile_target_layers(target):
         layer.forward = functools.partial(gated, layer, getattr(layer.self_attn, "sliding_window", None) is None)
 
 class GraphedTarget:
-    """dm.target_forward as one CUDA-graph replay per (B, S) captured at the warm-up: a small target is bound by the
-    host launching its kernels under the GIL the drafter threads share. Off CUDA, or at a shape not captured, the
-    forward runs as it is (through the gate, which refuses an unwarmed shape)."""
+    """dm.target_forward as a CUDA-graph replay per (B, S) captured at the warm-up: a small target is bound by launching
+    kernels under the GIL the drafter threads share. Off CUDA or uncaptured it runs gated (refusing unwarmed shapes)."""
     def __init__(self, target, layer_ids, final):
         self.target, self.layer_ids, self.final = target, list(layer_ids), final
-        self.device = next(target.parameters()).device
-        self.graphs, self.inputs = {}, {}
+        self.device, self.graphs, self.inputs = next(target.parameters()).device, {}, {}
 
     def forward(self, ids):
         with torch.no_grad():
@@ -268,8 +262,7 @@ def _cache_counters():
 
 def warm_shape(drafter, shape, gamma, attn):
     """One forward + backward of the training step at `shape` = (B, S, A); the gradients are left as they were."""
-    B, S, A = shape
-    c, dev = drafter.config, drafter.fc.weight.device
+    (B, S, A), c, dev = shape, drafter.config, drafter.fc.weight.device
     feats = torch.randn(B, S, len(c.target_layer_ids) * c.hidden_size, device=dev, dtype=config.param_dtype(dev))
     ids = torch.randint(0, c.vocab_size, (B, S), device=dev)
     anchors = torch.arange(A).mul(max(1, (S - c.block_size) // A)).expand(B, A).contiguous()
@@ -284,10 +277,9 @@ def warm_shape(drafter, shape, gamma, attn):
     sync_device(dev)
 
 def warm_target(graphed, B, S):
-    """Compile the target's layers at (B, S), capture the graph, and check its features against eager ones: returns
-    the largest of the rows' median relative errors. A wrong mask or layer moves most positions by order 1; bf16
-    moves most by about 1e-2, and a few random tokens by order 1 (outlier activations forming on one path only), so
-    a row's median is held to 0.1 (fp32: 1e-4)."""
+    """Compile the target's layers at (B, S), capture its graph, check its features against eager ones: returns the
+    worst row's median relative error. A wrong mask or layer moves most positions by order 1; bf16 most by ~1e-2 and
+    a few random tokens by order 1 (outliers forming on one path only): a row's median is held to 0.1 (fp32: 1e-4)."""
     dev, dtype = graphed.device, next(graphed.target.parameters()).dtype
     ids = torch.randint(0, graphed.target.config.vocab_size, (B, S), device=dev)
     tol = 1e-4 if dtype == torch.float32 else 0.1
@@ -325,12 +317,10 @@ def warm_up(drafters, shapes, gamma, attn, log=print, targets=()):
         eta = (time.time() - t_start) / len(rows) * (n - len(rows))   # a cold compile takes tens of seconds
         log(f"[warmup] {len(rows)}/{n} {dev:14s} {str(rows[-1][1]):18s} {rows[-1][2]:7.1f}s  {rows[-1][3]}"
             + (f" | ETA {eta:.0f}s" if len(rows) < n else ""))
-    for graphed in targets:
-        for B, S in target_shapes:
-            timed(f"{graphed.device} target", (B, S), lambda: warm_target(graphed, B, S), True)
-    for drafter in drafters:
-        for shape in shapes:
-            timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, gamma, attn), attn == "flex")
+    for graphed, (B, S) in itertools.product(targets, target_shapes):
+        timed(f"{graphed.device} target", (B, S), lambda: warm_target(graphed, B, S), True)
+    for drafter, shape in itertools.product(drafters, shapes):
+        timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, gamma, attn), attn == "flex")
     GATE.mark_warm(log)
     return rows
 
@@ -344,9 +334,8 @@ def format_table(rows):
 
 @contextmanager
 def own_stream(dev):
-    """The calling thread's work on a CUDA stream of its own (None off CUDA): threads sharing a GPU overlap, and each
-    sync_device waits for its own work. Threads hand a tensor on after their sync_device, and drop it after the
-    reader's: no stream reads reused memory."""
+    """The thread's work on its own CUDA stream (None off CUDA): threads sharing a GPU overlap, sync_device waits for
+    its own work. Hand a tensor on after sync_device, drop it after the reader's: no stream reads reused memory."""
     if torch.device(dev).type != "cuda":
         yield None
         return

@@ -274,10 +274,9 @@ def prompt_ids(tokenizer, conversations, max_tokens, known=()):
     return out
 
 def _assistant_spans(tokenizer, messages, text, max_chars):
-    """Spans of `text` (the full render) the assistant generates, before max_chars: from the end of the render of the
-    turns before reply i + generation prompt to the end of that with it, when both are prefixes of `text`; else (Qwen3
-    gives only the last reply an empty think block) the reply's content found in `text`, then the end-of-turn marker.
-    An "unfinished" reply (generate_data.py --unfinished cut) ends at its content: the target wrote no marker."""
+    """Spans of the full render `text` the assistant generates, before max_chars: reply i from the render of the turns
+    before it + generation prompt to the render with it, where both are prefixes of `text`; else (Qwen3 gives only the
+    last reply an empty think block) its content found in `text`, then the end-of-turn marker."""
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -299,7 +298,7 @@ def _assistant_spans(tokenizer, messages, text, max_chars):
             after = len(text) - len(text[end:].lstrip())  # whitespace the template keeps before the marker
             end = after + len(eot) if text.startswith(eot, after) else end
         if m.get("unfinished") and text.endswith(eot := _end_of_turn(tokenizer), len(before), end):
-            end = len(before) + len(text[len(before):end - len(eot)].rstrip())   # the content, not the marker
+            end = len(before) + len(text[len(before):end - len(eot)].rstrip())   # the target wrote no marker
         spans.append((len(before), end))
     return spans
 
@@ -358,9 +357,8 @@ def _generate(tokenizer, files, max_length, min_supervised, max_conversations, h
     conversations, skipped = load_conversations([f[0] for f in files])
     train, held = _split_heldout(conversations, heldout)
     used = train[:max_conversations or None]
-    meta = {"conversations": len(conversations) + sum(skipped.values()), "usable": len(conversations),
-            "used": len(used), "not_trained": len(conversations) - len(train), "truncated": 0, "first_error": "",
-            "heldout": held}
+    meta = dict(conversations=len(conversations) + sum(skipped.values()), usable=len(conversations), used=len(used),
+                not_trained=len(conversations) - len(train), truncated=0, first_error="", heldout=held)
     print(f"data: tokenising {len(used):,} conversations (once: later starts read the cache)", flush=True)
     t0 = said = time.time()
     for start in range(0, len(used), 512):

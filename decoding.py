@@ -1,7 +1,6 @@
-"""Decoding with the target: generate (many answers at once, for generate_data.py) and speculate (greedy, plain or
-with n-gram lookup or a DFlash drafter proposing, for eval_dflash.py). Engine: a static KV cache of rows, each at its
-own position, under the target's own HF layers (only the attention replaced); on a GPU each step shape is one
-CUDA-graph replay, as a small target's step is otherwise hundreds of launches for little work."""
+"""Target decoding: generate (many answers at once, for generate_data.py), speculate (greedy; n-gram, DFlash or no
+drafts; for eval_dflash.py). Engine: a static KV cache of rows, each at its own position, under the target's HF layers
+(attention replaced); on a GPU a step shape is one CUDA-graph replay: a small target's step is hundreds of launches."""
 import heapq
 import itertools
 import math
@@ -13,8 +12,7 @@ import torch.nn.functional as F
 import kernels
 
 def stop_token_ids(tok, target):
-    """Sorted ids that end generation: the generation_config's eos (an int or a list), the tokenizer's eos and
-    <|im_end|> (looked up in the vocabulary: convert_tokens_to_ids gives unk)."""
+    """Sorted ids that end generation; <|im_end|> is looked up in the vocabulary (convert_tokens_to_ids gives unk)."""
     gen = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     ids = {*(gen if isinstance(gen, (list, tuple)) else [gen]), tok.eos_token_id, tok.get_vocab().get("<|im_end|>")}
     return sorted(t for t in ids if isinstance(t, int) and t >= 0)
@@ -101,10 +99,9 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, rows, prompts, features=None, starts=None):
-        """Write the prompts into cache rows `rows`: their next-token logits (n, V). The first starts[i] tokens of
-        prompts[i] are in its row already (an earlier turn's). features(rows, feats, lens), if given, takes each
-        batch's features as it is prefilled (a drafter's context). A batch runs in the shape() it is padded to: a
-        padding token writes to its row's last position, which no prompt reaches, a padding row to the first row's."""
+        """Write the prompts into cache rows `rows`: their next-token logits (n, V). rows[i] has prompts[i][:starts[i]]
+        already (an earlier turn's). features(rows, feats, lens) takes each batch's features (a drafter's context). A
+        padding token writes to its row's last position, which no prompt reaches; a padding row to the first row's."""
         dev, logits, starts = self.model.device, None, starts or [0] * len(prompts)
         for take in self.batches([len(p) - s for p, s in zip(prompts, starts)]):
             n, T = len(take), max(len(prompts[i]) - starts[i] for i in take)
@@ -136,9 +133,8 @@ class Engine:
 
     @classmethod
     def shape(cls, n, T):
-        """(rows, tokens, graph) a batch of n prompts of up to T new tokens runs in: a small one is a CUDA-graph replay,
-        padded to powers of two so that few shapes are captured; a larger one runs eager in its own shape (its work
-        outweighs the launches, and padding would add to it)."""
+        """(rows, tokens, graph) for n prompts of up to T new tokens: a small batch is a graph replay, padded to powers
+        of two (few shapes captured); a large one runs eager, unpadded (its work dwarfs launches; padding adds work)."""
         R, T_pad = kernels.pow2(n), kernels.pow2(T)
         return (R, T_pad, True) if R * T_pad <= cls.GRAPH_TOKENS else (n, T, False)
 
@@ -213,14 +209,13 @@ def picker(temperature, top_p):
 
 @torch.no_grad()
 def generate(engine, more, stops, pick, follow=lambda ended: []):
-    """Decode requests ((group, ...) key, prompt ids, budget, chain, seed) until none is left: more() gives more ([]
-    at the end) while fewer wait than there are rows; pick(logits, seeds) -> ids, seeds = the request's seed + the
-    token's index. An answer ends at a stop id (kept) or after `budget` tokens; follow([(key, tokens)]) returns the
-    ended answers' next turns, run in a thread while the next step decodes. A next turn takes its answer's row and
-    prefills only the ids after those the row's cache shares with it. Other requests go by group (a shard), then
-    longest chain first, so a group's last turns do not decode alone at the end. Each step is queued before the host
-    reads the last one's picks (a row they end decodes one token more, never kept): the GPU never waits for the
-    host's bookkeeping."""
+    """Decode requests ((group, ...) key, prompt ids, budget, chain, seed) until none is left; more() gives more ([] at
+    the end) while fewer wait than rows. pick(logits, seeds) -> ids; seeds: the request's seed + the token's index. An
+    answer ends at a stop id (kept) or after `budget` tokens. follow([(key, tokens)]), run in a thread during the next
+    step, gives the ended answers' next turns: each takes its answer's row and prefills past the prefix its cache
+    shares. Other requests go by group (a shard), then longest chain first: a group's last turns do not decode alone at
+    the end. Each step is queued before the host reads the last one's picks (a row they end decodes one token more,
+    never kept): the GPU never waits for the host's bookkeeping."""
     n, heap, order, done_more, dev = engine.rows, [], itertools.count(), False, engine.pos.device
     push = lambda r: heapq.heappush(heap, (r[0][0], -r[3], len(r[1]), next(order), r))   # (group, chain)
     req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
@@ -355,8 +350,7 @@ class DrafterRows:
         self.drafter, self.block_size, self.graphs = drafter, c.block_size, {}
         self.feats = torch.zeros(rows, c.block_size, len(c.target_layer_ids) * c.hidden_size, dtype=dt, device=dev)
         self.ctx_len, self.n_new, self.anchor = (torch.zeros(rows, dtype=torch.long, device=dev) for _ in range(3))
-        self.rows = torch.arange(rows, device=dev)[:, None]
-        self.offsets = torch.arange(c.block_size, device=dev)
+        self.rows, self.offsets = torch.arange(rows, device=dev)[:, None], torch.arange(c.block_size, device=dev)
         self.masks = torch.full((rows, c.block_size - 1), c.mask_token_id, dtype=torch.long, device=dev)
         self.layer_step = torch.compile(_block_layer, dynamic=False) if compile else _block_layer
         self.layer, self.pos_c, self.pos_q, self.start = 0, None, None, None    # the block step's, for attend
@@ -394,8 +388,7 @@ class DrafterRows:
 
     @torch.compiler.disable   # a compiled layer's graph breaks here: cache rows and row kernel run as they are
     def attend(self, q, k, v):
-        """Layer self.layer's keys join the cache, the new context's, then the block's (over the context's invalid
-        tail); the block reads the row up to its own end."""
+        """The new context's keys join the cache, then the block's over its invalid tail; the block reads to its end."""
         i, bs = self.layer, self.block_size
         for pos, part in ((self.pos_c, slice(0, bs)), (self.pos_q, slice(bs, 2 * bs))):
             self.k[i][self.rows, pos] = k[:, :, part].transpose(1, 2)

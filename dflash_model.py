@@ -1,6 +1,5 @@
-"""The DFlash drafter: 1. config and model (Qwen3-shaped layers, keys/values from the target's features), 2. the
-training mask and its tile-level BlockMask, 3. anchors, blocks, the chunked loss, FLOPs, 4. the target's features,
-5. save / load in the serving format. The compiled path is compiled.py's; decoding is decoding.py's."""
+"""The DFlash drafter: 1. config and Qwen3-shaped model, 2. the training mask and its tile-level BlockMask, 3. anchors,
+blocks, loss, FLOPs, 4. the target's features, 5. save / load. Compiled path: compiled.py; decoding: decoding.py."""
 import functools
 import json
 import math
@@ -91,13 +90,11 @@ def rope_tables(n_positions, head_dim, theta):
     return ang.cos(), ang.sin()
 
 def apply_rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 class Attention(nn.Module):
     """Queries from the block; keys/values from [target context ; block] with shared projections."""
-
     def __init__(self, c):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -105,8 +102,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.q_norm, self.k_norm = RMSNorm(self.hd, c.rms_norm_eps), RMSNorm(self.hd, c.rms_norm_eps)
 
     def kv(self, x, cos, sin):
         B, L, _ = x.shape
@@ -135,8 +131,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.self_attn, self.mlp = Attention(c), MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -146,14 +141,12 @@ class DecoderLayer(nn.Module):
 
 class DFlashDrafter(nn.Module):
     """Trainable: layers, fc, hidden_norm, norm. Frozen and never saved: the target's embedding and LM head."""
-
     def __init__(self, config: DFlashConfig, embed_weight=None, lm_head_weight=None):
         super().__init__()
         c = self.config = config
         self.layers = nn.ModuleList([DecoderLayer(c) for _ in range(c.num_draft_layers)])
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm, self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps), RMSNorm(c.hidden_size, c.rms_norm_eps)
         e = embed_weight if embed_weight is not None else torch.zeros(c.vocab_size, c.hidden_size)
         h = lm_head_weight if lm_head_weight is not None else e
         cos, sin = rope_tables(c.max_position_embeddings, c.head_dim, c.rope_theta)
@@ -186,10 +179,9 @@ class DFlashDrafter(nn.Module):
             h = layer(h, *layer.self_attn.kv(ctx, cos_c, sin_c), cos_q, sin_q, attend)
         return self.norm(h)
 
-# ---- 2. The training attention mask. Queries: A blocks of `bs` tokens (q = i*bs + k). Keys: [S context features |
-# A*bs block tokens]. Block i sees the context kv < anchor_i (STRICTLY before the anchor: the anchor's own feature
-# is what the target computes AFTER seeing the anchor token) and its own block, (kv - S) // bs == i, both ways.
-# Padding blocks carry anchor 0: they see no context, only themselves, and carry no loss.
+# ---- 2. The training mask. Queries: A blocks of `bs` tokens (q = i*bs + k); keys: [S context features | A*bs block
+# tokens]. Block i sees context kv < anchor_i (STRICTLY: the target computes the anchor's feature AFTER seeing its
+# token) and its own block, (kv - S) // bs == i, both ways. Padding blocks (anchor 0) see only themselves; no loss.
 
 def make_mask_mod(anchors, S, bs):
     def mask_mod(b, h, q_idx, kv_idx):
@@ -203,10 +195,9 @@ def dense_dflash_mask(anchors, S, bs):
     B, A = anchors.shape
     return create_mask(make_mask_mod(anchors, S, bs), B, None, A * bs, S + A * bs, device=anchors.device)
 
-# The block mask, built eagerly at flex's 128 x 128 tile level (create_block_mask evaluates the mask_mod on every
-# element: minutes of compile per shape). Context tile u is seen by some row iff 128u < the query tile's largest
-# anchor, in full iff 128u + 128 <= its smallest; a block tile iff the tiles' block ranges overlap, in full iff
-# both lie in one block. Full tiles skip the mask_mod in the kernel.
+# The BlockMask, built eagerly per 128 x 128 tile (create_block_mask runs the mask_mod per element: minutes of compile
+# per shape). Context tile u is seen by some row iff 128u < the query tile's largest anchor, in full (no mask_mod) iff
+# 128u + 128 <= its smallest; a block tile iff the tiles' block ranges overlap, in full iff both lie in one block.
 TILE = 128
 
 def _ordered(tiles):
@@ -230,19 +221,14 @@ def create_dflash_block_mask(anchors, S, bs):
     if S % TILE or Q % TILE:
         # ragged tiles cost masked loads on a GPU and miscompile on CPU (compiled.py's torch notes)
         raise ValueError(f"flex path needs S ({S}) and anchors*block ({A}*{bs}) to be multiples of {TILE}")
-    dev = anchors.device
     rows = anchors.repeat_interleave(bs, dim=1).view(B, Q // TILE, TILE)      # each query row's anchor
-    lo = torch.arange(0, S, TILE, device=dev)                                  # context tiles' first key
-    ctx_any = lo < rows.amax(-1, keepdim=True)
-    ctx_full = lo + TILE <= rows.amin(-1, keepdim=True)
-    blk_any, blk_full = _block_region_tiles(dev, Q // TILE, bs)
-    any_ = torch.cat([ctx_any, blk_any.expand(B, -1, -1)], dim=-1)[:, None]
-    full = torch.cat([ctx_full, blk_full.expand(B, -1, -1)], dim=-1)[:, None]
+    lo = torch.arange(0, S, TILE, device=anchors.device)                       # context tiles' first key
+    blk_any, blk_full = _block_region_tiles(anchors.device, Q // TILE, bs)
+    any_ = torch.cat([lo < rows.amax(-1, keepdim=True), blk_any.expand(B, -1, -1)], dim=-1)[:, None]
+    full = torch.cat([lo + TILE <= rows.amin(-1, keepdim=True), blk_full.expand(B, -1, -1)], dim=-1)[:, None]
     partial = any_ & ~full
-    kv_n, kv_i = _ordered(partial)
-    fkv_n, fkv_i = _ordered(full)
-    q_n, q_i = _ordered(partial.transpose(-2, -1))
-    fq_n, fq_i = _ordered(full.transpose(-2, -1))
+    (kv_n, kv_i), (fkv_n, fkv_i) = _ordered(partial), _ordered(full)
+    (q_n, q_i), (fq_n, fq_i) = _ordered(partial.transpose(-2, -1)), _ordered(full.transpose(-2, -1))
     return BlockMask(seq_lengths=(Q, S + Q), kv_num_blocks=kv_n, kv_indices=kv_i, full_kv_num_blocks=fkv_n,
                      full_kv_indices=fkv_i, q_num_blocks=q_n, q_indices=q_i, full_q_num_blocks=fq_n,
                      full_q_indices=fq_i, BLOCK_SIZE=(TILE, TILE), mask_mod=make_mask_mod(anchors, S, bs))
@@ -267,10 +253,9 @@ def sample_anchors(loss_mask, lengths, num_anchors, block_size, generator=None):
     return anchors, valid
 
 def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, gamma):
-    """Block inputs, positions, labels and loss weights for the sampled anchors:
-    block i = [input_ids[a_i], MASK x (bs-1)] at positions a_i .. a_i+bs-1;
-    label[i,k] = input_ids[a_i + k] (same position, NO shift); k = 0 carries no loss;
-    w[i,k] = exp(-(k-1)/gamma) * loss_mask[a_i+k] * (a_i+k < S) * (k > 0) * valid_i."""
+    """Block inputs, positions, labels and loss weights: block i = [input_ids[a_i], MASK x (bs-1)] at positions a_i ..
+    a_i+bs-1; label[i,k] = input_ids[a_i + k] (same position, NO shift); weight exp(-(k-1)/gamma) where the label is
+    in the sequence and in loss_mask, anchor i valid and k > 0."""
     S, dev = input_ids.shape[1], input_ids.device
     anchors, valid = anchors.to(dev), valid.to(dev)
     k = torch.arange(block_size, device=dev)
@@ -278,8 +263,7 @@ def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id,
     pos_c = pos.clamp(max=S - 1)
     labels = torch.gather(input_ids, 1, pos_c.flatten(1)).view_as(pos)
     lm = torch.gather(loss_mask.to(torch.float32), 1, pos_c.flatten(1)).view_as(pos)
-    decay = torch.exp(-(k.float() - 1) / gamma) * (k > 0)
-    weights = decay * lm * (pos < S) * valid[:, :, None]
+    weights = torch.exp(-(k.float() - 1) / gamma) * (k > 0) * lm * (pos < S) * valid[:, :, None]
     block_ids = torch.full_like(labels, mask_token_id)
     block_ids[:, :, 0] = labels[:, :, 0]
     return block_ids.flatten(1), pos.flatten(1), labels, weights
@@ -290,11 +274,9 @@ def chunk_plan(n, chunk_rows):
     return math.ceil(n / k), k
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
-    """sum(w * CE(h @ W^T, y)) with w pre-normalised, chunk by chunk (with teacher hidden states t and each row's
-    teacher index t_rows, the CE mixed with the KL to softmax(t @ W^T), see kernels.ce_chunk_eager). The LM head is
-    frozen, so the only gradient needed, d loss / d h = (d loss / d logits) @ W, is computed in the forward and kept
-    (N x H, small): no N x vocab logits are stored for the backward, and fp32 logits exist for one chunk."""
-
+    """sum(w * CE(h @ W^T, y)), w pre-normalised, chunk by chunk (with teacher hidden states t, row i's at t_rows[i]:
+    the CE mixed with a KL, see kernels.ce_chunk_eager). The LM head is frozen: the forward computes the one gradient
+    needed, d loss / d h = (d loss / d logits) @ W (N x H, small), so no N x vocab logits wait for the backward."""
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk, ce, t=None, t_rows=None, alpha=0.0):
         N, need_grad = h.shape[0], h.requires_grad
@@ -306,8 +288,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 t_rows = torch.cat([t_rows, t_rows[-1:].expand(size * k - N)])
         rows_dev = None if t is None else to_device(t_rows, h.device)
         grad_h = torch.empty_like(h) if need_grad else None
-        loss = torch.zeros((), device=h.device, dtype=torch.float32)
-        correct = torch.empty(size * k, device=h.device, dtype=torch.bool)
+        loss, correct = h.new_zeros((), dtype=torch.float32), h.new_empty(size * k, dtype=torch.bool)
         for s in range(0, size * k, size):
             e, teacher, rows = s + size, None, None
             if t is not None:   # the chunk's teacher logits: one per position its rows need (host indices, no sync)
@@ -327,16 +308,14 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         (grad_h,) = ctx.saved_tensors
         return (grad_h * grad_loss.to(grad_h.dtype),) + (None,) * 8
 
-# LM head + CE rows per chunk: fewer, larger chunks are faster, each costs its fp32 logits in memory.
-CHUNK_ROWS = 3072
+CHUNK_ROWS = 3072   # LM head + CE rows per chunk: fewer, larger chunks are faster, each costs its fp32 logits in memory
 
 def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None,
                 teacher=None, teacher_rows=None, distill=0.0):
     """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), chunk by chunk:
-    the loss over `weight_sum` (shared by micro-batches and replicas: their step is one over all of them), and per
-    position acc and counts (bs-1,) (acc: the drafter's top token is the label, or the teacher's top one).
-    teacher (P, H): the target's final hidden states, whose distributions the loss matches with weight `distill` (a
-    KL), the CE keeping 1 - distill; teacher_rows (B*A*(bs-1),) host long: each scored row's (teacher_positions)."""
+    the loss over `weight_sum` (micro-batches and replicas share it: their step is one), and per position acc and
+    counts (bs-1,) (acc: the drafter's top token is the label, or the teacher's). teacher (P, H): the target's final
+    hidden states, matched by a KL of weight `distill` (the CE: 1 - distill); teacher_rows: teacher_positions' rows."""
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
@@ -353,9 +332,8 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
 
 def teacher_positions(anchors, valid, S, block_size):
     """Distillation's positions (P,) (flat b * S + p, ascending; the teacher's LM head runs once for each) and each
-    scored row's index into them: block row k of anchor a is taught the distribution after position a + k - 1. Rows
-    ascend but for block overlaps, so a chunk of rows needs one short range (an unsampled anchor's rows repeat the
-    row before). From host anchors: on a device they cost a sync."""
+    scored row's index into them. Rows ascend but for block overlaps, so a chunk of rows needs one short range (an
+    unsampled anchor's rows repeat the row before). From host anchors: on a device they cost a sync."""
     anchors, valid = anchors.cpu(), valid.cpu()
     B, A = anchors.shape
     k = torch.arange(1, block_size)
@@ -383,20 +361,18 @@ def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, v
                          weight_sum=None, distill=0.0, taught=None):
     """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk) -> loss. distill > 0: target_feats
     ends with the target's final hidden states (the teacher); `taught`: teacher_positions' result, if computed ahead."""
-    c, (B, S) = drafter.config, input_ids.shape
-    host_anchors, host_valid = anchors, valid
-    anchors, valid = to_device(anchors, input_ids.device), to_device(valid, input_ids.device)
+    c, (B, S), dev = drafter.config, input_ids.shape, input_ids.device
+    if distill and taught is None:     # from the host anchors, before they move
+        taught = teacher_positions(anchors, valid, S, c.block_size)
+    anchors, valid = to_device(anchors, dev), to_device(valid, dev)
     block_ids, block_pos, labels, weights = make_blocks(
         input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
     teacher = rows = None
     if distill:    # block position k's label is the target's next token after position anchor + k - 1
-        H = c.hidden_size
-        target_feats, final = target_feats[..., :-H].contiguous(), target_feats[..., -H:]
-        positions, rows = taught if taught is not None else teacher_positions(host_anchors, host_valid, S,
-                                                                               c.block_size)
-        positions = to_device(positions, input_ids.device)
+        target_feats, final = target_feats[..., :-c.hidden_size].contiguous(), target_feats[..., -c.hidden_size:]
+        positions, rows = to_device(taught[0], dev), taught[1]
         teacher = final[positions // S, positions % S]
-    ctx_pos = torch.arange(S, device=input_ids.device).expand(B, S)
+    ctx_pos = torch.arange(S, device=dev).expand(B, S)
     hidden = trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors)
     return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, weight_sum=weight_sum, teacher=teacher,
                        teacher_rows=rows, distill=distill)
@@ -443,9 +419,8 @@ def capture(target, layer_ids):
         target.hooked.add(i)
 
 def target_forward(target, input_ids, layer_ids, final=False):
-    """The target's base model on a batch: the outputs of `layer_ids`, concatenated, with `final` its final normed
-    hidden states after them (distillation's teacher). Rows are right-padded: under causal attention a real position
-    gets its exact features without a padding mask (padded positions' features are never read)."""
+    """`layer_ids`' outputs on a batch, concatenated, then with `final` the final normed hidden states (the teacher).
+    Rows are right-padded: causal attention gives real positions exact features with no padding mask; pads go unread."""
     if final and isinstance(target.model.norm, nn.Identity):   # config.load_target cut it: no teacher there
         raise ValueError("target_forward(final=True) needs the target's whole depth: config.load_target(whole=True)")
     capture(target, layer_ids)

@@ -29,7 +29,7 @@ NVIDIA_SMI_FIELDS = ("index", "name", "driver_version", "memory.total")
 
 def collect_env(cache_dir=None):
     """Everything that decides whether a run reproduces. Never raises (a failing part records its error: a hole beats
-    a crashed checkpoint) and starts no compile and no python: the trainer calls it at every start and save."""
+    a crashed run) and starts no compile and no python: the trainer calls it at every start."""
     now = datetime.datetime.now().astimezone()
     env = {"time": now.isoformat(timespec="seconds"), "time_unix": now.timestamp()}
     parts = {"hostname": socket.gethostname, "platform": platform.platform, "cpu_count": os.cpu_count,

@@ -1,7 +1,6 @@
-"""The hand-written Triton kernels, each next to the torch code it must equal and checked against it on each device's
-first use (a kernel a new Triton build miscompiles stops the run at its start): 1. the LM head's cross entropy over a
-chunk of logits, 2. AdamW over bf16 weights with fp32 masters, 3. decoding attention. Without Triton the torch
-versions run; test_kernels.py runs both on CPU through Triton's interpreter."""
+"""Triton kernels beside the torch code each must equal, checked against it on each device's first use (a miscompiling
+Triton build stops the run at its start): 1. cross entropy over a chunk of LM-head logits, 2. AdamW over bf16 weights
+with fp32 masters, 3. decoding attention. Without Triton the torch code runs; tests interpret the kernels on CPU."""
 import math
 import threading
 from contextlib import nullcontext
@@ -28,33 +27,28 @@ def _check_once(checked, dev, check, *args):
 # ---- 1. Cross entropy of one chunk of logits
 
 def ce_chunk_eager(logits, y, w, teacher=None, alpha=0.0, rows=None):
-    """One chunk of the weighted loss from its (n, V) logits: (sum of w*loss, correct, dloss/dlogits * w). The loss is
-    the CE to the labels y, or with teacher logits (1 - alpha) CE + alpha KL(teacher's softmax || softmax), row i's
-    teacher being teacher[rows[i]]. correct: the logit at the label (with a teacher: at the teacher's top token) is
-    the row's maximum."""
-    if teacher is not None and rows is not None:
-        teacher = teacher[rows]
+    """(sum of w * loss, correct, dloss/dlogits * w) of (n, V) logits. The loss: CE to the labels y, or with teacher
+    logits (row i's: teacher[rows[i]]) (1 - alpha) CE + alpha KL(teacher's softmax || softmax). correct: the logit at
+    the label (with a teacher: at the teacher's top token) is the row's maximum."""
     x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)
-    tgt = x.gather(1, y[:, None]).squeeze(1)
-    top = tgt if teacher is None else x.gather(1, teacher.float().argmax(-1, keepdim=True)).squeeze(1)
-    rows, correct, g = lse - tgt, top >= x.amax(-1), torch.softmax(x, dim=-1)
+    lse, tgt = torch.logsumexp(x, dim=-1), x.gather(1, y[:, None]).squeeze(1)
+    loss, correct, g = lse - tgt, tgt >= x.amax(-1), torch.softmax(x, dim=-1)
     g[torch.arange(len(y), device=x.device), y] -= 1.0 if teacher is None else 1.0 - alpha
     if teacher is not None:
-        t = teacher.float()
+        t = (teacher if rows is None else teacher[rows]).float()
+        correct = x.gather(1, t.argmax(-1, keepdim=True)).squeeze(1) >= x.amax(-1)
         p = torch.softmax(t, dim=-1)
         kl = lse - torch.logsumexp(t, dim=-1) - (p * (x - t)).sum(-1)
-        rows, g = (1 - alpha) * rows + alpha * kl, g - alpha * p
+        loss, g = (1 - alpha) * loss + alpha * kl, g - alpha * p
     g *= w[:, None]
-    return (rows * w).sum(), correct, g.to(logits.dtype)
+    return (loss * w).sum(), correct, g.to(logits.dtype)
 
 if triton is not None:
     @triton.jit
     def _ce_rows_kernel(x_ptr, t_ptr, r_ptr, g_ptr, y_ptr, w_ptr, loss_ptr, correct_ptr, stride, t_stride, alpha,
                         V: tl.constexpr, BLOCK: tl.constexpr, TEACHER: tl.constexpr):
-        # one program per row: pass 1 keeps a running max and rescaled sum over the row (and the teacher's, with the
-        # teacher-weighted logit gap for the KL, and the row's logit where the teacher's first maximum is), pass 2
-        # writes the gradient; the label's logit is one scalar load
+        # one program per row: pass 1 keeps a running max and rescaled sum (and the teacher's, with its weighted
+        # logit gap for the KL and the row's logit at the teacher's first maximum), pass 2 writes the gradient
         row = tl.program_id(0).to(tl.int64)
         x_row, g_row = x_ptr + row * stride, g_ptr + row * stride
         t_row = t_ptr + tl.load(r_ptr + row).to(tl.int64) * t_stride     # the teacher's row read in place
@@ -101,10 +95,8 @@ def _ce_chunk_triton_unchecked(logits, y, w, teacher=None, alpha=0.0, rows=None)
     t = logits if teacher is None else teacher.contiguous()
     r = y if teacher is None else (torch.arange(n, device=y.device) if rows is None else rows).contiguous()
     g = torch.empty_like(logits)
-    loss = torch.empty(n, device=logits.device, dtype=torch.float32)
-    correct = torch.empty(n, device=logits.device, dtype=torch.bool)
-    # Triton launches on the CURRENT device's stream (a CPU device: the Triton interpreter, in tests)
-    with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
+    loss, correct = logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.bool)
+    with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():   # Triton: the CURRENT device's stream
         _ce_rows_kernel[(n,)](logits, t, r, g, y.contiguous(), w.float().contiguous(), loss, correct,
                               logits.stride(0), t.stride(0), float(alpha), V=V, BLOCK=4096,
                               TEACHER=teacher is not None, num_warps=8)
@@ -120,15 +112,14 @@ def _check_ce_kernel(logits, y, w, teacher, alpha, rows=None):
     w = torch.linspace(0.5, 1.5, len(w), device=w.device)    # real weights may be 0 on these rows
     if teacher is not None and rows is None:
         teacher = teacher[: len(y)]
-    got = _ce_chunk_triton_unchecked(logits, y, w, teacher, alpha, rows)
-    ref = ce_chunk_eager(logits, y, w, teacher, alpha, rows)
-    loss_ok = abs(float(got[0]) - float(ref[0])) <= 1e-4 * max(abs(float(ref[0])), 1.0)
-    g_err = float((got[2].float() - ref[2].float()).abs().max())
-    g_ok = g_err <= 1e-2 * float(ref[2].float().abs().max()) + 1e-6
-    if not (loss_ok and g_ok and bool((got[1] == ref[1]).all())):
-        raise RuntimeError(f"the Triton CE kernel disagrees with the eager CE on {logits.device}: loss "
-                           f"{float(got[0])} vs {float(ref[0])}, max grad error {g_err:.3g}, correct "
-                           f"{got[1].tolist()} vs {ref[1].tolist()}; this triton/GPU is not supported")
+    loss, correct, g = _ce_chunk_triton_unchecked(logits, y, w, teacher, alpha, rows)
+    ref_loss, ref_correct, ref_g = ce_chunk_eager(logits, y, w, teacher, alpha, rows)
+    loss, ref_loss, g_err = float(loss), float(ref_loss), float((g.float() - ref_g.float()).abs().max())
+    if not (abs(loss - ref_loss) <= 1e-4 * max(abs(ref_loss), 1.0) and bool((correct == ref_correct).all())
+            and g_err <= 1e-2 * float(ref_g.float().abs().max()) + 1e-6):
+        raise RuntimeError(f"the Triton CE kernel disagrees with the eager CE on {logits.device}: loss {loss} vs "
+                           f"{ref_loss}, max grad error {g_err:.3g}, correct {correct.tolist()} vs "
+                           f"{ref_correct.tolist()}; this triton/GPU is not supported")
 
 # ---- 2. AdamW over bf16 weights with fp32 masters
 
@@ -163,8 +154,7 @@ def adamw_torch(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
     p.copy_(w)
 
 def _update_triton(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
-    # 1024 x 4 warps: faster than 4096 x 8 on an H200
-    n, block = p.numel(), 1024
+    n, block = p.numel(), 1024      # 1024 x 4 warps: faster than 4096 x 8 on an H200
     _adamw_kernel[(triton.cdiv(n, block),)](p, g, st["master"], st["exp_avg"], st["exp_avg_sq"], scale, n,
                                            beta1, beta2, eps, decay, step_size, bc2_sqrt, BLOCK=block, num_warps=4)
 
@@ -174,8 +164,6 @@ def adamw_triton(p, g, st, scale, *args):
         _update_triton(p, g, st, scale, *args)
 
 def _check_adamw_kernel(dev):
-    """The Triton pass against the torch ops on random data with a clip factor, and a nan factor storing nothing, at a
-    ragged size and one divisible by 16 (Triton compiles it apart)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     n = 3 * 4096 + 17                                     # several blocks and a ragged tail
     mk = lambda: torch.randn(n, device=dev, generator=gen)
@@ -194,7 +182,7 @@ def _check_adamw_kernel(dev):
                                f"max relative error {err:.2e} (triton {triton.__version__})")
     if (p.float() - p_ref.float()).abs().max() > 2 ** -7 * p_ref.float().abs().max():
         raise RuntimeError(f"the Triton AdamW kernel writes wrong bf16 weights on {dev}")
-    for k in (n, 3 * 4096):
+    for k in (n, 3 * 4096):     # a nan factor stores nothing: ragged, and divisible by 16 (Triton compiles it apart)
         sub = {key: t[:k] for key, t in st.items()}
         before = [t.clone() for t in (p[:k], g[:k], *sub.values())]
         _update_triton(p[:k], g[:k], sub, torch.tensor(math.nan, device=dev), *args)
@@ -211,9 +199,8 @@ def row_attention_torch(q, k, v, lens, causal, scale, rows=None):
     k, v = (c[:len(q), :n] if rows is None else c[rows, :n] for c in (k, v))
     j, t = torch.arange(n, device=q.device), torch.arange(q.shape[2], device=q.device)
     visible = j < (lens[:, None, None] + (t[None, :, None] if causal else 0))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                                                           attn_mask=visible[:, None], enable_gqa=True)
-    return out.transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                                            attn_mask=visible[:, None], enable_gqa=True).transpose(1, 2)
 
 if triton is not None:
     @triton.jit
@@ -275,19 +262,17 @@ def _row_attention_triton_unchecked(q, k, v, lens, causal, scale, rows=None):
     tile, tiles = _query_tile(q, k)
     with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
         _row_attention_kernel[(R, k.shape[2], tiles)](
-            q, k, v, out, lens.contiguous(), rows, scale, k.shape[1], q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1), out.stride(2), T=T,
-            G=H // k.shape[2], D=D, BLOCK_M=tile, BLOCK_D=pow2(max(D, 16)), BLOCK_N=32 if fp32 else 64,
-            CAUSAL=causal, IEEE=fp32, num_warps=8 if fp32 else 4)
+            q, k, v, out, lens.contiguous(), rows, scale, k.shape[1], *q.stride()[:3], *k.stride()[:3],
+            *out.stride()[:3], T=T, G=H // k.shape[2], D=D, BLOCK_M=tile, BLOCK_D=pow2(max(D, 16)),
+            BLOCK_N=32 if fp32 else 64, CAUSAL=causal, IEEE=fp32, num_warps=8 if fp32 else 4)
     return out
 
 def row_attention(q, k, v, lens, causal, scale, rows=None):
-    """row_attention_torch's result; on a GPU one Triton kernel reads each row's keys only up to its length, checked
-    on the first call of each (device, dtype, causal, one query tile or several), before any capture."""
+    """row_attention_torch's result; on a GPU one Triton kernel that reads each row's keys only up to its length."""
     if not q.is_cuda or triton is None:
         return row_attention_torch(q, k, v, lens, causal, scale, rows)
     _check_once(_ROW_CHECKED, (q.device, q.dtype, causal, _query_tile(q, k)[1] > 1), _check_row_attention, q, k, v,
-                lens, causal, scale, rows)
+                lens, causal, scale, rows)      # per kind of call; its first precedes any CUDA graph capture
     return _row_attention_triton_unchecked(q, k, v, lens, causal, scale, rows)
 
 def _check_row_attention(q, k, v, lens, causal, scale, rows=None):
