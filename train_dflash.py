@@ -54,10 +54,12 @@ class Trainer:
                              "must see the same --out-dir (a file system all nodes share)")
         # done already: by the steps, or by the budget's rule (see loop) applied to the end the checkpointed step
         # predicted for its successor; said with the command that measures the result
-        done = (f"already at step {self.step} of {self.total_steps}: nothing to do" if self.step >= self.total_steps
-                else f"the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
-                f"{self.step}: nothing to do (a larger --max-minutes continues)"
-                if cfg.max_minutes and self.next_end_s >= 60 * cfg.max_minutes else "")
+        done = ""
+        if self.step >= self.total_steps:
+            done = f"already at step {self.step} of {self.total_steps}: nothing to do"
+        elif cfg.max_minutes and self.next_end_s >= 60 * cfg.max_minutes:
+            done = (f"the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
+                    f"{self.step}: nothing to do (a larger --max-minutes continues)")
         if done:
             log(f"[run] {done}\n[run] measure its acceptance: {self.eval_command(self.resumed_from)}")
             return 0
