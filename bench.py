@@ -104,7 +104,6 @@ def main(argv=None):
     t0 = time.time()
     rows = compiled.warm_up([drafter], [(B, S, A)], 7.0, attn, log=log, targets=[graphed] if attn == "flex" else ())
     res.update(warmup_cold_s=time.time() - t0, warmup_rows=[[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows])
-    log(compiled.format_table(rows))
     ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
 
     def target_eager():       # the eager baseline, deliberately uncompiled: only timed against the compiled one

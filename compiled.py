@@ -25,10 +25,8 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import config
-import data_dflash
 import decoding
 import dflash_model as dm
-from environment import CACHE_INFO_FILE, cache_info
 
 # ---- 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every key the
 # run uses; then warmed keys share it and may not compile ("fail_on_recompile" stance); an unwarmed key is an error.
@@ -42,7 +40,6 @@ class CompileGate:
         self.readers, self.writer, self.waiting = 0, None, 0     # threads in shared calls; the exclusive holder
         self.warm, self.warmed = False, set()
         self.recompile_limit, self.generation = 8, 0   # the limit: sized by the warm-up
-        self.stats = {"exclusive": 0, "max_waiting": 0}
 
     def configure_thread(self):
         """Set and verify the dynamo settings in the calling thread (idempotent)."""
@@ -68,7 +65,6 @@ class CompileGate:
     def exclusive(self):
         with self.cond:
             self.waiting += 1
-            self.stats["max_waiting"] = max(self.stats["max_waiting"], self.waiting)
             self.cond.wait_for(lambda: self.writer is None and self.readers == 0)
             self.waiting -= 1
             self.writer = threading.current_thread()
@@ -117,7 +113,6 @@ class CompileGate:
                     f"Warmed keys: {sorted(k for k in self.warmed if k[1] == str(device))}. "
                     "Every shape the run uses must be in the warm-up's shape plan.")
             with self.exclusive():
-                self.stats["exclusive"] += 1
                 out = fn(*args, **kwargs)
             self.warmed.add(key)
             return out
@@ -232,25 +227,14 @@ class GraphedTarget:
 
 # ---- 3. The compile cache
 
-def use_compile_cache(cache_dir, log=print):
-    """Point inductor and triton at a persistent cache and record which build fills it: another torch/triton/CUDA
-    build or GPU misses every entry (a cold start), which is said here."""
+def use_compile_cache(cache_dir):
+    """Point inductor and triton at a persistent cache (an entry of another torch/triton/CUDA build or GPU misses:
+    the warm-up's log says which shapes compiled cold)."""
     cache_dir = os.path.abspath(cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
     os.environ.update(TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
-    import triton
-    build = {"torch": torch.__version__, "torch_git": torch.version.git_version, "cuda": torch.version.cuda,
-             "triton": triton.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-    old = cache_info(cache_dir)     # an unreadable record is replaced: only the notice depends on it
-    if old is None or {k: old.get(k) for k in build} != build:
-        if old is not None:
-            log(f"[warmup] NOTICE: compile cache {cache_dir} was filled by {old}, now running {build}: "
-                "its entries will not match (expect cold compiles)")
-        # torchrun ranks share the cache: write_json writes a temporary file and renames it (no half files)
-        data_dflash.write_json(os.path.join(cache_dir, CACHE_INFO_FILE),
-                               {**build, "filled_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return cache_dir
 
 def _cache_counters():
@@ -323,12 +307,6 @@ def warm_up(drafters, shapes, gamma, attn, log=print, targets=()):
         timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, gamma, attn), attn == "flex")
     GATE.mark_warm(log)
     return rows
-
-def format_table(rows):
-    lines = [f"{'device':14s} {'shape (B,S,A)':18s} {'seconds':>8s}  compile", "-" * 56]
-    lines += [f"{dev:14s} {str(shape):18s} {dt:8.1f}  {kind}" for dev, shape, dt, kind in rows]
-    lines.append(f"total {sum(r[2] for r in rows):.1f}s over {len(rows)} (device, shape) pairs")
-    return "\n".join(lines)
 
 # ---- 5. Streams and timers
 

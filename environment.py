@@ -18,7 +18,6 @@ from contextlib import suppress
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CACHE_INFO_FILE = "dflash_cache_info.json"   # compiled.use_compile_cache records there which build fills the cache
 ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TORCHDYNAMO_", "TRITON_", "CUDA_VISIBLE_DEVICES", "NCCL_", "PYTORCH_",
                 "OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "HF_")   # with ENV_NAMES: what changes speed or numerics
 ENV_NAMES = {"LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "NVIDIA_TF32_OVERRIDE",
@@ -36,7 +35,7 @@ def collect_env(cache_dir=None):
              # as is: a venv's python is a symlink to the base interpreter, and the venv is what runs
              "python_executable": lambda: sys.executable, "python_prefix": lambda: sys.prefix,
              "versions": _versions, "gpus": _gpus, "env_vars": _env_vars, "project": _git_state,
-             "compile_cache": lambda: cache_state(cache_dir), "natural_race_expected": natural_race_expected,
+             "compile_cache": lambda: cache_state(cache_dir),
              "packages": lambda: {n: v for n, v, _ in sorted(installed_packages(), key=lambda r: r[0].lower())}}
     for key, fn in parts.items():
         try:
@@ -95,31 +94,16 @@ def _default_cache_dir():   # inductor's rule, without importing inductor (secon
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 def cache_state(cache_dir):
+    """Where the compile cache is and how much it holds (how its entries serve a run: the warm-up's log says)."""
     chosen = cache_dir or _env_vars().get("TORCHINDUCTOR_CACHE_DIR")   # as recorded: inductor's export is no choice
     source = "argument" if cache_dir else "TORCHINDUCTOR_CACHE_DIR" if chosen else "inductor default"
-    path = os.path.abspath(chosen or _default_cache_dir())
-    files = []
+    path, sizes = os.path.abspath(chosen or _default_cache_dir()), []
     for root, _, names in os.walk(path):
         for name in names:
             with suppress(OSError):   # inductor renames and removes files while we walk
-                files.append((name, os.lstat(os.path.join(root, name))))
-    mtimes = [st.st_mtime for name, st in files if not name.endswith(".lock")]   # filelock may touch it at each lock
-    return {"path": path, "source": source, "exists": os.path.isdir(path), "info": cache_info(path),
-            "size_bytes": sum(st.st_size for _, st in files), "file_count": len(files),
-            "oldest_mtime": min(mtimes, default=None), "newest_mtime": max(mtimes, default=None)}
-
-def cache_info(cache_dir):
-    """The build record compiled.use_compile_cache writes: None if absent, {"error": why} if unreadable."""
-    try:
-        with open(os.path.join(cache_dir, CACHE_INFO_FILE)) as f:
-            info = json.load(f)
-        if not isinstance(info, dict):
-            raise ValueError(f"a JSON {type(info).__name__}, not an object")
-        return info
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        return {"error": f"unreadable {CACHE_INFO_FILE}: {type(e).__name__}: {e}"}
+                sizes.append(os.lstat(os.path.join(root, name)).st_size)
+    return {"path": path, "source": source, "exists": os.path.isdir(path), "size_bytes": sum(sizes),
+            "file_count": len(sizes)}
 
 def _git_state(path=HERE):
     """A git command that fails leaves its fields None and says why in "error": a failure must not read as clean."""
@@ -158,46 +142,14 @@ def installed_packages():
             rows[name.lower()] = (name, d.version, os.path.getmtime(d._path))
     return sorted(rows.values(), key=lambda r: -r[2])
 
-def natural_race_expected():
-    """Does the cold-cache compile race show by itself on this torch (diagnose.py --race-test measures it)?"""
-    version = tuple(int(x) for x in torch.__version__.split(".")[:2])
-    if version >= (2, 14):
-        return "no: the FX-tracing flag is per thread"
-    if version >= (2, 12):
-        return ("masked: torch 2.12/2.13 hide the FX flag from other threads while anything compiles; "
-                "0 errors here says nothing about torch 2.11")
-    return "yes: a compile in one thread makes compiled calls in other threads fail (the compile gate keeps them apart)"
-
-# --- What changed, and the report. IGNORED: what changes at every call or grows in a healthy run, a note shown apart.
-IGNORED = {"time", "time_unix", "compile_cache.size_bytes", "compile_cache.file_count",
-           "compile_cache.oldest_mtime", "compile_cache.newest_mtime"}
+# --- What changed, and the report. IGNORED: what changes at every call or grows in a healthy run.
+IGNORED = {"time", "time_unix", "compile_cache.size_bytes", "compile_cache.file_count"}
 MISSING = "(missing)"
-# compiled.use_compile_cache() sets the first from the cache path (compared on its own) and only defaults the second:
-# absent against the trainer's value is no change, a user's own value (a cache off) is one.
-TRAINER_SET_VARS = {"env_vars.TORCHINDUCTOR_CACHE_DIR", "env_vars.TRITON_CACHE_DIR"}
-TRAINER_DEFAULT_VARS = {"env_vars.TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "env_vars.TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 def diff_env(old, new):
     fo, fn = (_flatten(json.loads(json.dumps(env, default=str))) for env in (old, new))   # compared as in env.json
-    same_cache = fo.get("compile_cache.path") == fn.get("compile_cache.path")
-    rows = []
-    for k in sorted(fo | fn):
-        a, b = fo.get(k, MISSING), fn.get(k, MISSING)
-        if not (a == b or k in IGNORED or (k in TRAINER_SET_VARS and same_cache)
-                or (k in TRAINER_DEFAULT_VARS and {a, b} == {MISSING, TRAINER_DEFAULT_VARS[k]})
-                # None on one side, a dict on the other (the cache info appeared): its keys say it
-                or (None in (a, b) and MISSING in (a, b) and any(x.startswith(k + ".") for x in fo | fn))):
-            rows.append((k, a, b))
-    # A healthy cache only gains files: a newer oldest file says it was rebuilt (cold compiles: the race window).
-    oc, nc = old.get("compile_cache") or {}, new.get("compile_cache") or {}
-    if same_cache and oc.get("exists") and nc.get("exists") and oc.get("oldest_mtime"):
-        if (nc.get("oldest_mtime") or 0) > oc["oldest_mtime"]:
-            rows.append(("compile_cache.rebuilt", "no", f"yes: oldest file from {_fmt_time(nc['oldest_mtime'])}, "
-                         f"at the checkpoint from {_fmt_time(oc['oldest_mtime'])}"))
-        elif (nc.get("file_count") or 0) < (oc.get("file_count") or 0):
-            rows.append(("compile_cache.shrank", f"{oc['file_count']} files",
-                         f"{nc.get('file_count')} files (some removed)"))
-    return rows
+    return [(k, fo.get(k, MISSING), fn.get(k, MISSING)) for k in sorted(fo | fn)
+            if fo.get(k, MISSING) != fn.get(k, MISSING) and k not in IGNORED]
 
 def _flatten(d, prefix=""):   # an empty dict leaves no key: {} and absent are the same state
     return {key: x for k, v in d.items()
@@ -226,19 +178,10 @@ def format_report(env):
     if p.get("untracked_count"):
         lines.append(f"    {p['untracked_count']} untracked: {', '.join(p['untracked_files'])}")
     lines.append(f"  compile cache {c.get('path')} ({c.get('source')}): " + (
-        f"{c.get('size_bytes', 0) / 2**20:,.1f} MiB in {c.get('file_count')} files, oldest "
-        f"{_fmt_time(c.get('oldest_mtime'))}, newest {_fmt_time(c.get('newest_mtime'))}" if c.get("exists")
+        f"{c.get('size_bytes', 0) / 2**20:,.1f} MiB in {c.get('file_count')} files" if c.get("exists")
         else "does not exist -> every shape compiles cold"))
-    if info := c.get("info"):
-        lines.append(f"    filled by ({CACHE_INFO_FILE}): {json.dumps(info, sort_keys=True)[:400]}")
-        other = [f"{k} {info[k]} (now {v[k]})" for k in ("torch", "torch_git", "triton", "cuda")
-                 if k in info and k in v and str(info[k]) != str(v[k])]
-        lines += [f"    WARNING: filled by another build ({'; '.join(other)}): its entries will miss"] if other else []
-    elif c.get("exists"):
-        lines.append(f"    no {CACHE_INFO_FILE}: unknown which build filled it")
     variables = "  ".join(f"{k}={x}" for k, x in (env.get("env_vars") or {}).items())
-    lines += [f"  natural compile race expected: {env.get('natural_race_expected')}",
-              f"  env: {variables or '(none of the recorded variables)'}"]
+    lines.append(f"  env: {variables or '(none of the recorded variables)'}")
     return "\n".join(lines)
 
 def format_packages(rows, title):

@@ -65,7 +65,7 @@ class Trainer:
             return 0
         t_warm = time.time()
         if self.attn == "flex":
-            compiled.use_compile_cache(cfg.compile_cache, log)
+            compiled.use_compile_cache(cfg.compile_cache)
         compiled.warm_up(self.replicas.drafters, self.shapes, cfg.gamma, self.attn, log,
                          targets=self.graphed if self.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")

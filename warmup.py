@@ -45,7 +45,8 @@ def main(argv=None):
             targets.append(compiled.GraphedTarget(target, dcfg.target_layer_ids, final=cfg.teacher))
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
           f"attention {attn}")
-    print(compiled.format_table(compiled.warm_up(drafters, shapes, cfg.gamma, attn, targets=targets)))
+    rows = compiled.warm_up(drafters, shapes, cfg.gamma, attn, targets=targets)
+    print(f"[warmup] done: {sum(r[2] for r in rows):.1f}s over {len(rows)} (device, shape) pairs")
 
 if __name__ == "__main__":
     main()
