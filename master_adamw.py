@@ -66,7 +66,6 @@ class MasterAdamW(torch.optim.Optimizer):
     def state_dict(self):
         return {"format": STATE_FORMAT,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "group_sizes": [len(g["params"]) for g in self.param_groups],
                 **{k: [self.state[p][k] for p in self.params()] for k in ("step", "master", "exp_avg", "exp_avg_sq")}}
 
     def load_state_dict(self, sd):
@@ -75,13 +74,8 @@ class MasterAdamW(torch.optim.Optimizer):
             raise ValueError(f"not a {STATE_FORMAT} optimiser state (format {sd.get('format')!r}): written by "
                              "another optimiser or an older version of this trainer")
         params = self.params()
-        if sd["group_sizes"] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(f"optimiser state has groups of {sd['group_sizes']} tensors, this model "
-                             f"{[len(g['params']) for g in self.param_groups]}")
-        for i, p in enumerate(params):
-            if tuple(sd["master"][i].shape) != tuple(p.shape):
-                raise ValueError(f"optimiser state tensor {i} has shape {tuple(sd['master'][i].shape)}, "
-                                 f"the parameter {tuple(p.shape)}")
+        if [tuple(t.shape) for t in sd["master"]] != [tuple(p.shape) for p in params]:
+            raise ValueError("optimiser state of another model: its tensors' shapes differ")
         with torch.no_grad():
             for i, p in enumerate(params):
                 st = self.state[p]

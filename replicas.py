@@ -81,11 +81,13 @@ class Replicas:
 
     def load(self, state, path):
         for dr, opt, sched in zip(self.drafters, self.opts, self.scheds):
-            dr.load_state_dict(state["master_weights"])
             try:
+                dr.load_state_dict(state["master_weights"])
                 opt.load_state_dict(state["optimizer"])      # fp32 masters and moments; weights written from them
-            except ValueError as e:
-                raise SystemExit(f"error: {path}/state.pt: cannot resume its optimiser state: {e}") from None
+            except (RuntimeError, ValueError) as e:    # a drafter of another target's shape: its last line, a tensor
+                why = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
+                raise SystemExit(f"error: {path}/state.pt holds a drafter this run cannot take ({why}): resume "
+                                 "with the checkpoint's --target, or start a new run") from None
             sched.load_state_dict(state["scheduler"])
         if ck.optimizer_digest(self.opts[0].state_dict()) != state["resume_fingerprint"]:
             raise RuntimeError(f"{path}: the optimiser state loaded from it is not the one saved (a load path "

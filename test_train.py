@@ -608,8 +608,8 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     """--max-minutes: the progress line gives the share of the budget used, the run stops at the last
     step that ends within the budget and checkpoints it once; a resume counts the time already used (a spent
     budget: nothing to do). Without --resume an out dir with checkpoints is refused before any work; a
-    different --lr, --distill or --gamma is an error (the optimiser's and the loss's settings come from the
-    checkpoint); a resume drops the
+    different --lr, --distill, --gamma or drafter shape is an error (the drafter's, the optimiser's and the loss's
+    settings come from the checkpoint); a resume drops the
     metrics of steps after the checkpoint and continues, with a notice, on a larger data set."""
     out = tmp_path / "out"
     common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 30,
@@ -638,6 +638,8 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     assert p.rc != 0 and "--lr 1e-05 (checkpoint: 0.0006)" in p.out, p.tail()
     p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--distill", 0.5, "--gamma", 2)
     assert p.rc != 0 and "--distill 0.5 (checkpoint: 0.0), --gamma 2.0 (checkpoint: 4.0)" in p.out, p.tail()  # a new run
+    p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--num-draft-layers", 1)
+    assert p.rc != 0 and "--num-draft-layers 1 (checkpoint: 2)" in p.out, p.tail()
 
     with open(out / "metrics.jsonl", "a") as f:     # a killed run's steps after the checkpoint, one cut mid-line
         f.write(json.dumps({"step": last + 1, "loss": 1.0}) + "\n" + '{"step": 4, "lo')
@@ -1423,10 +1425,27 @@ def test_master_adamw_state_round_trip_keeps_the_masters_in_fp32_and_checks_what
         assert torch.equal(raw(m_c), raw(m_a))
     with pytest.raises(ValueError, match="not a master_adamw/1 optimiser state"):
         opt_c.load_state_dict(torch.optim.AdamW(c.parameters()).state_dict())
-    with pytest.raises(ValueError, match="has shape"):
+    with pytest.raises(ValueError, match="another model"):
         MasterAdamW(torch.nn.Linear(8, 4).parameters()).load_state_dict(sd)
     with pytest.raises(ValueError, match="takes fp32 parameters"):
         MasterAdamW(c.parameters())            # already bf16: the masters would be rounded
+
+
+def test_resuming_a_drafter_of_another_targets_shape_is_a_one_line_error_naming_a_tensor():
+    import config
+    import dflash_model as dm
+    from replicas import Replicas
+
+    def replicas(hidden):
+        dcfg = dm.DFlashConfig(hidden_size=hidden, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=16, vocab_size=64, num_target_layers=4, num_draft_layers=1,
+                               max_position_embeddings=64)
+        emb = torch.zeros(64, hidden)
+        return Replicas(dcfg, emb, emb, [torch.device("cpu")], config.TrainConfig(), 1, lambda s: 1.0, lambda m: None)
+    state = replicas(32).checkpoint_state()
+    with pytest.raises(SystemExit, match=r"^error: out/step_000001/state.pt holds a drafter this run cannot take "
+                                         r"\(size mismatch for .*\): resume with the checkpoint's --target"):
+        replicas(48).load(state, "out/step_000001")
 
 
 def test_a_batch_of_many_sequences_gives_the_losses_and_gradients_of_its_rows_run_one_by_one():

@@ -149,9 +149,10 @@ class Trainer:
             return
         saved = {"distill": 0.0, **state["config"]}    # a config without the key: labels only
         changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {saved[k]})"
-                   for k in ("lr", "weight_decay", "distill", "gamma") if saved[k] != getattr(self.cfg, k)]
+                   for k in ("num_draft_layers", "block_size", "target_layer_ids", "mask_token_id", "lr",
+                             "weight_decay", "distill", "gamma") if saved[k] != getattr(self.cfg, k)]
         if changed:
-            raise SystemExit(f"error: {path} continues with its own optimiser and loss settings, but "
+            raise SystemExit(f"error: {path} continues with its own drafter, optimiser and loss settings, but "
                              f"{', '.join(changed)}: pass the checkpoint's values or start a new run")
         self.replicas.load(state, path)
         self.resumed_from = path
