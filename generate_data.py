@@ -56,13 +56,9 @@ def parse_args(argv):
     n_gpu = torch.cuda.device_count()
     a.devices = a.devices.split(",") if a.devices else [f"cuda:{i}" for i in range(n_gpu)] or ["cpu"]
     config.check_devices(a.devices)
-    if a.dtype == "auto":   # resolved, as the precision decides the answers
-        a.dtype = auto_dtype(a.devices)
+    if a.dtype == "auto":   # resolved, as the precision decides the answers: config.param_dtype's, for all devices
+        a.dtype = "bfloat16" if all(torch.device(d).type == "cuda" for d in a.devices) else "float32"
     return a
-
-def auto_dtype(devices):
-    """config.param_dtype's, one for all devices."""
-    return "bfloat16" if all(torch.device(d).type == "cuda" for d in devices) else "float32"
 
 def weights_hash(target):
     if not os.path.isdir(target):
@@ -228,12 +224,12 @@ def run_workers(a, pending, shards_dir, n_shards, total):
 
 # ---- main: settings, shards, then the output and its manifest
 
-def same_settings(path, settings, implied):
-    """Does `path` record these settings (no file: False; other ones: an error)? `implied`: what older records lack."""
+def same_settings(path, settings):
+    """Does `path` record these settings (no file: False; other ones: an error)?"""
     if not os.path.exists(path):
         return False
     old = data_dflash.read_json(path)
-    old = {**implied, **old.get("settings", old)}
+    old = old.get("settings", old)
     if diff := [k for k in settings if old.get(k) != settings[k]]:
         raise SystemExit(f"error: {path} was made with other settings ({', '.join(diff)}): use another --out "
                          f"or delete {os.path.dirname(path) if path.endswith('settings.json') else path}")
@@ -248,8 +244,7 @@ def main(argv=None):
                 "sources": [dict(zip(("path", "size", "mtime_ns"), data_dflash.identity(f))) for f in a.data],
                 **{k: getattr(a, k) for k in SETTINGS}}
     manifest, shards_dir = a.out + ".manifest.json", a.out + ".shards"
-    implied = {"answers": 1, "unfinished": "keep", "dtype": auto_dtype(a.devices)}
-    if os.path.isfile(a.out) and same_settings(manifest, settings, implied):
+    if os.path.isfile(a.out) and same_settings(manifest, settings):
         print(f"[gen] {a.out} is done ({manifest}): nothing to do")
         return 0
     convs, skipped = data_dflash.load_conversations(a.data)
@@ -263,7 +258,7 @@ def main(argv=None):
         os.makedirs(shards_dir, exist_ok=True)
     except OSError as e:
         raise SystemExit(f"error: cannot write next to --out {a.out}: {e}") from None
-    if not same_settings(os.path.join(shards_dir, "settings.json"), settings, implied):
+    if not same_settings(os.path.join(shards_dir, "settings.json"), settings):
         data_dflash.write_json(os.path.join(shards_dir, "settings.json"), settings)
     shards = [convs[i:i + a.shard_size] for i in range(0, len(convs), a.shard_size)]
     path = os.path.join(shards_dir, "shard_{:05d}").format
