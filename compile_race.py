@@ -2,7 +2,6 @@
 each at its own shape, so each thread's first call compiles while the others call, in a child process per mode:
   nogate  the compiled function called directly
   gate    through compiled.GATE before the warm-up: every compiled call exclusive
-  warm    every shape compiled serially first, then GATE.mark_warm(): shared calls, no compiles
 Every rise of the FX-tracing flag is recorded with its thread and stack (Tracer.trace wrapped), grouped by site."""
 import functools
 import json
@@ -20,20 +19,17 @@ import torch
 from environment import HERE
 
 FX_ERROR = "Detected that you are using FX to symbolically trace"
-MODES = ("nogate", "gate", "warm")
+MODES = ("nogate", "gate")
 TORCH_ROOT = os.path.dirname(os.path.dirname(torch.__file__)) + os.sep
 # Frames between "who wants a graph" and Tracer.trace: fx itself, decorators, context managers (and the stdlib's).
 PLUMBING = ("torch/fx/", "torch/_compile.py", "torch/_dynamo/eval_frame.py", "torch/utils/_contextlib.py", "/")
 
-def natural_race_expected():
-    """Does the race show by itself on this torch (compiled.py's torch notes)?"""
+def natural_race_expected():   # compiled.py's torch notes
     version = tuple(int(x) for x in torch.__version__.split(".")[:2])
-    if version >= (2, 14):
-        return "no: the FX-tracing flag is per thread"
-    if version >= (2, 12):
-        return ("masked: torch 2.12/2.13 hide the FX flag from other threads while anything compiles; "
-                "0 errors here says nothing about torch 2.11")
-    return "yes: a compile in one thread makes compiled calls in other threads fail (the compile gate keeps them apart)"
+    return ("no: the FX-tracing flag is per thread" if version >= (2, 14) else
+            "masked: torch 2.12/2.13 hide the FX flag from other threads while anything compiles; 0 errors here "
+            "says nothing about torch 2.11" if version >= (2, 12) else
+            "yes: a compile in one thread makes compiled calls in other threads fail (the compile gate keeps them apart)")
 
 def fx_flag():   # read directly where it is a module global: is_fx_tracing() logs a warning
     flag = getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", None)
@@ -95,10 +91,6 @@ def run_exercise(mode, threads, seconds, device):
             events.append((threading.current_thread().name, traceback.extract_stack()[:-1]))
         return trace(tracer, *args, **kwargs)
     torch.fx.Tracer.trace = recording_trace
-    if mode == "warm":   # what the warm-up does: every shape, one at a time, before the threads start
-        for args in inputs.values():
-            one_call(*args)
-        gate.mark_warm()
     t0, workers = time.time(), [threading.Thread(target=worker, args=item, name=item[0]) for item in inputs.items()]
     for t in workers:
         t.start()

@@ -2,7 +2,7 @@
 
     python diagnose.py                            this machine's environment + the 15 newest packages
     python diagnose.py --against out/step_000690  what changed since that checkpoint's env.json
-    python diagnose.py --race-test [--threads 3 --seconds 20 --modes nogate,gate,warm]
+    python diagnose.py --race-test [--threads 3 --seconds 20 --modes nogate,gate]
         threads compiling at once, without and with compiled.GATE: errors, calls/s, who raises the FX flag
 
 The race (compiled.py's torch notes): while one thread compiles, a compiled call in another fails or runs uncompiled."""
@@ -41,7 +41,7 @@ def main(argv=None):
     ap.add_argument("--race-test", action="store_true", help="threaded cold-cache compile race, without and with gate")
     ap.add_argument("--threads", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=20.0, help="per mode")
-    ap.add_argument("--modes", default="nogate,gate", type=lambda s: s.split(","), help="comma list: nogate,gate,warm")
+    ap.add_argument("--modes", default="nogate,gate", type=lambda s: s.split(","), help="comma list: nogate,gate")
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu", help="default: %(default)s")
     ap.add_argument("--cache-dir", help="compile cache to describe (default: the checkpoint's, or the current one)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
