@@ -155,9 +155,6 @@ def _flatten(d, prefix=""):   # an empty dict leaves no key: {} and absent are t
     return {key: x for k, v in d.items()
             for key, x in (_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
 
-def _fmt_time(t):
-    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
-
 def format_report(env):
     v, g, c, p = (env.get(k) or {} for k in ("versions", "gpus", "compile_cache", "project"))
     lines = [f"DFlash environment  {env.get('time')}  host {env.get('hostname')}  ({env.get('platform')}, "
@@ -185,4 +182,5 @@ def format_report(env):
     return "\n".join(lines)
 
 def format_packages(rows, title):
-    return "\n".join([title] + ([f"  {_fmt_time(t)}  {n} {ver}" for n, ver, t in rows] or ["  (none)"]))
+    when = lambda t: datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+    return "\n".join([title] + ([f"  {when(t)}  {n} {ver}" for n, ver, t in rows] or ["  (none)"]))

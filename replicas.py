@@ -136,24 +136,18 @@ def clip_and_step(opt, grads, clip):
     norms = torch._foreach_norm([g for g in grads if g is not None], 2.0, dtype=torch.float32)   # fp32 for bf16
     norm = torch.linalg.vector_norm(torch.stack(norms))
     scale = torch.where(torch.isfinite(norm), (clip / (norm + 1e-6)).clamp(max=1.0), math.nan)
-    host, ready = host_copy(norm)
+    host = torch.empty((), dtype=norm.dtype, pin_memory=norm.is_cuda).copy_(norm, non_blocking=True)
+    ready = torch.cuda.current_stream(norm.device).record_event() if norm.is_cuda else None
     counts = [opt.state[p]["step"] for p in opt.params()]
     opt.step(grads=grads, grad_scale=scale)
-    value = float(read(host, ready))
+    if ready is not None:
+        ready.synchronize()
+    value = float(host)
     if not math.isfinite(value):      # a nan/inf step would poison every weight and every later checkpoint
         for p, n in zip(opt.params(), counts):
             opt.state[p]["step"] = n
         raise FloatingPointError(f"the gradient norm is {value}")
     return value
-
-def host_copy(t):
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
-    return host, torch.cuda.current_stream(t.device).record_event() if t.is_cuda else None
-
-def read(host, ready):
-    if ready is not None:
-        ready.synchronize()
-    return host
 
 def add_into(buf):
     def hook(p):
