@@ -99,9 +99,9 @@ class Replicas:
         names, tensors = map(list, zip(*self.drafters[r].named_parameters()))
         return names + [n + " (master)" for n in names], tensors + self.opts[r].masters()
 
-    def check(self, step):
-        """Every replica, and across ranks replica 0's min and max (equal iff all agree), as this rank's replica 0.
-        Returns the host fingerprints, replicas first."""
+    def check(self, step, log=None):
+        """Every replica, and across ranks replica 0's min and max (equal iff all agree), as this rank's replica 0;
+        with `log` (the end of the run, on every rank) the result is logged."""
         if len(self.drafters) == 1 and self.world == 1:
             return
         fps = [ck.fingerprint(self.tensors(r)[1]) for r in range(len(self.drafters))]
@@ -114,21 +114,15 @@ class Replicas:
         if bad:
             raise RuntimeError(f"drafter replicas diverged by step {step}: {len(bad)} tensor fingerprint(s) differ, "
                                f"first {bad[:5]} (a bug, not noise: replicas must stay bit-identical)")
-        return fps
+        if log:
+            n = sum(p.numel() for p in self.drafters[0].parameters())
+            log(f"[replicas] {R} replica(s) x {self.world} rank(s) bit-identical after step {step} "
+                f"({n:,} parameters each; fingerprint {ck.digest(fps[0])})")
 
     def differing(self, fps, who=None):
         names = self.tensors(0)[0]
         return [f"{who or f'replica {r}'}: {names[i]}" for r in range(1, len(fps))
                 for i in (fps[r] != fps[0]).nonzero()[:, 0].tolist()]
-
-    def check_identical(self, step, log):
-        """At the end of the run, on every rank: every replica of every rank as rank 0's replica 0."""
-        if len(self.drafters) == 1 and self.world == 1:
-            return
-        fps = self.check(step)
-        n = sum(p.numel() for p in self.drafters[0].parameters())
-        log(f"[replicas] {len(self.drafters)} replica(s) x {self.world} rank(s) bit-identical after step {step} "
-            f"({n:,} parameters each; fingerprint {ck.digest(fps[0])})")
 
 def clip_and_step(opt, grads, clip):
     """clip_grad_norm_'s factor, applied on the device in MasterAdamW's pass (no scaling pass, no host sync). The step

@@ -368,7 +368,7 @@ class Trainer:
         for t in threads:    # a thread still inside torch at interpreter exit aborts the process
             t.join(60)
         last, losses, busy = self.last, self.losses, self.busy_at_last     # a step ran: else a failure is reported
-        self.replicas.check_identical(last["step"], log)
+        self.replicas.check(last["step"], log)
         # the training window ends at the last step, not the final checkpoint's write
         elapsed = max(last["time"] - self.t_start, 1e-9)
         share = lambda xs: [f"{x / elapsed:.0%}" for x in xs]
