@@ -75,32 +75,24 @@ def proposers(drafters, bs, rows, length, compile=False):
             *((lb, d.config.target_layer_ids, lambda d=d: decoding.DrafterRows(d, rows, length, compile))
               for lb, d in drafters.items()), ("n-gram lookup", (), lambda: decoding.NGram(bs))]
 
-def decode_all(target, drafters, prompts, n, stops, bs, device):
-    """{name: [(new tokens, acceptance lengths)] per prompt}, the prompts in batches."""
-    length = max(map(len, prompts)) + n + 2 * bs
-    rows, out = min(len(prompts), decoding.Engine.fit(target, length, most=len(prompts))), {}
-    for name, layers, make in proposers(drafters, bs, rows, length):
-        compiled.sync_device(device)
-        t0, engine, proposer, out[name] = time.time(), decoding.Engine(target, rows, length, layers), make(), []
-        for i in range(0, len(prompts), rows):
-            out[name] += decoding.speculate(engine, prompts[i:i + rows], n, stops, proposer)
-        compiled.sync_device(device)
-        rounds = [r for _, acc in out[name] for r in acc]
-        print(f"[eval] {name}: {len(prompts)} prompts in batches of {rows}, {time.time() - t0:.1f} s"
-              + (f", tau {sum(rounds) / max(1, len(rounds)):.3f}" if name != "target greedy" else ""), flush=True)
-    return out
-
-def speed(target, drafters, prompts, n, stops, bs, device):
-    """{name: (new tokens, seconds)}, each prompt alone, after an untimed one (the graphs' capture)."""
-    length, out, gpu = max(map(len, prompts)) + n + 2 * bs, {}, torch.device(device).type == "cuda"
-    for name, layers, make in proposers(drafters, bs, 1, length, compile=gpu):
-        engine, proposer = decoding.Engine(target, 1, length, layers, compile=gpu), make()
-        decoding.speculate(engine, prompts[:1], n, stops, proposer)
+def decode(target, drafters, prompts, n, stops, bs, device, rows=None, compile=False):
+    """{name: ([(new tokens, acceptance lengths)] per prompt, seconds)}, the prompts in batches of `rows` (None: as many
+    as fit); at batch 1 timed after an untimed prompt (the graphs' capture), as a server at batch 1 runs."""
+    length, out = max(map(len, prompts)) + n + 2 * bs, {}
+    rows = rows or min(len(prompts), decoding.Engine.fit(target, length, most=len(prompts)))
+    for name, layers, make in proposers(drafters, bs, rows, length, compile):
+        engine, proposer = decoding.Engine(target, rows, length, layers, compile), make()
+        if rows == 1:
+            decoding.speculate(engine, prompts[:1], n, stops, proposer)
         compiled.sync_device(device)
         t0 = time.time()
-        tokens = sum(len(decoding.speculate(engine, [p], n, stops, proposer)[0][0]) for p in prompts)
+        got = []
+        for i in range(0, len(prompts), rows):
+            got += decoding.speculate(engine, prompts[i:i + rows], n, stops, proposer)
         compiled.sync_device(device)
-        out[name] = (tokens, time.time() - t0)
+        out[name], rounds = (got, time.time() - t0), [r for _, acc in got for r in acc]
+        print(f"[eval] {name}: {len(prompts)} prompts in batches of {rows}, {out[name][1]:.1f} s"
+              + (f", tau {sum(rounds) / max(1, len(rounds)):.3f}" if name != "target greedy" else ""), flush=True)
     return out
 
 def main(argv=None):
@@ -119,7 +111,8 @@ def main(argv=None):
         raise SystemExit("error: no usable prompts")
     print(f"[eval] {len(prompts)} prompts, target {a.target}, {len(drafters)} drafter(s), {a.dtype} on {a.device}, "
           f"block {dbs}, stop ids {stops}; baseline: n-gram prompt lookup (last 3/2/1 tokens, up to {bs - 1})")
-    outs = decode_all(target, drafters, prompts, a.max_new_tokens, stops, bs, a.device)
+    outs = {name: got for name, (got, _) in decode(target, drafters, prompts, a.max_new_tokens, stops, bs,
+                                                     a.device).items()}
     ref = outs.pop("target greedy")
     res = {"prompts": len(prompts), "target": a.target, "drafters": a.drafters,
            "prompt_files": a.prompts, "max_prompt_tokens": a.max_prompt_tokens, "max_new_tokens": a.max_new_tokens,
@@ -141,7 +134,8 @@ def main(argv=None):
         target.to(getattr(torch, a.speed_dtype))
         drafters = {lb: dm.load_drafter(p, target, device=a.device, dtype=getattr(torch, a.speed_dtype)).eval()
                     for lb, p in a.drafters.items()}
-        times = speed(target, drafters, prompts[:a.speed_prompts], a.max_new_tokens, stops, bs, a.device)
+        times = {name: (sum(len(o) for o, _ in got), t) for name, (got, t) in decode(
+            target, drafters, prompts[:a.speed_prompts], a.max_new_tokens, stops, bs, a.device, 1, a.gpu).items()}
         greedy_rate = times["target greedy"][0] / times["target greedy"][1]
         res["speed"] = {"prompts": a.speed_prompts, "dtype": a.speed_dtype, "batch": 1,
                         "loop": "CUDA graphs, compiled target and drafters" if a.gpu else "eager",
