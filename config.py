@@ -23,7 +23,7 @@ class TrainConfig:
     target: str = opt("", "HF folder or hub name of the target; '' = the embedded default (SmolLM2-135M-Instruct); "
                           "random:<config.json> = random weights from a config (benchmarks)")
     data: list = opt([], "ShareGPT JSON/JSONL, chat JSONL (messages) or hub data set names; '' = the embedded "
-                         "default (ShareGPT V3); synthetic:N[:varied] = random tokens (benchmarks)")
+                         "default (ShareGPT V3); synthetic:N = random tokens (benchmarks)")
     cache_dir: str = opt(".cache", "the embedded default's converted files and the tokenised data")
     max_samples: int = opt(0, "tokenise and train on only the first N conversations (0 = all)")
     heldout: int = opt(200, "held-out eval prompts: last N conversations (at most a tenth; side-by-side answers to "

@@ -495,13 +495,10 @@ def load_training_data(cfg, files, tok, vocab, rank, log):
     return data, heldout
 
 def synthetic_data(spec, length, vocab, seed):
-    """synthetic:N: N random full-length samples (:varied: lengths uniform in [length/8, length]), loss from 10% on."""
-    parts, rng, ids, masks = spec.split(":"), np.random.default_rng(seed), [], []
-    for _ in range(int(parts[1])):
-        L = int(rng.integers(max(2, length // 8), length + 1)) if parts[2:] == ["varied"] else length
-        ids.append(rng.integers(0, vocab, L, dtype=np.int32))
-        masks.append((np.arange(L) >= L // 10).astype(np.uint8))
-    return {"input_ids": ids, "loss_mask": masks}
+    """synthetic:N: N random full-length samples, the loss on their last 90%."""
+    rng, n = np.random.default_rng(seed), int(spec.split(":")[1])
+    ids = [rng.integers(0, vocab, length, dtype=np.int32) for _ in range(n)]
+    return {"input_ids": ids, "loss_mask": [(np.arange(length) >= length // 10).astype(np.uint8)] * n}
 
 class BatchStream:
     """Batch j of a flat stream over the epochs: (bucket length, sample indices) of this rank's shard."""
