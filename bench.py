@@ -48,8 +48,6 @@ def parse_args(argv):
     p.add_argument("--distill", type=float, default=0.0, help="the step's KL weight, as train_dflash.py --distill")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)
-    if (a.target_devices or a.drafter_devices) and not a.pipeline_only:
-        p.error("--target-devices / --drafter-devices need --pipeline-only")
     if min(a.steps, a.rounds) < 1:
         p.error("--steps and --rounds must be >= 1")
     config.check_devices([a.device or "cpu", *filter(None, (a.target_devices + "," + a.drafter_devices).split(","))])
