@@ -69,18 +69,15 @@ def prompts_from(files, tokenizer, n, max_tokens):
     print(f"[eval] NOTICE: only {len(out)} usable prompts (asked for {n})")
     return out
 
-def proposers(drafters, bs, rows, length, compile=False):
-    """(name, feature layers, a fresh proposer) of each way to decode."""
-    return [("target greedy", (), lambda: None),
-            *((lb, d.config.target_layer_ids, lambda d=d: decoding.DrafterRows(d, rows, length, compile))
-              for lb, d in drafters.items()), ("n-gram lookup", (), lambda: decoding.NGram(bs))]
-
 def decode(target, drafters, prompts, n, stops, bs, device, rows=None, compile=False):
     """{name: ([(new tokens, acceptance lengths)] per prompt, seconds)}, the prompts in batches of `rows` (None: as many
     as fit); at batch 1 timed after an untimed prompt (the graphs' capture), as a server at batch 1 runs."""
     length, out = max(map(len, prompts)) + n + 2 * bs, {}
     rows = rows or min(len(prompts), decoding.Engine.fit(target, length, most=len(prompts)))
-    for name, layers, make in proposers(drafters, bs, rows, length, compile):
+    methods = [("target greedy", (), lambda: None),    # (name, feature layers, a fresh proposer)
+               *((lb, d.config.target_layer_ids, lambda d=d: decoding.DrafterRows(d, rows, length, compile))
+                 for lb, d in drafters.items()), ("n-gram lookup", (), lambda: decoding.NGram(bs))]
+    for name, layers, make in methods:
         engine, proposer = decoding.Engine(target, rows, length, layers, compile), make()
         if rows == 1:
             decoding.speculate(engine, prompts[:1], n, stops, proposer)
