@@ -52,8 +52,7 @@ class Trainer:
         if len(set(steps)) > 1:
             raise SystemExit(f"error: the ranks resumed at different steps {steps} (rank order): every rank "
                              "must see the same --out-dir (a file system all nodes share)")
-        # done already: by the steps, or by the budget's rule (see loop) applied to the end the checkpointed step
-        # predicted for its successor; said with the command that measures the result
+        # done already: by the steps, or by the loop's budget rule on the end the checkpoint predicted for its successor
         done = ""
         if self.step >= self.total_steps:
             done = f"already at step {self.step} of {self.total_steps}: nothing to do"
