@@ -29,7 +29,7 @@ def natural_race_expected():   # compiled.py's torch notes
     return ("no: the FX-tracing flag is per thread" if version >= (2, 14) else
             "masked: torch 2.12/2.13 hide the FX flag from other threads while anything compiles; 0 errors here "
             "says nothing about torch 2.11" if version >= (2, 12) else
-            "yes: a compile in one thread makes compiled calls in other threads fail (the compile gate keeps them apart)")
+            "yes: a compile in one thread fails compiled calls in other threads (the compile gate keeps them apart)")
 
 def fx_flag():   # read directly where it is a module global: is_fx_tracing() logs a warning
     flag = getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", None)
@@ -100,8 +100,7 @@ def run_exercise(mode, threads, seconds, device):
             "torch_git": torch.version.git_version, "natural_race_expected": natural_race_expected(),
             "calls": [calls[n] for n in inputs], "calls_per_s": round(sum(calls.values()) / (time.time() - t0), 1),
             "fx_errors": errors["fx_errors"], "other_errors": errors["other_errors"], "error_samples": samples,
-            "flag_raises": len(events), "flag_up_after_run": fx_flag(),
-            "sites": _sites(events)}
+            "flag_raises": len(events), "flag_up_after_run": fx_flag(), "sites": _sites(events)}
 
 def run_child(**spec):
     print(f"[diagnose] mode {spec['mode']}: {spec['threads']} threads, flex on {spec['device']}, "

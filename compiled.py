@@ -282,7 +282,7 @@ def warm_target(graphed, B, S):
 
 def warm_up(drafters, shapes, gamma, attn, log=print, targets=()):
     """Warm every (target, (B, S)) of compiled targets (GraphedTarget) and every (replica, shape) in turn, size the
-    recompile limit, then mark the gate warm. Returns the table rows [(device, shape, seconds, how)]."""
+    recompile limit, then mark the gate warm. Returns a row per pair: [(device, shape, seconds, how)]."""
     target_shapes = sorted({(B, S) for B, S, _ in shapes})
     # dynamo entries: per (replica, shape) on the drafter's code object, per ((B, S), layer kind) on a target's
     kinds = len(set(getattr(targets[0].target.config, "layer_types", None) or [0])) if targets else 0
