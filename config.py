@@ -256,10 +256,14 @@ def choose_mask_token_id(tokenizer, vocab_size):
 def make_drafter_config(cfg, tcfg, tok):
     """The drafter's DFlashConfig for this target (tok None: a random target; its last row is the mask token)."""
     vocab = getattr(tcfg, "text_config", tcfg).vocab_size
-    mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else (
-        vocab - 1 if tok is None else choose_mask_token_id(tok, vocab))
-    ids = [int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids else None
-    dcfg = dm.DFlashConfig.from_target_config(tcfg, cfg.num_draft_layers, cfg.block_size, mask_id, target_layer_ids=ids)
+    try:    # layer ids or a mask token this target does not have
+        mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else (
+            vocab - 1 if tok is None else choose_mask_token_id(tok, vocab))
+        ids = [int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids else None
+        dcfg = dm.DFlashConfig.from_target_config(tcfg, cfg.num_draft_layers, cfg.block_size, mask_id, ids)
+    except ValueError as e:
+        raise SystemExit(f"error: --target-layer-ids {cfg.target_layer_ids!r}, --mask-token-id {cfg.mask_token_id} "
+                         f"for this target: {e}") from None
     if cfg.max_length > dcfg.max_position_embeddings:
         raise SystemExit(f"error: --max-length {cfg.max_length} exceeds the target's max_position_embeddings "
                          f"({dcfg.max_position_embeddings})")

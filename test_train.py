@@ -1227,6 +1227,9 @@ def test_every_script_answers_a_bad_input_with_one_line_naming_it(llama, tmp_pat
               "cannot write next to --out /proc/no/g.jsonl"),
              (["warmup", "--target", str(t / "nowhere"), "--data", prompts], f"cannot load the target '{t / 'nowhere'}'"),
              (["bench", "--target-config", str(t / "bad.json")], f"--target-config {t / 'bad.json'}"),
+             (["warmup", "--target", llama, "--target-layer-ids", "1,99"], "for this target: target_layer_ids [99] outside"),
+             (["warmup", "--target", llama, "--target-layer-ids", "1,x"], "for this target: invalid literal for int()"),
+             (["warmup", "--target", llama, "--mask-token-id", "100000"], "for this target: mask_token_id 100000 outside"),
              (["train_dflash", "--target", str(t / "tcut"), "--data", prompts, "--max-length", "256",
                "--cache-dir", str(t / "c"), "--out-dir", str(t / "o")], f"cannot load the target '{t / 'tcut'}'")]
     code = ("import importlib, json, sys\n"
