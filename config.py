@@ -55,8 +55,7 @@ class TrainConfig:
     target_devices: str = opt("auto", "e.g. cuda:0,cuda:1; auto = 5/8 of the GPUs (one GPU: both roles; no GPU: "
                                       "cpu); cuda:local = this torchrun process's GPU")
     drafter_devices: str = opt("auto", "e.g. cuda:2,cuda:3; auto = the GPUs the target does not take")
-    attn: str = opt("auto", "flex (compiled drafter and target layers, GPUs) | sdpa (dense mask, eager: CPU) | "
-                            "auto (flex on GPUs, sdpa on CPU)")
+    attn: str = opt("auto", "flex: compiled, on GPUs | sdpa: dense mask, eager (CPU) | auto: flex on GPUs, sdpa on CPU")
     compile_cache: str = opt("", "persistent inductor/triton cache; '' = <out_dir>/compile_cache")
     queue_depth: int = opt(4, "batches buffered per target and drafter thread")
     # output
@@ -127,8 +126,7 @@ def parse_args(argv):
     # the defaults that follow from other options, resolved once (logged and checkpointed as resolved)
     cfg.gamma = cfg.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(bs, max(1.0, bs * 7 / 16))
     cfg.compile_cache = cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache")
-    if cfg.tensorboard == "auto":
-        cfg.tensorboard = os.path.join(cfg.out_dir, "tensorboard")
+    cfg.tensorboard = os.path.join(cfg.out_dir, "tensorboard") if cfg.tensorboard == "auto" else cfg.tensorboard
     return cfg
 
 # --- Devices and shapes ---------------------------------------------------------------------------

@@ -193,9 +193,8 @@ class Trainer:
         tot = {"tokens": 0.0, "flops": 0.0, "sync": 0.0, "pause": 0.0}   # this run's sums
         seen = dict(tot, t=self.t_start, busy=(0.0, 0.0), step=self.step)    # the sums at the last log line
         self.losses, tok_hist = [], []
-        # Ctrl-C or SIGTERM (a scheduler, `timeout`): the step under way ends, is checkpointed, and the run stops;
-        # a second one acts at once, as before
-        asked = 0                   # this rank's signal
+        # Ctrl-C or SIGTERM (a scheduler, `timeout`): the step under way ends, is checkpointed, and the run stops
+        asked = 0                   # this rank's signal; a second one acts at once (the handler restores the old one)
         def on_signal(signum, frame):
             nonlocal asked
             asked = asked or signum
