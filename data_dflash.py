@@ -246,31 +246,21 @@ def write_chat_jsonl(path, conversations):
 def _render(tokenizer, messages, add_generation_prompt=False):
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
-def prompt_ids(tokenizer, conversations, max_tokens, known=()):
-    """Per conversation so far, (chat-template ids + generation prompt, None, cut) or (None, why it is not answered,
-    None), tokenized in one batch. known[i]: an earlier call's `cut` (the render up to its last special token, and its
-    ids); a render that starts with it has only the rest tokenized, as fast tokenizers split at special tokens first."""
-    cuts = {i: tokenizer.convert_ids_to_tokens(i) for i, t in tokenizer.added_tokens_decoder.items()
-            if tokenizer.is_fast and t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)}
-    out, texts, done = [None] * len(conversations), {}, {}
+def prompt_ids(tokenizer, conversations, max_tokens):
+    """Per conversation so far, (chat-template ids + generation prompt, None) or (None, why it is not answered),
+    tokenized in one batch."""
+    out, texts = [None] * len(conversations), {}
     for i, messages in enumerate(conversations):
         roles = [m["role"] for m in messages if m["role"] != "system"]
         if not roles or roles[-1] != "user":
-            out[i] = None, "assistant turn without a user turn before it", None
+            out[i] = None, "assistant turn without a user turn before it"
             continue
         try:
             texts[i] = _render(tokenizer, messages, add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - a template that refuses a conversation (jinja2 raises): counted
-            out[i] = None, "chat template error", None
-            continue
-        cut = known[i] if i < len(known) else None
-        done[i] = cut if cut and texts[i].startswith(cut[0]) else ("", [])
-    parts = [texts[i][len(done[i][0]):] for i in texts]
-    for i, x in zip(texts, tokenizer(parts, add_special_tokens=False)["input_ids"] if parts else []):
-        ids, text = done[i][1] + list(x), texts[i]
-        j = next((j for j in range(len(ids) - 1, -1, -1) if ids[j] in cuts), None)   # the last cut token
-        cut = (text[:text.rindex(cuts[ids[j]]) + len(cuts[ids[j]])], ids[:j + 1]) if j is not None else None
-        out[i] = (ids, None, cut) if len(ids) <= max_tokens else (None, "prompt longer than max length", None)
+            out[i] = None, "chat template error"
+    for i, ids in zip(texts, tokenizer(list(texts.values()), add_special_tokens=False)["input_ids"] if texts else []):
+        out[i] = (ids, None) if len(ids) <= max_tokens else (None, "prompt longer than max length")
     return out
 
 def _assistant_spans(tokenizer, messages, text, max_chars):

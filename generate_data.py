@@ -80,11 +80,10 @@ class Shard:
     def __init__(self, i, convs, tok, a, stops):
         convs = [c for c in convs for _ in range(a.answers)]   # copy j of conversation c is k = c * K + j
         self.i, self.convs, self.tok, self.a, self.stops, self.t0 = i, convs, tok, a, set(stops), time.time()
-        self.st, self.regen, self.cut, self.done = Counter(), {k: [] for k in range(len(convs))}, {}, {}
+        self.st, self.regen, self.done = Counter(), {k: [] for k in range(len(convs))}, {}
 
     def finish(self, k, why=None):   # kept up to its last regenerated answer (cut there, for `why`), or dropped
         r = self.regen.pop(k)
-        self.cut.pop(k, None)
         while r and r[-1]["role"] != "assistant":
             r.pop()
         if r:
@@ -103,13 +102,11 @@ class Shard:
             while msgs[len(r)]["role"] != "assistant":   # system and user turns are kept as they are
                 r.append(dict(msgs[len(r)]))
             asked.append(k)
-        prompts = data_dflash.prompt_ids(self.tok, [self.regen[k] for k in asked], a.max_length - 1,
-                                         [self.cut.get(k) for k in asked])
-        for k, (ids, why, cut) in zip(asked, prompts):
+        prompts = data_dflash.prompt_ids(self.tok, [self.regen[k] for k in asked], a.max_length - 1)
+        for k, (ids, why) in zip(asked, prompts):
             if ids is None:
                 self.finish(k, why)
                 continue
-            self.cut[k] = cut
             r = self.regen[k]
             chain = sum(m["role"] == "assistant" for m in self.convs[k][len(r):])
             # the answer's sampling noise, its own whoever decodes it; sha256: hash() is not documented to be stable

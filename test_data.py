@@ -221,27 +221,19 @@ def test_an_unfinished_reply_is_trained_on_without_the_end_of_turn_the_template_
 COUNTING_TEMPLATE = "{{- messages|length }} turns\n" + QWEN_TEMPLATE
 
 
-def test_prompt_ids_of_a_conversations_next_turn_tokenize_only_what_follows_its_last_special_token(smollm):
-    """generate_data.py asks for a conversation's prompts turn after turn, each time with the `cut` of the
-    turn before: the ids equal a whole tokenization of the render, on the embedded default's first 100
-    conversations (SmolLM2's tokenizer), and on a template that renders the turns before differently each time
-    (a turn count in its header: the cut is no prefix then, and the whole render is tokenized)."""
+def test_prompt_ids_of_each_turn_are_the_chat_templates_ids_with_its_generation_prompt(smollm):
+    """generate_data.py asks for a conversation's prompts turn after turn: each is the tokenized render of the
+    turns so far + the generation prompt, on the embedded default's first 100 conversations (SmolLM2's
+    tokenizer); a prompt over max_tokens, or one that does not end with a user turn, is refused with why."""
     tok = smollm["tok"]
-    convs = D.load_conversations([smollm["data_jsonl"]])[0][:100]
-    cases = [(tok, c) for c in convs] + [(_tiny_tokenizer(COUNTING_TEMPLATE), CONV + CONV[2:])]
-    turns = cut_turns = 0
-    for t, conv in cases:
-        cut = None
-        for i in [i for i, m in enumerate(conv) if m["role"] == "assistant"]:
-            whole = list(t.apply_chat_template(conv[:i], add_generation_prompt=True)["input_ids"])
-            ids, why, next_cut = D.prompt_ids(t, [conv[:i]], 10 ** 6, [cut])[0]
-            assert why is None and ids == whole
-            if cut is not None:
-                assert next_cut[0].startswith(cut[0]) == (t is tok)
-                cut_turns += t is tok
-            turns, cut = turns + 1, next_cut
-            assert cut[1] == whole[:len(cut[1])] and t.added_tokens_decoder[cut[1][-1]].special
-    assert cut_turns > 50, (turns, cut_turns)
+    for conv in D.load_conversations([smollm["data_jsonl"]])[0][:100]:
+        turns = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
+        got = D.prompt_ids(tok, [conv[:i] for i in turns], 10 ** 6)
+        assert got == [(list(tok.apply_chat_template(conv[:i], add_generation_prompt=True)["input_ids"]), None)
+                       for i in turns]
+    n = len(got[0][0])
+    assert D.prompt_ids(tok, [conv[:turns[0]], conv[:turns[0] + 1]], n - 1) == [
+        (None, "prompt longer than max length"), (None, "assistant turn without a user turn before it")]
 
 
 def test_inconsistent_template_is_a_clear_error_or_a_counted_skip(tmp_path):
