@@ -857,7 +857,7 @@ def test_gate_fx_flag_bypass_fails_and_gated_call_waits():
     holder.outcome(30)
     got = waiter.outcome(120)
     assert fx._is_fx_tracing_flag is False
-    assert GATE.waiting == 0 and GATE.stats["max_waiting"] >= 1
+    assert GATE.waiting == 0
     assert torch.equal(got, x * 2 + 1) and cnt.compiles == 1
 
 
@@ -1189,7 +1189,7 @@ def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "m")
     code = ("import sys, torch, compiled\n"
-            f"compiled.use_compile_cache({str(tmp_path / 'cache')!r}, log=lambda m: None)\n"
+            f"compiled.use_compile_cache({str(tmp_path / 'cache')!r})\n"
             "import config, dflash_model as dm\n"
             f"t = config.load_target({str(tmp_path / 'm')!r}, 'cpu', torch.float32, [0, 2], log=print, "
             "random_weights=sys.argv[1] == 'random')\n"

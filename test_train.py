@@ -1247,12 +1247,13 @@ def test_every_script_answers_a_bad_input_with_one_line_naming_it(llama, tmp_pat
         assert msg.startswith("error: ") and needle in msg and "\n" not in msg, (argv, msg)
 
 
-def test_warmup_cli_prints_the_table_of_every_device_and_shape(llama, tmp_path):
+def test_warmup_cli_prints_a_line_per_device_and_shape(llama, tmp_path):
     p = run_cmd([sys.executable, str(REPO / "warmup.py"), *TINY, "--target", llama, "--drafter-devices", "cpu,cpu",
                  "--out-dir", str(tmp_path / "out")])
     assert_ok(p)
-    rows = re.findall(r"^cpu\s+\((\d+), (\d+), (\d+)\)\s+[\d.]+\s+eager \(sdpa\)$", p.out, re.M)
+    rows = re.findall(r"^\[warmup\] \d/6 cpu\s+\((\d+), (\d+), (\d+)\)\s+[\d.]+s  eager \(sdpa\)", p.out, re.M)
     assert [tuple(map(int, r)) for r in rows] == [(1, 64, 32), (1, 128, 32), (1, 256, 32)] * 2, p.out
+    assert re.search(r"^\[warmup\] done: [\d.]+s over 6 \(device, shape\) pairs$", p.out, re.M), p.out
 
 
 def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
