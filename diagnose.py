@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+import config
 from environment import collect_env, diff_env, format_packages, format_report, installed_packages
 
 def _against(folder, cache_dir):
@@ -36,7 +37,7 @@ def _against(folder, cache_dir):
              "packages_after": [{"name": n, "version": v, "mtime": t} for n, v, t in newer]}, "\n".join(text))
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", metavar="CHECKPOINT", help="checkpoint folder with env.json: what changed since")
     ap.add_argument("--race-test", action="store_true", help="threaded cold-cache compile race, without and with gate")
     ap.add_argument("--threads", type=int, default=3)

@@ -105,6 +105,12 @@ def test_command_line_report_and_help_work(capsys):
     with pytest.raises(SystemExit) as e:
         diagnose.main(["--help"])
     assert e.value.code == 0 and "--race-test" in capsys.readouterr().out
+    # a mistyped option or mode: one line naming it, as every script answers
+    for argv, needle in ((["--bogus"], "unrecognized arguments: --bogus"), (["--race-test", "--modes", "warm"],
+                                                                             "unknown mode(s) ['warm']: use nogate, gate")):
+        with pytest.raises(SystemExit) as e:
+            diagnose.main(argv)
+        assert str(e.value.code).startswith("error: ") and needle in str(e.value.code) and "\n" not in str(e.value.code)
 
 
 def test_cache_state_counts_the_files_and_their_bytes(tmp_path):
