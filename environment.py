@@ -148,8 +148,8 @@ MISSING = "(missing)"
 
 def diff_env(old, new):
     fo, fn = (_flatten(json.loads(json.dumps(env, default=str))) for env in (old, new))   # compared as in env.json
-    return [(k, fo.get(k, MISSING), fn.get(k, MISSING)) for k in sorted(fo | fn)
-            if fo.get(k, MISSING) != fn.get(k, MISSING) and k not in IGNORED]
+    rows = [(k, fo.get(k, MISSING), fn.get(k, MISSING)) for k in sorted(fo | fn) if k not in IGNORED]
+    return [(k, a, b) for k, a, b in rows if a != b]
 
 def _flatten(d, prefix=""):   # an empty dict leaves no key: {} and absent are the same state
     return {key: x for k, v in d.items()
