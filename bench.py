@@ -21,6 +21,7 @@ import config
 import data_dflash
 import dflash_model as dm
 import replicas
+from master_adamw import MasterAdamW
 
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -69,8 +70,7 @@ def main(argv=None):
     S, A = a.seq or (256 if spec is TINY else 3072), a.anchors or (16 if spec is TINY else 512)
     cfg_path = os.path.join(tmp, "target_config.json")
     data_dflash.write_json(cfg_path, spec)
-    tcfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A, distill=a.distill, gamma=7.0,
-                              lr=1e-5)
+    tcfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A, distill=a.distill)
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
            "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
@@ -92,14 +92,15 @@ def main(argv=None):
                                 whole=tcfg.teacher)
     plan = config.shape_plan(tcfg, dcfg, config.batch_memory(dcfg, target_cfg, [dev], [dev]))
     B = res["B"] = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
+    drafter = config.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
+                                 target.get_output_embeddings().weight.detach(), dev, 0)
+    opt = MasterAdamW(drafter.parameters(), lr=1e-5, param_dtype=config.param_dtype(dev))
     attn = "flex" if dev.type == "cuda" else "sdpa"
-    reps = replicas.Replicas(dcfg, target.get_input_embeddings().weight.detach(),     # the trainer's lone replica
-                             target.get_output_embeddings().weight.detach(), [dev], tcfg, 1, lambda s: 1.0, log, attn)
     if attn == "flex":
         compiled.compile_target_layers(target)
     graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=tcfg.teacher)
     t0 = time.time()
-    rows = compiled.warm_up(reps, [(B, S, A)], log=log, targets=[graphed] if attn == "flex" else ())
+    rows = compiled.warm_up([drafter], [(B, S, A)], 7.0, attn, log=log, targets=[graphed] if attn == "flex" else ())
     res.update(warmup_cold_s=time.time() - t0, warmup_rows=[[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows])
     ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
 
@@ -113,22 +114,29 @@ def main(argv=None):
         f"{1e3 * t_target:.1f} ms = {B * S / t_target:,.0f} tok/s, MFU {res['target_mfu']:.1%} "
         f"(eager {1e3 * t_eager:.1f} ms)")
     feats = graphed(ids)
-    lm = torch.ones(B, S, dtype=torch.long, device=dev)
+    lm = torch.ones(B, S, device=dev)
     lm[:, : S // 10] = 0
     anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size, torch.Generator().manual_seed(0))
-    batch = {"feats": feats, "ids": ids, "lm": lm, "anchors": anchors.to(dev), "valid": valid.to(dev)}
-    step = lambda: reps.train(0, [batch], float(B * A))     # the trainer's micro-step: a graph replay on a GPU
+    taught = dm.teacher_positions(anchors, valid, S, dcfg.block_size) if tcfg.teacher else None   # the loader's work
+
+    def step():
+        with compiled.autocast(dev):
+            loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn),
+                                           distill=a.distill, taught=taught)[0]
+        compiled.backward(loss, dev, (B, S, A), attn)
+        replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)   # the trainer's lone-replica step
+        opt.zero_grad(set_to_none=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t_drafter = timed("drafter_ms", step)
-    flops = dm.batch_flops(dcfg, S, anchors, valid, tcfg.teacher)
+    flops = dm.batch_flops(dcfg, S, anchors, valid, taught)
     mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     res.update(drafter_tok_s=B * S / t_drafter, drafter_mfu=flops / t_drafter / peak,
                drafter_tflop_per_step=flops / 1e12, drafter_peak_mem_gib=mem)
     log(f"[bench] drafter step: {1e3 * t_drafter:.1f} ms = {B * S / t_drafter:,.0f} target tok/s, "
         f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {mem:.1f} GiB" if mem is not None else ""))
     res["sum_of_parts_tok_s"] = B * S / (t_target + t_drafter)
-    del target, graphed, reps, feats, batch
+    del target, graphed, drafter, opt, feats
     torch.cuda.empty_cache()       # a no-op where CUDA never started
     if not a.no_pipeline:          # the real train_dflash loop, on the same, now warm, compile cache
         res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))

@@ -225,36 +225,6 @@ class GraphedTarget:
         # a copy: the next replay overwrites the graph's output, and the trainer queues features ahead
         return decoding.replay(self.graphs, tuple(ids.shape), None, self.device).clone()
 
-class StepGraphs:
-    """A training step fn(batch) -> dict of tensors as one CUDA-graph replay per batch shape, captured at the warm-up
-    inside the gate: its hundreds of launches (forward, backward, optimiser) cost one, so the device runs step after
-    step while the host does the loop's bookkeeping. Off CUDA fn runs as it is."""
-    def __init__(self, fn, device):
-        self.fn, self.device, self.graphs, self.pool = fn, torch.device(device), {}, None
-
-    def capture(self, key, batch):
-        """Capture fn on a copy of `batch` (device tensors); fn ran on such a batch before (compiles, kernel checks)."""
-        if self.device.type != "cuda":
-            return
-        static, graph = {k: v.clone() for k, v in batch.items()}, torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(static)
-        self.pool, self.graphs[key] = graph.pool(), (graph, static, out)
-
-    def __call__(self, key, batch):
-        """fn's outputs on `batch` (tensors, or numbers for 0-d inputs), valid until the next call."""
-        if self.device.type != "cuda":
-            return self.fn({k: v.to(self.device) if torch.is_tensor(v) else torch.tensor(float(v), device=self.device)
-                            for k, v in batch.items()})
-        if key not in self.graphs:
-            raise UnwarmedShapeError(f"training step of shape {key} on {self.device} was not captured at the warm-up "
-                                     f"(captured: {sorted(self.graphs)})")
-        graph, static, out = self.graphs[key]
-        for k, v in batch.items():
-            static[k].copy_(v, non_blocking=True) if torch.is_tensor(v) else static[k].fill_(v)
-        graph.replay()
-        return out
-
 # ---- 3. The compile cache
 
 def use_compile_cache(cache_dir):
@@ -274,32 +244,21 @@ def _cache_counters():
 
 # ---- 4. The warm-up
 
-def example_batch(c, dev, shape, distill):
-    """A micro-batch of shape (B, S, A) as the loader and a target thread give one, random, on `dev`."""
-    (B, S, A), dt = shape, config.param_dtype(dev)
-    feats = torch.randn(B, S, (len(c.target_layer_ids) + bool(distill)) * c.hidden_size, device=dev, dtype=dt)
-    anchors = torch.arange(A, device=dev).mul(max(1, (S - c.block_size) // A)).expand(B, A).contiguous()
-    return {"feats": feats, "ids": torch.randint(0, c.vocab_size, (B, S), device=dev),
-            "lm": torch.ones(B, S, dtype=torch.long, device=dev), "anchors": anchors,
-            "valid": torch.ones(B, A, dtype=torch.bool, device=dev),
-            "wsum": torch.tensor(float(B * A), device=dev), "update": torch.tensor(0.0, device=dev)}
-
-def warm_step(reps, r, shape):
-    """Replica r's micro-step at `shape` on a random batch, dry (nothing stored): eager (it compiles what it calls,
-    through the gate), then on a GPU captured and replayed, and the replay's loss, accuracy and gradient norm checked
-    against the eager run's (a graph that baked in a value of the capture would differ)."""
-    steps, c = reps.steps[r], reps.drafters[r].config
-    batch = example_batch(c, reps.devices[r], shape, reps.cfg.distill)
-    want = {k: v.float().clone() for k, v in steps.fn(batch).items()}
-    steps.capture(shape, batch)
-    if steps.graphs:
-        got = steps(shape, batch)
-        for k, v in want.items():
-            err = float((got[k].float() - v).abs().max() / v.abs().max().clamp_min(1e-30))
-            if not err <= 1e-3:
-                raise RuntimeError(f"the CUDA graph of the training step at {shape} on {steps.device} gives another "
-                                   f"{k} than the step it captured (relative error {err:.2e}): a bug, not noise")
-    sync_device(reps.devices[r])
+def warm_shape(drafter, shape, gamma, attn):
+    """One forward + backward of the training step at `shape` = (B, S, A); the gradients are left as they were."""
+    (B, S, A), c, dev = shape, drafter.config, drafter.fc.weight.device
+    feats = torch.randn(B, S, len(c.target_layer_ids) * c.hidden_size, device=dev, dtype=config.param_dtype(dev))
+    ids = torch.randint(0, c.vocab_size, (B, S), device=dev)
+    anchors = torch.arange(A).mul(max(1, (S - c.block_size) // A)).expand(B, A).contiguous()
+    with autocast(dev):
+        loss = dm.drafter_forward_loss(drafter, feats, ids, torch.ones(B, S, device=dev), anchors,
+                                       torch.ones(B, A, dtype=torch.bool), gamma, trunk(attn))[0]
+    had_grad = [p.grad is not None for p in drafter.parameters()]
+    if loss.requires_grad:          # no-grad mode has no backward to compile
+        backward(loss, dev, shape, attn)
+    for p, had in zip(drafter.parameters(), had_grad):
+        p.grad = p.grad.zero_() if had else None
+    sync_device(dev)
 
 def warm_target(graphed, B, S):
     """Compile the target's layers at (B, S), capture its graph, check its features against eager ones: returns the
@@ -321,16 +280,15 @@ def warm_target(graphed, B, S):
                          f"{tol:g}): refusing to train on them. Report it with `python diagnose.py` output")
     return worst
 
-def warm_up(reps, shapes, log=print, targets=()):
-    """Warm every (target, (B, S)) of compiled targets (GraphedTarget) and every (replica, shape) of the training step
-    `reps` (replicas.Replicas) in turn, capturing their graphs, size the recompile limit, then mark the gate warm.
-    Returns a row per pair: [(device, shape, seconds, how)]."""
+def warm_up(drafters, shapes, gamma, attn, log=print, targets=()):
+    """Warm every (target, (B, S)) of compiled targets (GraphedTarget) and every (replica, shape) in turn, size the
+    recompile limit, then mark the gate warm. Returns a row per pair: [(device, shape, seconds, how)]."""
     target_shapes = sorted({(B, S) for B, S, _ in shapes})
     # dynamo entries: per (replica, shape) on the drafter's code object, per ((B, S), layer kind) on a target's
     kinds = len(set(getattr(targets[0].target.config, "layer_types", None) or [0])) if targets else 0
-    GATE.set_recompile_limit(max(len(reps.drafters) * len(shapes), kinds * len(target_shapes)) + 2)
+    GATE.set_recompile_limit(max(len(drafters) * len(shapes), kinds * len(target_shapes)) + 2)
     rows, t_start = [], time.time()
-    n = len(targets) * len(target_shapes) + len(reps.drafters) * len(shapes)
+    n = len(targets) * len(target_shapes) + len(drafters) * len(shapes)
 
     def timed(dev, shape, fn, compiled):
         before, t0 = _cache_counters(), time.time()
@@ -339,15 +297,14 @@ def warm_up(reps, shapes, log=print, targets=()):
         how = ("eager (sdpa)" if not compiled else "cold compile" if fx_miss else
                "cache hit" if aot_hit or fx_hit else "reused (in process)")   # reused: a graph of this process
         how += "" if note is None else f", features {note:.0e} from eager"
-        how += ", CUDA graph" if str(dev).startswith("cuda") else ""
         rows.append((dev, tuple(shape), time.time() - t0, how))
         eta = (time.time() - t_start) / len(rows) * (n - len(rows))   # a cold compile takes tens of seconds
         log(f"[warmup] {len(rows)}/{n} {dev:14s} {str(rows[-1][1]):18s} {rows[-1][2]:7.1f}s  {rows[-1][3]}"
             + (f" | ETA {eta:.0f}s" if len(rows) < n else ""))
     for graphed, (B, S) in itertools.product(targets, target_shapes):
         timed(f"{graphed.device} target", (B, S), lambda: warm_target(graphed, B, S), True)
-    for (r, dev), shape in itertools.product(enumerate(reps.devices), shapes):
-        timed(str(dev), shape, lambda: warm_step(reps, r, shape), reps.attn == "flex")
+    for drafter, shape in itertools.product(drafters, shapes):
+        timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, gamma, attn), attn == "flex")
     GATE.mark_warm(log)
     return rows
 

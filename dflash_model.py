@@ -276,22 +276,24 @@ def chunk_plan(n, chunk_rows):
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """sum(w * CE(h @ W^T, y)), w pre-normalised, chunk by chunk (with teacher hidden states t, row i's at t_rows[i]:
     the CE mixed with a KL, see kernels.ce_chunk_eager). The LM head is frozen: the forward computes the one gradient
-    needed, d loss / d h = (d loss / d logits) @ W (N x H, small), so no N x vocab logits wait for the backward. The
-    shapes depend on the inputs' shapes alone and no value goes to the host: a CUDA graph can capture it."""
+    needed, d loss / d h = (d loss / d logits) @ W (N x H, small), so no N x vocab logits wait for the backward."""
     @staticmethod
     def forward(ctx, h, weight, labels, w, chunk, ce, t=None, t_rows=None, alpha=0.0):
         N, need_grad = h.shape[0], h.requires_grad
         size, k = chunk_plan(N, chunk)
-        if size * k > N:   # padding rows: zero hidden, weight 0 -> no loss, no gradient (a teacher row 0 is read)
+        if size * k > N:   # padding rows: zero hidden, weight 0 -> no loss, no gradient
             pad = lambda x: torch.cat([x, x.new_zeros(size * k - N, *x.shape[1:])])
             h, labels, w = pad(h), pad(labels), pad(w)
-            t_rows = None if t is None else pad(t_rows)
-        teacher = None if t is None else t @ weight.t()      # once per position, read by row in place
+            if t is not None:   # a padding row reads the last row's teacher: the last chunk's range stays short
+                t_rows = torch.cat([t_rows, t_rows[-1:].expand(size * k - N)])
+        rows_dev = None if t is None else to_device(t_rows, h.device)
         grad_h = torch.empty_like(h) if need_grad else None
         loss, correct = h.new_zeros((), dtype=torch.float32), h.new_empty(size * k, dtype=torch.bool)
         for s in range(0, size * k, size):
-            e = s + size
-            rows = None if t is None else t_rows[s:e]
+            e, teacher, rows = s + size, None, None
+            if t is not None:   # the chunk's teacher logits: one per position its rows need (host indices, no sync)
+                lo, hi = int(t_rows[s:e].min()), int(t_rows[s:e].max()) + 1
+                teacher, rows = t[lo:hi] @ weight.t(), rows_dev[s:e] - lo
             part, correct[s:e], g = ce(h[s:e] @ weight.t(), labels[s:e], w[s:e], teacher, alpha, rows)
             loss += part
             if need_grad:
@@ -313,14 +315,13 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), chunk by chunk:
     the loss over `weight_sum` (micro-batches and replicas share it: their step is one), and per position acc and
     counts (bs-1,) (acc: the drafter's top token is the label, or the teacher's). teacher (P, H): the target's final
-    hidden states, matched by a KL of weight `distill` (the CE: 1 - distill); teacher_rows (N,): each scored row's."""
+    hidden states, matched by a KL of weight `distill` (the CE: 1 - distill); teacher_rows: teacher_positions' rows."""
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
     w = weights[:, :, 1:].reshape(-1).float()
     # a host number as a fill kernel: a host-to-device copy would block until the forward just queued is done
-    wsum = w.sum() if weight_sum is None else weight_sum.to(w.device, torch.float32) \
-        if torch.is_tensor(weight_sum) else torch.full((), float(weight_sum), device=w.device)
+    wsum = w.sum() if weight_sum is None else torch.full((), float(weight_sum), device=w.device)
     ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager
     t = None if teacher is None else teacher.to(h.dtype)
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum.clamp(min=1e-6),
@@ -329,12 +330,22 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     counts = sup.sum(0).float()
     return loss, (correct.view(B * A, bs - 1) & sup).sum(0).float() / counts.clamp(min=1), counts
 
-def teacher_rows(anchors, S, block_size):
-    """Distillation's teacher row of each scored block row, in the (B * S) flat positions: block position k of anchor
-    a is taught the target's distribution after position a + k - 1 (a padding anchor's rows are not scored)."""
-    B, k = anchors.shape[0], torch.arange(1, block_size, device=anchors.device)
-    at = (anchors[:, :, None] + k - 1).clamp(max=S - 1)
-    return (torch.arange(B, device=anchors.device)[:, None, None] * S + at).flatten()
+def teacher_positions(anchors, valid, S, block_size):
+    """Distillation's positions (P,) (flat b * S + p, ascending; the teacher's LM head runs once for each) and each
+    scored row's index into them. Rows ascend but for block overlaps, so a chunk of rows needs one short range (an
+    unsampled anchor's rows repeat the row before). From host anchors: on a device they cost a sync."""
+    anchors, valid = anchors.cpu(), valid.cpu()
+    B, A = anchors.shape
+    k = torch.arange(1, block_size)
+    flat = (torch.arange(B)[:, None, None] * S + (anchors[:, :, None] + k - 1).clamp(max=S - 1)).flatten()
+    ok = valid[:, :, None].expand(B, A, block_size - 1).flatten()
+    if not bool(ok.any()):
+        return torch.zeros(1, dtype=torch.long), torch.zeros(len(flat), dtype=torch.long)
+    positions, inverse = torch.unique(flat[ok], return_inverse=True)
+    rows = torch.zeros(len(flat), dtype=torch.long)
+    rows[ok] = inverse
+    src = torch.where(ok, torch.arange(len(flat)), -1).cummax(0).values   # the last sampled row up to each row
+    return positions, rows[torch.where(src < 0, ok.nonzero()[0, 0], src)]
 
 def simulated_tau(acc):
     """1 + sum_k prod_{j<=k} acc_j: the acceptance length if position errors were independent."""
@@ -347,17 +358,20 @@ def dense_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
                         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
 
 def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma, trunk=dense_trunk,
-                         weight_sum=None, distill=0.0):
+                         weight_sum=None, distill=0.0, taught=None):
     """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk) -> loss. distill > 0: target_feats
-    ends with the target's final hidden states (the teacher), whose logits are computed once per position."""
+    ends with the target's final hidden states (the teacher); `taught`: teacher_positions' result, if computed ahead."""
     c, (B, S), dev = drafter.config, input_ids.shape, input_ids.device
+    if distill and taught is None:     # from the host anchors, before they move
+        taught = teacher_positions(anchors, valid, S, c.block_size)
     anchors, valid = to_device(anchors, dev), to_device(valid, dev)
     block_ids, block_pos, labels, weights = make_blocks(
         input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
     teacher = rows = None
-    if distill:
+    if distill:    # block position k's label is the target's next token after position anchor + k - 1
         target_feats, final = target_feats[..., :-c.hidden_size].contiguous(), target_feats[..., -c.hidden_size:]
-        teacher, rows = final.reshape(B * S, c.hidden_size), teacher_rows(anchors, S, c.block_size)
+        positions, rows = to_device(taught[0], dev), taught[1]
+        teacher = final[positions // S, positions % S]
     ctx_pos = torch.arange(S, device=dev).expand(B, S)
     hidden = trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors)
     return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, weight_sum=weight_sum, teacher=teacher,
@@ -385,12 +399,12 @@ def step_flops(c, S, A, ctx):
     return matmul_flops(c, S, A) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
         c.num_attention_heads * c.head_dim * (ctx + c.block_size)
 
-def batch_flops(c, S, anchors, valid, teacher=False):
-    """One drafter step on a (B, S) batch as it runs (padding included), with `teacher` the teacher's logits at every
-    position (one frozen LM head matmul)."""
+def batch_flops(c, S, anchors, valid, taught=None):
+    """One drafter step on a (B, S) batch as it runs (padding included), with the teacher's logits (one frozen LM head
+    matmul) at the positions of `taught` (teacher_positions' result; None: no distillation)."""
     ctx = [float(a[v].float().mean()) if bool(v.any()) else 0.0 for a, v in zip(anchors, valid)]
-    return sum(step_flops(c, S, anchors.shape[1], x) for x in ctx) + teacher * 2 * len(anchors) * S * c.hidden_size \
-        * c.vocab_size
+    teacher = 0 if taught is None else 2 * len(taught[0]) * c.hidden_size * c.vocab_size
+    return sum(step_flops(c, S, anchors.shape[1], x) for x in ctx) + teacher
 
 # ---- 4. The target's features
 

@@ -125,13 +125,10 @@ def _check_ce_kernel(logits, y, w, teacher, alpha, rows=None):
 
 if triton is not None:
     @triton.jit
-    def _adamw_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, scale_ptr, hyper_ptr, n,
-                      beta1, beta2, eps, BLOCK: tl.constexpr):
-        # the step's scalars are read from the device (decay, step size, sqrt of the second bias correction): a CUDA
-        # graph that captured this launch replays it with each step's learning rate
+    def _adamw_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, scale_ptr, n,
+                      beta1, beta2, eps, decay, step_size, bc2_sqrt, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         scale = tl.load(scale_ptr)
-        decay, step_size, bc2_sqrt = tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2)
         load = offs < n
         keep = offs < tl.where(scale == scale, n, 0)     # a nan factor (a nan/inf gradient norm): store nothing
         g = tl.load(grad_ptr + offs, mask=load).to(tl.float32) * scale
@@ -156,16 +153,15 @@ def adamw_torch(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
     w.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
     p.copy_(w)
 
-def _update_triton(p, g, st, scale, hyper, beta1, beta2, eps):
-    """hyper: a device tensor (decay, step_size, bc2_sqrt), adamw_torch's last three arguments."""
+def _update_triton(p, g, st, scale, beta1, beta2, eps, decay, step_size, bc2_sqrt):
     n, block = p.numel(), 1024      # 1024 x 4 warps: faster than 4096 x 8 on an H200
-    _adamw_kernel[(triton.cdiv(n, block),)](p, g, st["master"], st["exp_avg"], st["exp_avg_sq"], scale, hyper, n,
-                                           beta1, beta2, eps, BLOCK=block, num_warps=4)
+    _adamw_kernel[(triton.cdiv(n, block),)](p, g, st["master"], st["exp_avg"], st["exp_avg_sq"], scale, n,
+                                           beta1, beta2, eps, decay, step_size, bc2_sqrt, BLOCK=block, num_warps=4)
 
-def adamw_triton(p, g, st, scale, hyper, *args):
+def adamw_triton(p, g, st, scale, *args):
     with torch.cuda.device(p.device):     # Triton launches on the CURRENT device's stream, not the tensors'
         _check_once(_ADAMW_CHECKED, p.device, _check_adamw_kernel, p.device)
-        _update_triton(p, g, st, scale, hyper, *args)
+        _update_triton(p, g, st, scale, *args)
 
 def _check_adamw_kernel(dev):
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -177,8 +173,7 @@ def _check_adamw_kernel(dev):
     p, p_ref = torch.empty(n, device=dev, dtype=torch.bfloat16), torch.empty(n, device=dev, dtype=torch.bfloat16)
     scale = torch.tensor(0.5, device=dev)
     args = (0.9, 0.95, 1e-8, 1 - 1e-3 * 0.1, 1e-3 / (1 - 0.9 ** 3), math.sqrt(1 - 0.95 ** 3))
-    hyper = torch.tensor(args[3:], device=dev)
-    _update_triton(p, g, st, scale, hyper, *args[:3])
+    _update_triton(p, g, st, scale, *args)
     adamw_torch(p_ref, g, ref, scale, *args)
     for k in st:
         err = float((st[k] - ref[k]).abs().max() / ref[k].abs().max())
@@ -190,7 +185,7 @@ def _check_adamw_kernel(dev):
     for k in (n, 3 * 4096):     # a nan factor stores nothing: ragged, and divisible by 16 (Triton compiles it apart)
         sub = {key: t[:k] for key, t in st.items()}
         before = [t.clone() for t in (p[:k], g[:k], *sub.values())]
-        _update_triton(p[:k], g[:k], sub, torch.tensor(math.nan, device=dev), hyper, *args[:3])
+        _update_triton(p[:k], g[:k], sub, torch.tensor(math.nan, device=dev), *args)
         if not all(torch.equal(a, b) for a, b in zip(before, (p[:k], g[:k], *sub.values()))):
             raise RuntimeError(f"the Triton AdamW kernel stores an update with a nan clip factor on {dev} "
                                "(it must store nothing: a nan/inf gradient norm would poison the weights)")

@@ -30,67 +30,35 @@ class MasterAdamW(torch.optim.Optimizer):
                              "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
                              "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format)}
         cast_weights(self.params(), param_dtype)
-        params = self.params()       # advance()'s per-parameter scalars, and their pinned staging copy on a GPU
-        cuda = params[0].device.type == "cuda"
-        self.hyper = torch.zeros(len(params), 3, device=params[0].device)
-        self.hyper_host, self.copied = torch.zeros(len(params), 3, pin_memory=cuda), None
-        self.hyper_values, self.advanced = [(1.0, 0.0, 1.0)] * len(params), []
 
     def params(self):
         return [p for group in self.param_groups for p in group["params"]]
 
     @torch.no_grad()
     def step(self, grads, grad_scale=None):
-        self.advance([g is not None for g in grads])
-        self.update(grads, grad_scale)
-
-    def advance(self, which=None):
-        """The host half of a step: the step counts of the parameters `which` marks (default all), and each one's
-        decay, step size and bias correction, queued to the device on the current stream for update() to read."""
-        params, self.hyper_values = self.params(), []
-        which = [True] * len(params) if which is None else which
-        if len(which) != len(params):
-            raise ValueError(f"{len(which)} gradients for {len(params)} parameters")
-        self.advanced = [p for p, w in zip(params, which) if w]
-        for w, (group, p) in zip(which, [(g, p) for g in self.param_groups for p in g["params"]]):
-            (beta1, beta2), lr, st = group["betas"], group["lr"], self.state[p]
-            t = st["step"] = st["step"] + bool(w)
-            self.hyper_values.append((1 - lr * group["weight_decay"], lr / (1 - beta1 ** max(t, 1)),
-                                      math.sqrt(1 - beta2 ** max(t, 1))))
-        if self.copied is not None:
-            self.copied.synchronize()     # the last step's copy has left the pinned buffer (it has, but for a race)
-        self.hyper_host.copy_(torch.tensor(self.hyper_values, dtype=torch.float64))    # rounded as a kernel argument
-        self.hyper.copy_(self.hyper_host, non_blocking=True)
-        if self.hyper.is_cuda:
-            self.copied = torch.cuda.current_stream(self.hyper.device).record_event()
-
-    def rewind(self):
-        """Undo the last advance() (an update that stored nothing: a nan/inf gradient norm)."""
-        for p in self.advanced:
-            self.state[p]["step"] -= 1
-
-    @torch.no_grad()
-    def update(self, grads, grad_scale=None):
-        """The device half: one pass per parameter with a gradient, reading advance()'s scalars; it runs no host
-        code that depends on the step, so a CUDA graph can capture it (the trainer's lone replica does)."""
         pairs = [(group, p) for group in self.param_groups for p in group["params"]]
         if len(grads) != len(pairs):
             raise ValueError(f"{len(grads)} gradients for {len(pairs)} parameters")
         nan_scale = None
-        for i, ((group, p), g) in enumerate(zip(pairs, grads)):
+        for (group, p), g in zip(pairs, grads):
             if g is None:
                 continue
             if g.shape != p.shape:
                 raise ValueError(f"gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
-            st, (beta1, beta2), eps = self.state[p], group["betas"], group["eps"]
+            beta1, beta2 = group["betas"]
+            st = self.state[p]
+            st["step"] += 1
+            t = st["step"]
+            args = (beta1, beta2, group["eps"], 1 - group["lr"] * group["weight_decay"],
+                    group["lr"] / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t))
             if p.device.type == "cuda" and kernels.triton is not None:
                 scale = grad_scale if grad_scale is not None else torch.ones((), device=p.device)
-                kernels.adamw_triton(p, g.contiguous(), st, scale.float(), self.hyper[i], beta1, beta2, eps)
+                kernels.adamw_triton(p, g.contiguous(), st, scale.float(), *args)
             else:
                 if nan_scale is None:     # once per step: a host sync on a GPU (only without Triton)
                     nan_scale = grad_scale is not None and bool(torch.isnan(grad_scale))
                 if not nan_scale:         # a nan factor stores nothing, as the kernel
-                    kernels.adamw_torch(p, g, st, grad_scale, beta1, beta2, eps, *self.hyper_values[i])
+                    kernels.adamw_torch(p, g, st, grad_scale, *args)
 
     def masters(self):
         return [self.state[p]["master"] for p in self.params()]

@@ -1,73 +1,39 @@
 """The drafter replicas, one per drafter device, and the step that keeps them equal: the summed gradients, one clip,
 the same MasterAdamW step on each. They must stay bit-identical: fingerprints of their weights and fp32 masters are
 compared every log interval (across ranks too) and at the end of the run."""
-import functools
 import math
 
 import torch
 import torch.distributed as dist
 
 import checkpoint as ck
-import compiled
 import config
-import dflash_model as dm
 from master_adamw import MasterAdamW
 
 class Replicas:
-    def __init__(self, dcfg, emb, head, devices, cfg, world, lr_lambda, log, attn="sdpa"):
-        self.world, self.cfg, self.devices, self.attn = world, cfg, devices, attn
+    def __init__(self, dcfg, emb, head, devices, cfg, world, lr_lambda, log):
+        self.world = world
         self.drafters = [config.new_drafter(dcfg, emb, head, d, cfg.seed) for d in devices]   # identical replicas
         self.opts = [MasterAdamW(dr.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                  param_dtype=config.param_dtype(d)) for dr, d in zip(self.drafters, devices)]
         self.scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) for opt in self.opts]
         # summed gradients (several replicas, ranks or micro-batches) add into an fp32 buffer per replica,
-        # one collective per step; a lone replica with one micro-batch clips and updates inside its micro-step
-        self.lone = not (len(devices) > 1 or world > 1 or cfg.grad_accum > 1)
+        # one collective per step; a lone replica with one micro-batch takes each backward's: no zeroing pass
+        summed = len(devices) > 1 or world > 1 or cfg.grad_accum > 1
         self.flats, self.grads = [None] * len(devices), [None] * len(devices)
-        for r, dr in enumerate([] if self.lone else self.drafters):
+        for r, dr in enumerate(self.drafters if summed else []):
             params = list(dr.parameters())
             sizes = [p.numel() for p in params]
             self.flats[r] = torch.zeros(sum(sizes), device=devices[r], dtype=torch.float32)
             self.grads[r] = [g.view_as(p) for g, p in zip(torch.split(self.flats[r], sizes), params)]
             for p, g in zip(params, self.grads[r]):
                 p.register_post_accumulate_grad_hook(add_into(g))
-        # each replica's micro-step: one CUDA graph per shape on a GPU, captured by the warm-up (compiled.warm_up)
-        self.steps = [compiled.StepGraphs(functools.partial(self.micro_step, r), d) for r, d in enumerate(devices)]
         n = sum(p.numel() for p in self.drafters[0].parameters())
-        how = ("clipped and stepped inside the micro-step (lone replica)" if self.lone
-               else "one flat fp32 buffer per replica (summed across replicas/ranks/micro-batches)")
+        how = ("one flat fp32 buffer per replica (summed across replicas/ranks/micro-batches)" if summed
+               else "handed over by each backward (lone replica)")
         log(f"[model] {len(devices)} drafter replica(s) x {n / 1e6:.1f}M trainable params on "
             f"{[str(d) for d in devices]} ({str(config.param_dtype(devices[0])).removeprefix('torch.')} weights, "
             f"fp32 masters in the optimiser); grads: {how}")
-
-    def micro_step(self, r, b):
-        """Replica r's training step on one micro-batch `b` (device tensors: feats, ids, lm, anchors, valid, wsum and
-        update, 0 for a dry run that stores nothing): forward, backward into the summed gradients, or for a lone
-        replica also the clip and the AdamW update. Device work only, no host sync: a GPU captures it as a graph."""
-        dr, dev, cfg, (B, S), A = self.drafters[r], self.devices[r], self.cfg, b["ids"].shape, b["anchors"].shape[1]
-        with compiled.autocast(dev):
-            loss, acc, counts = dm.drafter_forward_loss(dr, b["feats"], b["ids"], b["lm"], b["anchors"], b["valid"],
-                                                        cfg.gamma, compiled.trunk(self.attn), weight_sum=b["wsum"],
-                                                        distill=cfg.distill)
-        compiled.backward(loss, dev, (B, S, A), self.attn)
-        out = {"stats": torch.cat([loss.detach().float().view(1), acc * counts, counts])}
-        if self.lone:
-            grads = [p.grad for p in dr.parameters()]
-            out["norm"], scale = clip_scale(grads, cfg.clip, b["update"])
-            self.opts[r].update(grads, grad_scale=scale)
-            self.opts[r].zero_grad(set_to_none=True)
-        return out
-
-    def train(self, r, batches, wsum):
-        """Replica r's micro-batches of a step (dicts of feats, ids, lm, anchors, valid): (summed stats, the gradient
-        norm on the device for a lone replica, else None)."""
-        total = None
-        for b in batches:
-            if self.lone:
-                self.opts[r].advance()
-            out = self.steps[r](shape_of(b), {**b, "wsum": wsum, "update": 1.0})
-            total = out["stats"].clone() if total is None else total + out["stats"]
-        return total, out.get("norm")
 
     def zero_grads(self):
         for opt, flat in zip(self.opts, self.flats):
@@ -94,21 +60,12 @@ class Replicas:
         # read now, ready with the gradients: the log costs no wait, and this thread runs ahead of the AdamW pass
         return stats.to("cpu")
 
-    def step(self, clip, norm=None):
-        """The step's end: a lone replica's update ran in its micro-step (`norm`: its gradient norm on the device);
-        summed gradients are clipped and stepped here, on every replica. A nan/inf norm raises, nothing stored."""
-        if self.lone:
-            value = float(norm)
-            if not math.isfinite(value):     # the update stored nothing
-                self.opts[0].rewind()
-                raise FloatingPointError(f"the gradient norm is {value}")
-        else:
-            for opt, grads in zip(self.opts, self.grads):
-                value = clip_and_step(opt, grads, clip)
-            self.zero_grads()
-        for sched in self.scheds:
+    def step(self, clip):
+        for dr, opt, sched, grads in zip(self.drafters, self.opts, self.scheds, self.grads):
+            gnorm = clip_and_step(opt, grads if grads is not None else [p.grad for p in dr.parameters()], clip)
             sched.step()
-        return value          # the same on every replica
+        self.zero_grads()
+        return gnorm          # the same on every replica
 
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint_state(self):
@@ -167,31 +124,22 @@ class Replicas:
         return [f"{who or f'replica {r}'}: {names[i]}" for r in range(1, len(fps))
                 for i in (fps[r] != fps[0]).nonzero()[:, 0].tolist()]
 
-def shape_of(b):
-    """A micro-batch's (B, S, A): the key of its warmed shape and its CUDA graph."""
-    return (*b["ids"].shape, b["anchors"].shape[1])
-
-def clip_scale(grads, clip, update=None):
-    """(norm, factor) of clip_grad_norm_ as device tensors, no host sync; the factor is nan (MasterAdamW's pass then
-    stores nothing) for a nan/inf norm or `update` 0 (a dry run)."""
+def clip_and_step(opt, grads, clip):
+    """clip_grad_norm_'s factor, applied on the device in MasterAdamW's pass (no scaling pass, no host sync). The step
+    is queued BEFORE the host waits for the norm, so the device updates meanwhile; a nan/inf norm stores nothing."""
     norms = torch._foreach_norm([g for g in grads if g is not None], 2.0, dtype=torch.float32)   # fp32 for bf16
     norm = torch.linalg.vector_norm(torch.stack(norms))
-    ok = torch.isfinite(norm) if update is None else torch.isfinite(norm) & (update > 0)
-    return norm, torch.where(ok, (clip / (norm + 1e-6)).clamp(max=1.0), math.nan)
-
-def clip_and_step(opt, grads, clip):
-    """clip_grad_norm_'s factor, applied on the device in MasterAdamW's pass (no scaling pass). The step is queued
-    BEFORE the host waits for the norm, so the device updates meanwhile; a nan/inf norm stores nothing and raises."""
-    opt.advance([g is not None for g in grads])
-    norm, scale = clip_scale(grads, clip)
+    scale = torch.where(torch.isfinite(norm), (clip / (norm + 1e-6)).clamp(max=1.0), math.nan)
     host = torch.empty((), dtype=norm.dtype, pin_memory=norm.is_cuda).copy_(norm, non_blocking=True)
     ready = torch.cuda.current_stream(norm.device).record_event() if norm.is_cuda else None
-    opt.update(grads, grad_scale=scale)
+    counts = [opt.state[p]["step"] for p in opt.params()]
+    opt.step(grads=grads, grad_scale=scale)
     if ready is not None:
         ready.synchronize()
     value = float(host)
     if not math.isfinite(value):      # a nan/inf step would poison every weight and every later checkpoint
-        opt.rewind()
+        for p, n in zip(opt.params(), counts):
+            opt.state[p]["step"] = n
         raise FloatingPointError(f"the gradient norm is {value}")
     return value
 

@@ -65,7 +65,8 @@ class Trainer:
         t_warm = time.time()
         if self.attn == "flex":
             compiled.use_compile_cache(cfg.compile_cache)
-        compiled.warm_up(self.replicas, self.shapes, log, targets=self.graphed if self.attn == "flex" else ())
+        compiled.warm_up(self.replicas.drafters, self.shapes, cfg.gamma, self.attn, log,
+                         targets=self.graphed if self.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers
         self.peak_flops = compiled.measure_peak_flops(self.ddevs[0])
@@ -130,7 +131,7 @@ class Trainer:
         t0 = self.targets[0]
         self.replicas = Replicas(self.dcfg, t0.get_input_embeddings().weight.detach(),
                                  t0.get_output_embeddings().weight.detach(), self.ddevs, self.cfg, self.world,
-                                 self.lr_factor, self.log, self.attn)
+                                 self.lr_factor, self.log)
 
     def lr_factor(self, s):
         """At the middle of step s (0-based): no step runs at lr 0. Under a time budget the elapsed share counts too."""
@@ -211,7 +212,7 @@ class Trainer:
                     self.world, [*(sum(b[k] for b in batches) for k in ("wsum", "tokens", "flops")), bool(asked)])
                 for r in range(R):
                     run.put(self.inbox[r], (step, batches[r::R], wsum))
-                sums, norms = zip(*[run.get(q) for q in self.outbox])    # every replica's micro-steps are done
+                sums = [run.get(q) for q in self.outbox]    # every replica's backward is done
                 t0 = time.time()
                 stats = reps.reduce(sums)                     # the gradients and the sums, over replicas and ranks
                 if cfg.max_minutes:
@@ -222,7 +223,7 @@ class Trainer:
                     t_prev, self.time_frac = now, used / budget        # before the step: the schedule reads it
                 lr = reps.opts[0].param_groups[0]["lr"]
                 try:
-                    gnorm = reps.step(cfg.clip, norms[0])
+                    gnorm = reps.step(cfg.clip)
                 except FloatingPointError as e:   # before any replica stepped: the weights are the last step's
                     raise FloatingPointError(f"step {step}: {e} (loss {float(stats[0]):.4g}); stopped without "
                                              "stepping, the checkpoints are intact. Usual causes: too high --lr, "
@@ -300,23 +301,28 @@ class Trainer:
         with compiled.own_stream(dev) as stream:
             while True:
                 step, batches, wsum = self.run.get(self.inbox[r])
-                if stream is not None:   # the step loop's AdamW pass (summed gradients), queued on the default stream
+                if stream is not None:   # the step loop's AdamW pass, queued on the default stream, writes the weights
                     stream.wait_stream(torch.cuda.default_stream(dev))
                 self.run.put(self.outbox[r], self.forward_backward(r, step, batches, wsum))
 
     def forward_backward(self, r, step, batches, wsum):
-        """Replica r's micro-batches of a step: its micro-steps (replicas.Replicas.micro_step, one CUDA graph per shape
-        on a GPU), waited for: busy = device time. Returns (summed stats, a lone replica's gradient norm or None)."""
-        dev, t0 = self.ddevs[r], time.time()
+        dev, dr, t0 = self.ddevs[r], self.replicas.drafters[r], time.time()
+        loss_sum, hits, counts = 0.0, 0, 0
         for b in batches:
-            shape = (*b["ids"].shape, b["anchors"].shape[1])
-            if shape not in self.shapes:     # on every path, not only the graphs': CPU tests see it too
+            ids, anchors = b["ids"], b["anchors"]
+            shape = (ids.shape[0], b["S"], anchors.shape[1])
+            if shape not in self.shapes:     # on every path, not only the gate's: CPU tests see it too
                 raise RuntimeError(f"batch shape {shape} is not in the warmed shape plan {self.shapes}")
-        out = self.replicas.train(r, [{k: b[k] for k in ("feats", "ids", "lm", "anchors", "valid")} for b in batches],
-                                  wsum)
+            with compiled.autocast(dev):
+                loss, acc, cnt = dm.drafter_forward_loss(dr, b["feats"].to(dev, non_blocking=True),
+                                                         dm.to_device(ids, dev), dm.to_device(b["lm"], dev), anchors,
+                                                         b["valid"], self.cfg.gamma, compiled.trunk(self.attn),
+                                                         weight_sum=wsum, distill=self.cfg.distill, taught=b["taught"])
+            compiled.backward(loss, dev, shape, self.attn)
+            loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
         compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
         self.busy["drafter"][r] += time.time() - t0
-        return out
+        return torch.cat([loss_sum.float().view(1), hits.float(), counts.float()])
 
     # --- what a run reports --------------------------------------------------------------------------
     def interval(self, step, tot, seen):
@@ -409,13 +415,13 @@ def log_line(step, x, total_steps, cfg):
 
 def prepare_batch(cfg, dcfg, S, keys, ids, lm, lengths):
     """A batch's host work, done by the loader thread ahead of its step (off the step loop's and the drafter thread's
-    path): its anchors, its share of the step's sums, and on a GPU its tensors pinned (their copies are queued)."""
+    path): its anchors, distillation's taught positions, and its share of the step's sums."""
     anchors, valid = sample_anchors_for(cfg.seed, keys, lm, lengths, config.anchors_for(cfg, S), cfg.block_size)
     weights = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3]
-    pin = (lambda t: t.pin_memory()) if torch.cuda.is_available() else (lambda t: t)
-    return {"S": S, "ids": pin(ids), "lm": pin(lm), "anchors": pin(anchors), "valid": pin(valid),
+    taught = dm.teacher_positions(anchors, valid, S, cfg.block_size) if cfg.teacher else None
+    return {"S": S, "ids": ids, "lm": lm, "anchors": anchors, "valid": valid, "taught": taught,
             "wsum": float(weights[:, :, 1:].sum()), "tokens": float(lengths.sum()),
-            "flops": dm.batch_flops(dcfg, S, anchors, valid, cfg.teacher)}
+            "flops": dm.batch_flops(dcfg, S, anchors, valid, taught)}
 
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
     """Drawn per (sample, epoch) with their own generator: the same however batches are split, and again on resume."""

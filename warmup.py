@@ -9,9 +9,9 @@ import torch
 
 import compiled
 import config
-from replicas import Replicas
+from master_adamw import cast_weights
 
-def build_replicas(cfg):
+def build_drafters(cfg):
     """The drafter replicas and the shape plan train_dflash.py builds for `cfg`, without the target's weights: its
     meta-device model gives the embedding and LM head shapes and whether they are one tensor; empty tensors stand in."""
     from transformers import AutoModelForCausalLM
@@ -25,24 +25,27 @@ def build_replicas(cfg):
     emb = torch.empty(m_emb.shape, dtype=tdtype, device=tdevs[0])
     # tied: a second view, not the same object, as the trainer's two .detach() calls (dynamo guards on it)
     head = emb.detach() if m_head is m_emb else torch.empty(m_head.shape, dtype=tdtype, device=tdevs[0])
-    reps = Replicas(dcfg, emb, head, ddevs, cfg, 1, lambda s: 1.0, print, config.resolve_attn(cfg, ddevs))
-    return dcfg, reps, config.shape_plan(cfg, dcfg, config.batch_memory(dcfg, tcfg, tdevs, ddevs))
+    drafters = [config.new_drafter(dcfg, emb, head, d, cfg.seed) for d in ddevs]
+    for dr, d in zip(drafters, ddevs):
+        cast_weights(dr.parameters(), config.param_dtype(d))     # as the trainer's optimiser does
+    return dcfg, drafters, config.shape_plan(cfg, dcfg, config.batch_memory(dcfg, tcfg, tdevs, ddevs))
 
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     cfg.target = config.target_and_data(cfg)[0]      # the embedded default, prepared once
-    dcfg, reps, shapes = build_replicas(cfg)
+    dcfg, drafters, shapes = build_drafters(cfg)
+    attn = config.resolve_attn(cfg, [d.fc.weight.device for d in drafters])
     targets = []
-    if reps.attn == "flex":        # the target's compiled layers too, on random weights of its shape
+    if attn == "flex":        # the target's compiled layers too, on random weights of its shape
         compiled.use_compile_cache(cfg.compile_cache)
         for d in config.resolve_devices(cfg)[0]:
             target = config.load_target(cfg.target, d, config.param_dtype(d), dcfg.target_layer_ids,
                                         random_weights=True, whole=cfg.teacher)
             compiled.compile_target_layers(target)
             targets.append(compiled.GraphedTarget(target, dcfg.target_layer_ids, final=cfg.teacher))
-    print(f"[warmup] {len(reps.drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
-          f"attention {reps.attn}")
-    rows = compiled.warm_up(reps, shapes, targets=targets)
+    print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
+          f"attention {attn}")
+    rows = compiled.warm_up(drafters, shapes, cfg.gamma, attn, targets=targets)
     print(f"[warmup] done: {sum(r[2] for r in rows):.1f}s over {len(rows)} (device, shape) pairs")
 
 if __name__ == "__main__":
