@@ -197,9 +197,10 @@ def picker(temperature, top_p):
 
     def sample(logits, seeds):
         logp = (logits / temperature).log_softmax(-1)
-        p, idx = logp.exp().sort(-1, descending=True)
-        cut = p.cumsum(-1) - p > top_p      # outside the smallest head whose mass reaches top_p
-        logp.scatter_(-1, idx, torch.where(cut, -torch.inf, logp.gather(-1, idx)))
+        if top_p < 1:      # the nucleus needs the probabilities sorted; top_p 1 keeps every token, and skips the sort
+            p, idx = logp.exp().sort(-1, descending=True)
+            cut = p.cumsum(-1) - p > top_p      # outside the smallest head whose mass reaches top_p
+            logp.scatter_(-1, idx, torch.where(cut, -torch.inf, logp.gather(-1, idx)))
         x = seeds[:, None] * logits.shape[-1] + torch.arange(logits.shape[-1], device=logits.device)
         for shift, mult in ((33, -49064778989728563), (33, -4265267296055464877), (33, 1)):   # murmur3's mix
             x = (x ^ (x >> shift)) * mult

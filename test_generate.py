@@ -348,7 +348,7 @@ def test_a_compiled_engine_decodes_as_the_eager_one(target, tok, monkeypatch):
 def test_sampling_draws_from_the_nucleus_and_depends_only_on_the_seed():
     """20,000 draws of one row (seeds 0..19999) at temperature 0.8, top-p 0.95: the shares of the nucleus'
     3 tokens are its renormalised probabilities, the 4th (outside it) never comes; a row's draw is the same
-    alone or among others."""
+    alone or among others; at top-p 1 every token comes at its probability."""
     pick = decoding.picker(0.8, 0.95)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     draws = pick(logits.expand(20000, 4), torch.arange(20000))
@@ -357,6 +357,9 @@ def test_sampling_draws_from_the_nucleus_and_depends_only_on_the_seed():
     assert shares[3] == 0 and torch.allclose(shares[:3], p / p.sum(), atol=0.01), shares
     mixed = torch.cat([logits, torch.randn(5, 4)])
     assert pick(mixed, torch.arange(6) + 7)[0] == pick(logits, torch.tensor([7]))[0]
+    # top-p 1 keeps every token, however unlikely: the 4th (probability 0.8%) comes at its share
+    shares = torch.bincount(decoding.picker(0.8, 1.0)(logits.expand(20000, 4), torch.arange(20000)), minlength=4) / 2e4
+    assert torch.allclose(shares, (logits[0] / 0.8).softmax(-1), atol=0.01) and shares[3] > 0, shares
 
 
 def test_a_target_the_engine_cannot_decode_exactly_is_refused(target):
