@@ -48,6 +48,11 @@ def load_newest(out_dir, log):
         raise SystemExit(f"error: every checkpoint in {out_dir} is damaged (see above): nothing to resume from")
     return None, None
 
+class WriteError(OSError):
+    """A checkpoint that could not be written (a full or read-only disk, no permission): the run reports its one line
+    (pipeline.Run), not a traceback."""
+    one_line = True
+
 class Checkpointer:
     """One write at a time, in the background: a save waits for the last and says so (a slow disk is not a slow GPU)."""
 
@@ -85,12 +90,14 @@ class Checkpointer:
                      for d, _, names in os.walk(tmp) for n in names}
             with open(os.path.join(tmp, "DONE"), "w") as f:
                 json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}, f, indent=1)
-        except BaseException:
+        except Exception as e:     # noqa: BLE001 - torch.save words a full disk as "file write failed"
             shutil.rmtree(tmp, ignore_errors=True)      # a partial checkpoint only takes disk space
             free = shutil.disk_usage(self.out_dir).free / 2**30
             self.log(f"[ckpt] the write of checkpoint {step} failed ({free:.2f} GiB free on {self.out_dir}'s "
                      "file system); its partial folder was removed")
-            raise
+            raise WriteError(f"checkpoint {step} could not be written to {tmp}: {type(e).__name__}: "
+                             f"{(str(e).splitlines() or [''])[0]} ({free:.2f} GiB free there"
+                             + ("; the disk is full" if free < 0.01 else "") + ")") from e
         shutil.rmtree(final, ignore_errors=True)      # a damaged one of an earlier run
         os.replace(tmp, final)
         for old in list_checkpoints(self.out_dir)[: -self.keep_last]:

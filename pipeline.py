@@ -14,7 +14,9 @@ class Run:
         self.stop, self.failures = threading.Event(), []
 
     def fail(self, name, exc):
-        self.failures.append((name, "".join(traceback.format_exception(exc))))      # atomic: no lock
+        """Record a thread's failure and stop the run: its traceback, or one line for an error that says it all."""
+        report = f" {exc}" if getattr(exc, "one_line", False) else "\n" + "".join(traceback.format_exception(exc))
+        self.failures.append((name, report))      # atomic: no lock
         self.stop.set()
 
     def check(self):

@@ -6,6 +6,7 @@ Every training run is tiny: a random 4-layer Llama/Qwen3 target (hidden 64) with
 tokenizer, a 2-layer drafter, a handful of steps. What each test asserts is in its name. Faults are
 injected by the tests: break() wraps the project's own function that is to fail, in the run's process.
 """
+import errno
 import functools
 import json
 import math
@@ -173,8 +174,11 @@ def break_(kind, n):
         wrap(dm, "target_forward", before=lambda *a: next(calls) == n and fail("target"))
     elif kind == "drafter":
         wrap(tr.Trainer, "forward_backward", before=lambda self, r, step, *a: step == n and fail("drafter"))
-    elif kind == "ckpt":
-        wrap(dm, "save_drafter", after=lambda d, path, *a: f"step_{n:06d}.tmp" in path and fail("ckpt"))
+    elif kind == "ckpt":         # as a full disk fails a write
+        def full(d, path, *a):
+            if f"step_{n:06d}.tmp" in path:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        wrap(dm, "save_drafter", after=full)
     elif kind == "ckpt_lag":
         def lag(self, step, *a):          # training's progress, as metrics.jsonl records it
             done = lambda: max([0] + [json.loads(x)["step"] for x in open(Path(self.out_dir) / "metrics.jsonl")])
@@ -584,15 +588,18 @@ def test_sigterm_checkpoints_the_step_under_way_and_stops_then_resume_goes_on(ll
 
 def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_run(llama, sharegpt, cache_dir,
                                                                                      tmp_path):
-    """A checkpoint's files are written by a thread while training goes on: a write that fails stops
-    the run like any thread (non-zero exit, its traceback, the previous checkpoint intact and named,
+    """A checkpoint's files are written by a thread while training goes on: a write that fails (a full disk) stops
+    the run like any thread (non-zero exit, one line saying why, the previous checkpoint intact and named,
     the half-written folder removed); the log line reports the step loop's pause for the snapshot
     apart from the rates."""
     out = tmp_path / "out"
     p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 60,
               "--max-steps", 40, "--ckpt-interval", 2, "--out-dir", out, fault="ckpt:4")
     assert p.rc not in (0, None) and p.rc > 0, f"exit code {p.rc}\n{p.tail()}"
-    assert "[FATAL] thread checkpoint-writer failed" in p.out and "injected failure in ckpt at 4" in p.out, p.tail()
+    # one line: which checkpoint, where, and the system's reason (a full disk), not a traceback
+    assert re.search(r"\[FATAL\] thread checkpoint-writer failed: checkpoint 4 could not be written to \S+"
+                     r"step_000004\.tmp: OSError: \[Errno 28\] No space left on device", p.out), p.tail()
+    assert "Traceback" not in p.out, p.tail()
     assert re.search(r"\[FATAL\] run stopped\. Last intact checkpoint: \S+step_000002", p.out), p.tail()
     assert sorted(x.name for x in out.glob("step_*")) == ["step_000002"], "the failed write's folder is left"
     assert "[ckpt] the write of checkpoint 4 failed" in p.out and "its partial folder was removed" in p.out, p.tail()

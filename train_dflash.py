@@ -359,8 +359,8 @@ class Trainer:
         log, cfg = self.log, self.cfg
         ckpt = (ck.list_checkpoints(cfg.out_dir) or [None])[-1]     # the writer is done: the last checkpoint
         if self.run.failures:
-            for name, tb in self.run.failures:
-                log(f"\n[FATAL] thread {name} failed:\n{tb}")
+            for name, report in self.run.failures:
+                log(f"\n[FATAL] thread {name} failed:{report}")
             log(f"[FATAL] run stopped. Last intact checkpoint: {ckpt or 'none'}")
             return 1
         for t in threads:    # a thread still inside torch at interpreter exit aborts the process
