@@ -168,14 +168,14 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
         raise SystemExit(f"pipeline run failed (exit {p.returncode})")
     rates = [float(x.replace(",", "")) for x in re.findall(r"\| ([\d,]+) tok/s \|", text)]
     warm = re.search(r"\[warmup\] done in ([\d.]+)s", text)
-    busy = re.search(r"busy\s+target \[(.*?)\] drafter \[(.*?)\]", text)
+    busy = re.search(r"busy\s+(target .*?) \(share", text)
     for line in text.splitlines():
         if line.startswith(("step ", "[warmup]", "[replicas]", "[run] start-up")) or "busy" in line:
             log("  | " + line)
     return {"pipeline_tok_s": statistics.median(rates[1:]) if len(rates) > 1 else float("nan"),
             "pipeline_tok_s_spread": [min(rates[1:]), max(rates[1:])] if len(rates) > 2 else None,
             "warmup_warm_cache_s": float(warm.group(1)) if warm else None,
-            "pipeline_busy": busy.group(0) if busy else None, "pipeline_wall_s": wall, "pipeline_devices": devices}
+            "pipeline_busy": busy.group(1) if busy else None, "pipeline_wall_s": wall, "pipeline_devices": devices}
 
 if __name__ == "__main__":
     main()

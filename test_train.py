@@ -1285,6 +1285,7 @@ def test_bench_tiny_reports_every_figure_and_a_two_replica_layout(tmp_path):
     res = json.loads(out2.read_text())
     assert res["pipeline_devices"] == {"target": "cpu", "drafter": "cpu,cpu"} and res["pipeline_tok_s"] > 0
     assert "[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 10" in p.out, p.out
+    assert re.fullmatch(r"target \d+%; drafter cpu \d+%, cpu \d+%", res["pipeline_busy"]), res["pipeline_busy"]
     p = run_cmd([sys.executable, bench, "--tiny", "--device", "cpu", "--steps", "1", "--rounds", "1", "--no-pipeline",
                  "--distill", "0.5", "--json", str(out)], timeout=300)
     assert_ok(p)

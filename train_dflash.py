@@ -369,7 +369,9 @@ class Trainer:
         self.replicas.check(last["step"], log)
         # the training window ends at the last step, not the final checkpoint's write
         elapsed = max(last["time"] - self.t_start, 1e-9)
-        share = lambda xs: [f"{x / elapsed:.0%}" for x in xs]
+        devs = {"target": self.tdevs, "drafter": self.ddevs}
+        share = lambda role: ", ".join((f"{d} " if len(devs[role]) > 1 else "") + f"{x / elapsed:.0%}"
+                                       for d, x in zip(devs[role], busy[role]))
         n = max(1, min(20, len(losses) // 5))
         log("\n".join([
             "=" * 72, "summary",
@@ -378,7 +380,7 @@ class Trainer:
             f"  loss           {losses[0]:.4f} -> {losses[-1]:.4f} (mean of the first / last {n} steps: "
             f"{statistics.mean(losses[:n]):.4f} -> {statistics.mean(losses[-n:]):.4f})",
             f"  simulated tau  {last['sim_tau']:.2f}",
-            f"  busy           target {share(busy['target'])} drafter {share(busy['drafter'])} (share of the "
+            f"  busy           target {share('target')}; drafter {share('drafter')} (share of the "
             f"training time on device work); optimiser step + gradient sync {tot['sync'] / elapsed:.0%}",
             f"  checkpoint     {ckpt or 'none'}",
             *([f"  tensorboard    tensorboard --logdir {cfg.tensorboard}"] if cfg.tensorboard else []),
