@@ -50,7 +50,8 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if min(a.steps, a.rounds) < 1:
         p.error("--steps and --rounds must be >= 1")
-    config.check_devices([a.device or "cpu", *filter(None, (a.target_devices + "," + a.drafter_devices).split(","))])
+    for option in ("device", "target_devices", "drafter_devices"):
+        config.devices(getattr(a, option), "--" + option.replace("_", "-"))
     if a.target_config:
         try:
             with open(a.target_config) as f:

@@ -3,9 +3,12 @@ target and drafter as the trainer and the warm-up build them."""
 import argparse
 import dataclasses
 import difflib
+import hashlib
 import json
 import math
 import os
+import re
+import tempfile
 
 import torch
 
@@ -74,6 +77,11 @@ class TrainConfig:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that answers a bad command line with one line naming the problem, not the usage text."""
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # "-1e-3" is a value (the option's own check names what is wrong with it), not an unknown option
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
     def error(self, message):
         raise SystemExit(f"error: {message} (see --help)")
 
@@ -106,7 +114,13 @@ def parse_args(argv):
         (not cfg.lr > 0 or cfg.weight_decay < 0 or cfg.epochs <= 0 or cfg.max_steps < 0 or cfg.max_minutes < 0,
          "need --lr > 0, --weight-decay >= 0, --epochs > 0, --max-steps >= 0, --max-minutes >= 0"),
         (not 0 <= cfg.warmup_frac < 1 or cfg.heldout < 0, "need 0 <= --warmup-frac < 1 and --heldout >= 0"),
+        (min(cfg.seed, cfg.max_samples, cfg.min_supervised, cfg.tokens_per_batch) < 0 or cfg.num_draft_layers < 1,
+         "need --seed, --max-samples, --min-supervised, --tokens-per-batch >= 0 and --num-draft-layers >= 1"),
+        # gamma < 0 would weight the block's last positions most; 0 picks the block size's default
+        (not cfg.gamma >= 0, f"--gamma must be > 0 (0: the block size's default), got {cfg.gamma}"),
         (not 0 <= cfg.distill <= 1, f"--distill must lie in [0, 1], got {cfg.distill}")] if bad]
+    errs += [f"--data {name}: synthetic:N needs a number N >= 1 of samples" for name in cfg.data
+             if name.startswith("synthetic:") and not (name[10:].isdigit() and int(name[10:]) >= 1)]
     if cfg.buckets:
         try:
             if not all(2 * bs <= int(x) <= cfg.max_length for x in cfg.buckets.split(",")):
@@ -119,8 +133,7 @@ def parse_args(argv):
             __import__("torch.utils.tensorboard")
         except ImportError as e:
             errs.append(f"--tensorboard needs the tensorboard package: pip install tensorboard ({e})")
-    errs += [f"data file not found: {name}" for name in cfg.data if data_dflash.names_a_file(name)
-             and not name.startswith("synthetic:") and not os.path.isfile(os.path.expanduser(name))]
+    errs += data_errors([name for name in cfg.data if not name.startswith("synthetic:")])
     if errs:
         raise SystemExit("error: " + "; ".join(errs))
     # the defaults that follow from other options, resolved once (logged and checkpointed as resolved)
@@ -129,27 +142,79 @@ def parse_args(argv):
     cfg.tensorboard = os.path.join(cfg.out_dir, "tensorboard") if cfg.tensorboard == "auto" else cfg.tensorboard
     return cfg
 
+def data_errors(names):
+    """Why each of these data names reads nothing (a missing file, a folder without parts): [] if all do."""
+    errs = []
+    for name in names:
+        try:
+            data_dflash.local_files(name)
+        except FileNotFoundError as e:
+            errs.append(str(e))
+    return errs
+
 # --- Devices and shapes ---------------------------------------------------------------------------
 def resolve_devices(cfg):
     """(target devices, drafter devices), as --target-devices and --drafter-devices say (auto: 5/8 and 3/8)."""
-    def parse(s, auto):
-        s = auto if s == "auto" else s.replace("local", os.environ.get("LOCAL_RANK", "0"))
-        return [torch.device(d.strip()) for d in s.split(",") if d.strip()]
     n = torch.cuda.device_count()
     gpus, nd = [f"cuda:{i}" for i in range(n)], max(1, round(n * 3 / 8))
     auto = (",".join(gpus[:n - nd]), ",".join(gpus[n - nd:])) if n > 1 else ("cuda:0",) * 2 if n else ("cpu",) * 2
-    tdev, ddev = parse(cfg.target_devices, auto[0]), parse(cfg.drafter_devices, auto[1])
-    check_devices(tdev + ddev)
+    tdev, ddev = [devices(auto[i] if s == "auto" else s.replace("local", os.environ.get("LOCAL_RANK", "0")), option)
+                  for i, (s, option) in enumerate([(cfg.target_devices, "--target-devices"),
+                                                   (cfg.drafter_devices, "--drafter-devices")])]
     if not tdev or not ddev:
         raise SystemExit("error: need at least one target and one drafter device")
     return tdev, ddev
 
-def check_devices(devices):
-    """Every device exists here; else every script's one-line error."""
-    n = torch.cuda.device_count()
-    for d in map(torch.device, devices):
+def devices(text, option="--device"):
+    """The devices of a comma-separated list, each one that exists here; else every script's one-line error."""
+    return check_devices([d.strip() for d in text.split(",") if d.strip()], option)
+
+def check_devices(names, option="--device"):
+    n, out = torch.cuda.device_count(), []
+    for name in names:
+        try:
+            d = torch.device(name)
+        except (RuntimeError, TypeError):
+            raise SystemExit(f"error: {option} {name!r} is not a device: cpu, cuda or cuda:N") from None
         if d.type == "cuda" and (d.index or 0) >= n:
-            raise SystemExit(f"error: device {d} requested but only {n} CUDA device(s) visible")
+            raise SystemExit(f"error: {option}: device {d} requested but only {n} CUDA device(s) visible")
+        if d.type not in ("cpu", "cuda"):
+            raise SystemExit(f"error: {option} {name!r}: only cpu and cuda devices run this code")
+        out.append(d)
+    return out
+
+def _unwritable(folder):
+    """Why no file can be written in `folder` (made with its parents if missing), or None."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return "is a file, not a folder"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"cannot write there: {e.strerror or e}"
+
+def writable_dir(path, option):
+    """The folder `path`, made and written into before any work whose results go there: a file in the way, a
+    read-only or full disk, no permission is a one-line error naming the option."""
+    if why := _unwritable(path):
+        raise SystemExit(f"error: {option} {path} {why}")
+    return path
+
+def writable_file(path, option):
+    """A file that can be written at `path` (its folder made): checked before the work whose result it holds."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise SystemExit(f"error: {option} {path} is a folder: name a file")
+    if why := _unwritable(folder):
+        raise SystemExit(f"error: {option} {path}: its folder {folder} {why}")
+    return path
+
+def check_outputs(cfg, names=("out_dir", "cache_dir", "tensorboard", "compile_cache")):
+    """Every folder a run writes (of `names`), before the run starts; the compile cache where a GPU compiles."""
+    for name in names:
+        if getattr(cfg, name) and (name != "compile_cache" or torch.cuda.is_available()):
+            writable_dir(getattr(cfg, name), "--" + name.replace("_", "-"))
 
 def resolve_attn(cfg, drafter_devs):
     if cfg.attn == "flex" and drafter_devs[0].type == "cpu":
@@ -229,14 +294,38 @@ def first_line(e):
 def load_target_config(path):
     """(config, tokenizer). random:<config.json>: a config for random weights, and no tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
+    if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):   # a path, not a hub name
+        raise SystemExit(f"error: cannot load the target {path!r}: no such folder")
     try:
         if path.startswith("random:"):
             with open(path[len("random:"):]) as f:
                 d = json.load(f)
             return AutoConfig.for_model(d.pop("model_type"), **d), None
-        return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+        tcfg = AutoConfig.from_pretrained(path)
+        if hasattr(tcfg, "dflash_config"):
+            raise SystemExit(f"error: the target {path!r} is a DFlash drafter (a checkpoint's drafter/ folder): pass "
+                             "the target model it drafts for")
+        return tcfg, AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:    # no such folder or hub name, a file that is no config
         raise SystemExit(f"error: cannot load the target {path!r}: {first_line(e)}") from None
+
+def target_fingerprint(path, tcfg):
+    """What tells one target from another of its shape: its config, and for a folder each weight file's name, size
+    and first and last MiB (hashing all of a large target's weights would take minutes at every start)."""
+    skip = ("_name_or_path", "transformers_version", "_commit_hash")
+    h = hashlib.sha256(json.dumps({k: v for k, v in tcfg.to_dict().items() if k not in skip}, sort_keys=True,
+                                  default=str).encode())
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder):
+        h.update(path.split(":")[0].encode())     # random:<config> (seeded weights) or a hub name
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith((".safetensors", ".bin", ".pt", ".pth")):
+            with open(os.path.join(folder, name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(1 << 20)
+                f.seek(max(len(head), size - (1 << 20)))
+                h.update(f"{name} {size}".encode() + head + f.read())
+    return h.hexdigest()[:16]
 
 def choose_mask_token_id(tokenizer, vocab_size):
     """The mask token: an existing <|MASK|>, else a spare embedding row (Qwen3's), else an unused special token."""

@@ -1,5 +1,7 @@
 """The DFlash trainer's data: the embedded default, chat files -> conversations -> chat-template ids with a loss mask
 on replies (cached by `datasets`), buckets, batches. Imports transformers/datasets late: synthetic runs skip them."""
+import gzip
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -40,7 +42,7 @@ def _cut_off(error, buf):
 def iter_json_array(path, info, chunk_chars=1 << 20):
     """The records of a top-level JSON list, also of one cut off mid-record; `info` counts what is skipped."""
     info.update(tail_bytes=0, malformed=0, invalid_utf8=0)
-    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:  # bad or cut UTF-8 doesn't raise; -sig: BOM
+    with _open(path, "rt", encoding="utf-8-sig", errors="surrogateescape") as f:  # bad or cut UTF-8 doesn't raise
         buf, eof, pos = f.read(chunk_chars).lstrip(), False, 1
         if not buf.startswith("["):
             raise ValueError(f"{path}: not a JSON list (it starts {buf[:20]!r})")
@@ -188,27 +190,68 @@ def _normalise(record):
         messages.pop()
     return (messages, None) if messages else (None, "no assistant turn")
 
-def names_a_file(name):
-    """Does a data name mean a local file? A hub data set's name ("org/name") has no extension."""
-    return os.path.exists(os.path.expanduser(name)) or name.startswith(("/", ".", "~")) or \
-        name.endswith((".json", ".jsonl"))
+DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 
-def identity(name):
-    """A data name's cache key (an edited file is read again); a missing file fails here, before any slow loading."""
-    if os.path.isfile(path := os.path.abspath(os.path.expanduser(name))):
-        st = os.stat(path)
-        return (path, st.st_size, st.st_mtime_ns)
+def names_a_file(name):
+    """Does a data name mean a local file or folder? A hub data set's name ("org/name") has no extension."""
+    return os.path.exists(os.path.expanduser(name)) or name.startswith(("/", ".", "~")) or name.endswith(DATA_SUFFIXES)
+
+def local_files(name):
+    """The files a local data name stands for: the file, or a folder's JSON/JSONL(.gz) parts in name order; a missing
+    one or an empty folder fails here, before any slow loading. A hub data set's name: []."""
+    path = os.path.abspath(os.path.expanduser(name))
+    if os.path.isdir(path):
+        if parts := sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(DATA_SUFFIXES)):
+            return parts
+        raise FileNotFoundError(f"data folder {name} holds no {', '.join(DATA_SUFFIXES)} file")
+    if os.path.isfile(path):
+        return [path]
     if names_a_file(name):
         raise FileNotFoundError(f"data file not found: {name}")
-    return (name,)
+    return []
+
+def identity(name):
+    """A data name's cache key (an edited file is read again): (path, size, mtime), for a folder its parts' total
+    size, newest mtime and a digest of their list; a hub name as it is."""
+    parts = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in local_files(name)]
+    if not parts:
+        return (name,)
+    path = os.path.abspath(os.path.expanduser(name))
+    if parts == [(path, *parts[0][1:])]:
+        return parts[0]
+    return (path, sum(p[1] for p in parts), max(p[2] for p in parts), hashlib.sha256(repr(parts).encode()).hexdigest())
+
+def _open(path, mode, **kw):
+    return (gzip.open if path.endswith(".gz") else open)(path, mode, **kw)
+
+def _records_of_object(path):
+    """The records of a file holding one JSON object with the list of them under a key ("train" first), or why not
+    (None: not one JSON object)."""
+    try:
+        with _open(path, "rt", encoding="utf-8-sig") as f:
+            obj = json.load(f)
+    except (ValueError, UnicodeDecodeError):
+        return None, None
+    lists = {k: v for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)}
+    key = "train" if "train" in lists else next(iter(lists)) if len(lists) == 1 else None
+    return (lists[key], None) if key else (None, f"JSON object without one list of records (keys {sorted(obj)[:5]})")
 
 def _scan_local(path, skipped):
-    with open(path, "rb") as f:
-        if f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):  # a byte-order mark is not JSON
+    with _open(path, "rb") as f:
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()   # a byte-order mark is not JSON
+        if head.startswith(b"["):
             info = {}  # one JSON list (ShareGPT's format), possibly cut off
             yield from iter_json_array(path, info)
             skipped["malformed record"] += info["malformed"] + bool(info["tail_bytes"])  # + the cut-off last one
             skipped["invalid UTF-8"] += info["invalid_utf8"]
+            return
+        f.seek(0)
+        first = f.readline()
+        records, why = _records_of_object(path) if head.startswith(b"{") and not _parses(first) else (None, None)
+        if records is not None or why:      # one JSON object over several lines, not JSONL
+            if why:
+                skipped[why] += 1
+            yield from records or []
             return
         f.seek(0)
         for line in f:  # JSONL: each line parsed, and counted, on its own
@@ -220,23 +263,37 @@ def _scan_local(path, skipped):
             except json.JSONDecodeError:
                 skipped["malformed record"] += 1
 
+def _parses(line):
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
+
 def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
     """Normalised conversations of ShareGPT/chat JSON(L) files or hub names, and skip counts. Local files are read
     record by record: `datasets`' schema inference would turn one odd record's neighbours into strings, or fail."""
     conversations, skipped = [], Counter()
-    for name in [identity(name)[0] for name in files]:
-        if os.path.isfile(name):
-            records = _scan_local(name, skipped)
+    for name, parts in [(name, local_files(name)) for name in files]:
+        if parts:
+            records = itertools.chain.from_iterable(_scan_local(p, skipped) for p in parts)
         else:  # a hub data set, where the hub is reachable
-            import datasets
-            ds = datasets.load_dataset(name)
-            records = ds["train"] if "train" in ds else next(iter(ds.values()))
+            records = _hub_records(name)
         for messages, reason in map(_normalise, records):
             if messages is None:
                 skipped[reason] += 1
             else:
                 conversations.append(messages)
     return conversations, +skipped  # + drops zero counts
+
+def _hub_records(name):
+    import datasets
+    try:
+        ds = datasets.load_dataset(name)
+    except Exception as e:  # noqa: BLE001 - offline, no such data set, no access: the one line names it
+        raise SystemExit(f"error: --data {name} is no local file or folder, and the hub data set of that name does "
+                         f"not load: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
+    return ds["train"] if "train" in ds else next(iter(ds.values()))
 
 def write_chat_jsonl(path, conversations):
     _write_jsonl(path, ({"messages": messages} for messages in conversations))
@@ -461,28 +518,58 @@ def collate(batch_indices, data, bucket_len, pad_id):
 
 # ---- 5. what the trainer reads: the samples, and batch j of a stream over the epochs
 
+def require_chat_template(tok, target):
+    """Conversations become tokens through the target's chat template: none is a one-line error naming the target."""
+    if not getattr(tok, "chat_template", None):
+        raise SystemExit(f"error: the tokenizer of the target {target!r} has no chat template, so no conversation can "
+                         "be rendered for it: use the chat (instruct) version of the model, or add a chat template")
+
 def load_training_data(cfg, files, tok, vocab, rank, log):
     if files[0].startswith("synthetic:"):
         return synthetic_data(files[0], cfg.max_length, vocab, cfg.seed), None
     if tok is None:
         raise SystemExit("error: a random:<config> target has no tokenizer; use --data synthetic:N")
+    require_chat_template(tok, tok.name_or_path)
     data = build_dataset(tok, files, cfg.max_length, cfg.block_size, cfg.cache_dir, min_supervised=cfg.min_supervised,
                          log=log, max_conversations=cfg.max_samples, heldout=cfg.heldout)
     if not data["input_ids"]:
         raise SystemExit("error: no usable training samples (see the skip counts above)")
-    data["manifests"] = {f: read_json(f + ".manifest.json") for f in files if os.path.isfile(f + ".manifest.json")}
+    data["manifests"] = {f: _manifest(f) for f in files if os.path.isfile(f + ".manifest.json")}
     for name, m in data["manifests"].items():  # a file generate_data.py wrote: by which target, and how
         st = {k: v for k, v in m["settings"].items() if k not in ("sources", "target", "target_sha256")}
         log(f"[data] {name}: answers written by {m['settings']['target']} (weights sha256 "
             f"{m['settings']['target_sha256'][:12]}), {st}, counts {m['counts']}")
     heldout = None
-    if data["heldout"] and rank == 0:
+    if data["heldout"] and rank == 0:     # the trainer writes them once it knows they are the run's (a resume)
         heldout = os.path.join(cfg.out_dir, "heldout.jsonl")
-        write_chat_jsonl(heldout, data["heldout"])
         others = data["stats"]["not_trained"] - len(data["heldout"])   # more answers to the held-out prompts
         log(f"[data] {len(data['heldout'])} held-out conversations (never trained on"
             + (f", nor {others} more with their prompts" if others else "") + f") -> {heldout}")
     return data, heldout
+
+def digest(obj):
+    """A short sha256 of JSON-able data or of (numpy) sample arrays: what a resume compares."""
+    h = hashlib.sha256()
+    if isinstance(obj, dict):      # the training samples: ids and loss masks
+        for ids, mask in zip(obj["input_ids"], obj["loss_mask"]):
+            h.update(np.ascontiguousarray(ids, dtype=np.int32).tobytes() + np.asarray(mask, np.uint8).tobytes())
+    else:
+        h.update(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode())
+    return h.hexdigest()[:16]
+
+def _manifest(path):
+    """generate_data.py's record beside the file it wrote (by which target, how); a damaged one is named."""
+    try:
+        m = read_json(path + ".manifest.json")
+    except ValueError as e:
+        m, why = None, f"cut or not JSON: {e}"
+    else:
+        why = None if isinstance(m, dict) and isinstance(m.get("settings"), dict) and "counts" in m and \
+            {"target", "target_sha256"} <= set(m["settings"]) else "not generate_data.py's manifest"
+    if why:
+        raise SystemExit(f"error: {path}.manifest.json, the record generate_data.py writes beside {path}, is {why}: "
+                         "run generate_data.py again, or delete it")
+    return m
 
 def synthetic_data(spec, length, vocab, seed):
     """synthetic:N: N random full-length samples, the loss on their last 90%."""

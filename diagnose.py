@@ -21,8 +21,11 @@ def _against(folder, cache_dir):
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     if not os.path.isfile(path := os.path.join(folder, "env.json")):
         raise FileNotFoundError(f"{folder} has no env.json (not a checkpoint folder written by train_dflash.py)")
-    with open(path) as f:
-        old = json.load(f)
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path} is cut or not JSON ({e})") from None
     if not isinstance(old, dict) or "time_unix" not in old:
         raise ValueError(f"{path} is not an env.json written by train_dflash.py (no time_unix)")
     diffs = diff_env(old, collect_env(cache_dir or (old.get("compile_cache") or {}).get("path")))

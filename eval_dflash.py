@@ -45,12 +45,14 @@ def parse_args(argv):
     a.drafters = dict(zip(short if len(set(short)) == len(short) else map(os.path.normpath, a.drafter), a.drafter))
     if len(a.drafters) < len(a.drafter):
         p.error(f"a drafter is given twice: {' '.join(a.drafter)}")
-    if missing := [f for f in a.prompts if data_dflash.names_a_file(f) and not os.path.isfile(f)]:
-        p.error(f"prompt file not found: {', '.join(missing)}")
+    if errs := config.data_errors(a.prompts):
+        p.error(f"--prompts: {'; '.join(errs)}")
     if min(1 if x is None else x for x in (a.num_prompts, a.max_new_tokens, a.max_prompt_tokens)) < 1 \
             or (a.speed_prompts or 0) < 0:
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1, --speed-prompts >= 0")
     config.check_devices([a.device])
+    if a.json:      # where the results go, before the work that makes them
+        config.writable_file(a.json, "--json")
     gpu = a.gpu = torch.device(a.device).type == "cuda"
     a.num_prompts = a.num_prompts or (100 if gpu else 5)
     a.max_new_tokens = a.max_new_tokens or (128 if gpu else 32)
@@ -96,6 +98,7 @@ def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     t_start, tok, dtype = time.time(), config.load_target_config(a.target)[1], getattr(torch, a.dtype)
+    data_dflash.require_chat_template(tok, a.target)
     target = config.load_model(a.target, a.device, dtype)
     drafters = {lb: dm.load_drafter(p, target, device=a.device, dtype=dtype).eval() for lb, p in a.drafters.items()}
     sizes = {lb: d.config.block_size for lb, d in drafters.items()}

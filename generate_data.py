@@ -49,13 +49,16 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if a.target and not a.data:
         p.error("--target needs --data (the embedded default's data goes with its own target)")
-    if min(a.max_new_tokens, a.shard_size, a.max_length - 1) < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
-        p.error("need --max-new-tokens, --shard-size >= 1, --max-length >= 2, --temperature >= 0, 0 < --top-p <= 1")
+    if min(a.max_new_tokens, a.shard_size, a.max_length - 1) < 1 or min(a.temperature, a.max_samples, a.seed) < 0 \
+            or not 0 < a.top_p <= 1:
+        p.error("need --max-new-tokens, --shard-size >= 1, --max-length >= 2, --temperature, --max-samples, "
+                "--seed >= 0, 0 < --top-p <= 1")
     if a.answers < 1 or a.answers > 1 and a.temperature == 0:
         p.error(f"--answers {a.answers}: need 1, or more with a --temperature > 0 (greedy copies would be identical)")
     n_gpu = torch.cuda.device_count()
     a.devices = a.devices.split(",") if a.devices else [f"cuda:{i}" for i in range(n_gpu)] or ["cpu"]
-    config.check_devices(a.devices)
+    config.check_devices(a.devices, "--devices")
+    config.writable_file(a.out, "--out")
     if a.dtype == "auto":   # resolved, as the precision decides the answers: config.param_dtype's, for all devices
         a.dtype = "bfloat16" if all(torch.device(d).type == "cuda" for d in a.devices) else "float32"
     return a
@@ -80,7 +83,7 @@ class Shard:
     def __init__(self, i, convs, tok, a, stops):
         convs = [c for c in convs for _ in range(a.answers)]   # copy j of conversation c is k = c * K + j
         self.i, self.convs, self.tok, self.a, self.stops, self.t0 = i, convs, tok, a, set(stops), time.time()
-        self.st, self.regen, self.done = Counter(), {k: [] for k in range(len(convs))}, {}
+        self.st, self.regen, self.done = Counter(generated_tokens=0, answers=0), {k: [] for k in range(len(convs))}, {}
 
     def finish(self, k, why=None):   # kept up to its last regenerated answer (cut there, for `why`), or dropped
         r = self.regen.pop(k)
@@ -144,6 +147,7 @@ def worker(device, jobs, a, shards_dir, n_shards, total, t_run):
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     tok = config.load_target_config(a.target)[1]
+    data_dflash.require_chat_template(tok, a.target)
     model = config.load_model(a.target, device, getattr(torch, a.dtype))
     stops = decoding.stop_token_ids(tok, model)
     engine = decoding.Engine(model, decoding.Engine.fit(model, a.max_length, most=1024), a.max_length,
@@ -235,8 +239,8 @@ def same_settings(path, settings):
 def main(argv=None):
     a, t_start = parse_args(sys.argv[1:] if argv is None else argv), time.time()
     a.target, a.data = config.target_and_data(a)
-    if missing := [f for f in a.data if not os.path.isfile(f)]:
-        raise SystemExit(f"error: data file not found: {', '.join(missing)}")
+    if errs := config.data_errors(a.data):
+        raise SystemExit(f"error: --data: {'; '.join(errs)}")
     settings = {"target": a.target, "target_sha256": weights_hash(a.target),   # what decides the result
                 "sources": [dict(zip(("path", "size", "mtime_ns"), data_dflash.identity(f))) for f in a.data],
                 **{k: getattr(a, k) for k in SETTINGS}}
@@ -251,10 +255,7 @@ def main(argv=None):
           f"skipped: {reasons}")
     if not convs:
         raise SystemExit(f"error: no usable conversation in {', '.join(a.data)} (skipped: {reasons})")
-    try:
-        os.makedirs(shards_dir, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"error: cannot write next to --out {a.out}: {e}") from None
+    os.makedirs(shards_dir, exist_ok=True)
     if not same_settings(os.path.join(shards_dir, "settings.json"), settings):
         data_dflash.write_json(os.path.join(shards_dir, "settings.json"), settings)
     shards = [convs[i:i + a.shard_size] for i in range(0, len(convs), a.shard_size)]
@@ -265,14 +266,18 @@ def main(argv=None):
     t0 = time.time()
     run_workers(a, pending, shards_dir, len(shards), len(convs))
     t_gen, total, ran, this_run = time.time() - t0, Counter(skipped), {i for i, _ in pending}, 0
+    for i in range(len(shards)):
+        total.update(st := data_dflash.read_json(path(i) + ".json"))
+        this_run += st.get("generated_tokens", 0) if i in ran else 0
+    skips = {k: v for k, v in sorted(total.items()) if k in skipped or k.startswith(("skipped: ", "cut: "))}
+    if not total["written"]:     # e.g. every prompt longer than --max-length: an empty file would read as done
+        raise SystemExit(f"error: no conversation was regenerated, so nothing is written to {a.out} (skipped: "
+                         + ", ".join(f"{k}={v}" for k, v in skips.items()) + ")")
     with open(tmp := f"{a.out}.tmp{os.getpid()}", "wb") as out:  # renamed when whole: <out> means done
         for i in range(len(shards)):
             with open(path(i) + ".jsonl", "rb") as f:
                 shutil.copyfileobj(f, out)
-            total.update(st := data_dflash.read_json(path(i) + ".json"))
-            this_run += st["generated_tokens"] if i in ran else 0
     os.replace(tmp, a.out)
-    skips = {k: v for k, v in sorted(total.items()) if k in skipped or k.startswith(("skipped: ", "cut: "))}
     counts = {"records_skipped_on_load": sum(skipped.values()), "usable": n_usable, "conversations_in": len(convs),
               "written": total["written"], "skipped": skips, "turns_regenerated": total["answers"],
               **{k: total[k] for k in ("generated_tokens", "hit_max_new_tokens")}}

@@ -93,6 +93,14 @@ class Replicas:
             raise RuntimeError(f"{path}: the optimiser state loaded from it is not the one saved (a load path "
                                "that rounds or skips a tensor)")
 
+    def follow_schedule(self):
+        """Set the learning rate the schedule gives the next step (after a resume under another schedule, whose
+        saved value is the old one's): returns it."""
+        for opt, sched in zip(self.opts, self.scheds):
+            for g, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+                g["lr"] = base * fn(sched.last_epoch)
+        return self.opts[0].param_groups[0]["lr"]
+
     # --- bit-identical replicas --------------------------------------------------------------------
     def tensors(self, r):
         """Replica r's weights and fp32 masters: bf16 weights can hide a master that differs below their rounding."""

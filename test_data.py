@@ -311,6 +311,34 @@ def test_load_conversations_counts_skips(tmp_path):
     assert convs[2] == CONV_SYS
 
 
+def test_a_folder_of_parts_gzip_and_a_json_object_are_read_as_users_hand_them(tmp_path):
+    """What users hand over besides JSON(L) files: a folder of JSONL parts (read in name order, other files left
+    alone), a .jsonl.gz, a pretty-printed JSON object with its records under "train"; an object without one list
+    of records is a counted skip that says so, a folder without parts an early error."""
+    import gzip
+    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(4)]
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    _write_jsonl(parts / "b.jsonl", [{"messages": convs[2]}, {"messages": convs[3]}])
+    _write_jsonl(parts / "a.jsonl", [{"messages": convs[0]}, {"messages": convs[1]}])
+    (parts / "README.txt").write_text("not data")
+    assert D.load_conversations([str(parts)]) == (convs, {})
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"messages": c}) + "\n" for c in convs)
+    (tmp_path / "d.json").write_text(json.dumps({"version": 2, "train": [{"messages": c} for c in convs]}, indent=2))
+    (tmp_path / "e.json").write_text(json.dumps({"version": 2, "items": [1, 2]}, indent=2))
+    got, skipped = D.load_conversations([str(tmp_path / n) for n in ("c.jsonl.gz", "d.json", "e.json")])
+    assert got == convs + convs and skipped == {"JSON object without one list of records (keys ['items', "
+                                                "'version'])": 1}
+    # a folder's identity (the tokenised cache's key) changes with any of its parts
+    before = D.identity(str(parts))
+    _write_jsonl(parts / "b.jsonl", [{"messages": convs[2]}])
+    assert D.identity(str(parts)) != before
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .json, .jsonl, .json.gz, .jsonl.gz file"):
+        D.load_conversations([str(tmp_path / "empty")])
+
+
 def test_missing_file_is_an_early_error(tmp_path):
     good = _write_jsonl(tmp_path / "good.jsonl", [_sharegpt(CONV)])
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
@@ -441,7 +469,8 @@ def test_answers_to_one_prompt_are_held_out_together_and_the_prompt_listed_once(
                           max_samples=0, heldout=5, out_dir=str(tmp_path))
     logs = []
     data, heldout = D.load_training_data(cfg, [path], qwen_tok, len(qwen_tok), 0, logs.append)
-    held = D.load_conversations([heldout])[0]                           # 30 prompts: min(5, 30 // 10) = 3
+    held = data["heldout"]                                             # 30 prompts: min(5, 30 // 10) = 3
+    assert heldout == str(tmp_path / "heldout.jsonl")          # where the trainer writes them (once it resumed)
     assert held == [prompt(i) + answer(i, 0) for i in (27, 28, 29)]
     trained = [qwen_tok.decode(ids) for ids in data["input_ids"]]
     assert data["stats"]["samples"] == 90 - 9 and data["stats"]["not_trained"] == 9
@@ -463,7 +492,7 @@ def test_a_held_out_prompt_is_trained_on_in_no_file(qwen_tok, tmp_path):
                           max_samples=0, heldout=5, out_dir=str(tmp_path))
     logs = []
     data, heldout = D.load_training_data(cfg, [regen, source], qwen_tok, len(qwen_tok), 0, logs.append)
-    assert D.load_conversations([heldout])[0] == [prompt(i) + answer(i, "data") for i in range(25, 30)]  # 60 // 10
+    assert data["heldout"] == [prompt(i) + answer(i, "data") for i in range(25, 30)]  # 60 // 10
     trained = [qwen_tok.decode(ids) for ids in data["input_ids"]]
     assert data["stats"]["samples"] == 50 and data["stats"]["not_trained"] == 10
     assert not any(f"question number {i}?" in text for i in range(25, 30) for text in trained)

@@ -157,6 +157,9 @@ def test_against_clear_errors(tmp_path, capsys):
     assert diagnose.main(["--against", str(tmp_path), "--json"]) == 2
     out, err = capsys.readouterr()
     assert "has no env.json" in err and "has no env.json" in json.loads(out)["error"]
+    (tmp_path / "env.json").write_text('{"time": "2026-01-01", "time_u')     # cut mid-write
+    assert diagnose.main(["--against", str(tmp_path)]) == 2
+    assert f"error: {tmp_path / 'env.json'} is cut or not JSON" in capsys.readouterr().err
 
 
 def test_diff_ignores_the_time_and_a_growing_cache_and_reports_every_other_field_that_differs():

@@ -381,7 +381,14 @@ def test_help_lists_every_option_and_unknown_or_mistyped_options_are_errors(tmp_
                          (["--queue-depth", "0"], "--queue-depth must be >= 1"),
                          (["--lr", "0"], "need --lr > 0"),
                          (["--buckets", "1024,4096"], "max_length] = [32, 3072], got 1024,4096"),
-                         (["--buckets", "1k"], "--buckets must be comma-separated integers")]:
+                         (["--buckets", "1k"], "--buckets must be comma-separated integers"),
+                         (["--lr", "-1e-3"], "need --lr > 0"),           # a negative value, not an unknown option
+                         (["--seed", "-1"], "need --seed, --max-samples"),
+                         (["--max-samples", "-5"], "need --seed, --max-samples"),
+                         (["--gamma", "-1"], "--gamma must be > 0 (0: the block size's default), got -1.0"),
+                         (["--data", "synthetic:abc"], "--data synthetic:abc: synthetic:N needs a number N >= 1"),
+                         (["--data", "synthetic:0"], "--data synthetic:0: synthetic:N needs a number N >= 1"),
+                         (["--data", str(tmp_path)], f"data folder {tmp_path} holds no .json, .jsonl")]:
         with pytest.raises(SystemExit) as e:
             config.parse_args(argv)
         assert needle in str(e.value), (argv, str(e.value))
@@ -647,13 +654,35 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     assert p.rc != 0 and "--distill 0.5 (checkpoint: 0.0), --gamma 2.0 (checkpoint: 4.0)" in p.out, p.tail()  # a new run
     p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--num-draft-layers", 1)
     assert p.rc != 0 and "--num-draft-layers 1 (checkpoint: 2)" in p.out, p.tail()
+    p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--seed", 1)
+    assert p.rc != 0 and "--seed 1 (checkpoint: 0)" in p.out, p.tail()
+    # the run's identity: its held-out conversations and its target's weights; both are refused before anything
+    # is written (heldout.jsonl stays the run's)
+    held = list(common)
+    held[held.index("--heldout") + 1] = 3
+    p = here("train_dflash", *held, "--max-steps", last + 2, "--resume")
+    assert p.rc != 0 and "holds out other conversations" in p.out and not (out / "heldout.jsonl").exists(), p.tail()
+    from transformers import AutoModelForCausalLM
+    other = AutoModelForCausalLM.from_pretrained(llama)
+    with torch.no_grad():
+        other.model.layers[0].mlp.up_proj.weight.mul_(2)       # the same shape, other weights
+    shutil.copytree(llama, tmp_path / "other")
+    other.save_pretrained(tmp_path / "other")
+    p = here("train_dflash", *[tmp_path / "other" if a == llama else a for a in common], "--max-steps", last + 2,
+             "--resume")
+    assert p.rc != 0 and "was trained against another target than --target" in p.out, p.tail()
 
     with open(out / "metrics.jsonl", "a") as f:     # a killed run's steps after the checkpoint, one cut mid-line
         f.write(json.dumps({"step": last + 1, "loss": 1.0}) + "\n" + '{"step": 4, "lo')
     common[common.index("--max-samples") + 1] = 60
     p = train(*common, "--max-steps", last + 2, "--resume")
     assert_ok(p)
-    assert "[resume] NOTICE: the data set changed" in p.out, p.tail()
+    assert re.search(r"\[resume\] NOTICE: the training samples changed \(\d+ -> \d+ samples", p.out), p.tail()
+    # a new schedule (the budget's end was near its step count's): its learning rate from the first resumed step on
+    assert f"[resume] NOTICE: the schedule changed ({state['total_steps']} -> {last + 2} steps planned)" in p.out
+    lr = [r["lr"] for r in metrics(out)][last]
+    progress = (last + 0.5) / (last + 2)
+    assert lr > 0 and lr == pytest.approx(6e-4 * 0.5 * (1 + math.cos(math.pi * (progress - 0.04) / 0.96)), rel=1e-9)
     assert [r["step"] for r in metrics(out)] == list(range(1, last + 3))
 
 
@@ -1113,7 +1142,7 @@ def test_torchrun_two_processes_keep_identical_replicas_and_resume_on_their_own_
     assert_ok(p2)
     rank1 = (again / "train.rank1.log").read_text()
     assert "step_000003: step 3, batch cursor 3" in p2.out and "step_000003: step 3, batch cursor 3" in rank1, rank1
-    assert "data set changed" not in p2.out + rank1
+    assert "NOTICE" not in p2.out + rank1
     m2 = re.search(r"bit-identical after step 6 .*fingerprint (\w+)\)", p2.out)
     assert m2 and m2.group(1) == m.group(1), p2.tail()
     assert [r["step"] for r in metrics(again)] == [1, 2, 3, 4, 5, 6]
@@ -1216,6 +1245,8 @@ def test_every_script_answers_a_bad_input_with_one_line_naming_it(llama, tmp_pat
     (t / "other" / "config.json").write_text('{"model_type": "qwen3"}')
     (t / "bad.json").write_text("{not json")
     prompts = short_chats(t / "p.jsonl", 2)
+    shutil.copy(prompts, t / "m.jsonl")
+    (t / "m.jsonl.manifest.json").write_text('{"settings": {"tar')        # cut mid-write
     ev = ["eval_dflash", "--target", llama, "--prompts", prompts, "--drafter"]
     cases = [(ev + [str(t / "nowhere" / "drafter")], f"no drafter at {t / 'nowhere' / 'drafter'}"),
              (ev + [str(t / "cut")], f"cannot load the drafter weights {t / 'cut' / 'model.safetensors'}"),
@@ -1223,15 +1254,39 @@ def test_every_script_answers_a_bad_input_with_one_line_naming_it(llama, tmp_pat
              (ev + [str(t / "alien")], f"the drafter at {t / 'alien'} was trained for a target of hidden size 32"),
              (["eval_dflash", "--target", str(t / "tcut"), "--prompts", prompts, "--drafter", str(good)],
               f"cannot load the target '{t / 'tcut'}'"),
-             (ev[:4] + [str(t / "nope.jsonl"), "--drafter", str(good)], f"prompt file not found: {t / 'nope.jsonl'}"),
+             (ev[:4] + [str(t / "nope.jsonl"), "--drafter", str(good)], f"--prompts: data file not found: {t / 'nope.jsonl'}"),
              (ev + [str(good), "--device", "cuda:7"], "device cuda:7 requested but only"),
+             (ev + [str(good), "--device", "gpu0"], "--device 'gpu0' is not a device: cpu, cuda or cuda:N"),
+             (ev + [str(good), "--json", str(t)], f"--json {t} is a folder: name a file"),
+             (ev + [str(good), "--json", str(t / "bad.json" / "r.json")], f"its folder {t / 'bad.json'} is a file"),
+             (["eval_dflash", "--target", str(good), "--prompts", prompts, "--drafter", str(good)],
+              "is a DFlash drafter (a checkpoint's drafter/ folder): pass the target model it drafts for"),
+             (["eval_dflash", "--target", "./no/such/target", "--prompts", prompts, "--drafter", str(good)],
+              "cannot load the target './no/such/target': no such folder"),
              (ev + [str(good), "--num-prompts", "0"], "--num-prompts, --max-new-tokens and --max-prompt-tokens must"),
              (["generate_data", "--target", str(t / "tcut"), "--data", prompts, "--out", str(t / "g.jsonl")],
               f"cannot load the target '{t / 'tcut'}'"),
              (["generate_data", "--target", llama, "--data", prompts, "--out", str(t / "g.jsonl"), "--shard-size", "0"],
               "--shard-size >= 1"),
              (["generate_data", "--target", llama, "--data", prompts, "--out", "/proc/no/g.jsonl"],
-              "cannot write next to --out /proc/no/g.jsonl"),
+              "--out /proc/no/g.jsonl: its folder /proc/no cannot write there"),
+             (["generate_data", "--target", llama, "--data", prompts, "--out", str(t)], f"--out {t} is a folder"),
+             (["generate_data", "--target", llama, "--data", prompts, "--out", str(t / "g3.jsonl"), "--max-length",
+               "8"], f"no conversation was regenerated, so nothing is written to {t / 'g3.jsonl'} (skipped: skipped: "
+                     "prompt longer than max length=2)"),
+             (["generate_data", "--target", llama, "--data", prompts, "--out", str(t / "g.jsonl"), "--devices",
+               "cuda0"], "--devices 'cuda0' is not a device"),
+             (["generate_data", "--target", llama, "--data", prompts, "--out", str(t / "g.jsonl"), "--max-samples",
+               "-5"], "--max-samples, --seed >= 0"),
+             (["train_dflash", "--target", llama, "--data", str(t / "m.jsonl"), "--max-length", "256",
+               "--cache-dir", str(t / "c"), "--out-dir", str(t / "o2")],
+              f"{t / 'm.jsonl'}.manifest.json, the record generate_data.py writes beside {t / 'm.jsonl'}, is cut"),
+             (["train_dflash", "--target", llama, "--data", prompts, "--out-dir", str(t / "bad.json")],
+              f"--out-dir {t / 'bad.json'} is a file, not a folder"),
+             (["train_dflash", "--target", llama, "--data", prompts, "--out-dir", str(t / "o"), "--cache-dir",
+               str(t / "bad.json")], f"--cache-dir {t / 'bad.json'} is a file, not a folder"),
+             (["train_dflash", "--target", llama, "--data", prompts, "--out-dir", str(t / "o"), "--target-devices",
+               "cuda0"], "--target-devices 'cuda0' is not a device"),
              (["warmup", "--target", str(t / "nowhere"), "--data", prompts], f"cannot load the target '{t / 'nowhere'}'"),
              (["bench", "--target-config", str(t / "bad.json")], f"--target-config {t / 'bad.json'}"),
              (["warmup", "--target", llama, "--target-layer-ids", "1,99"], "for this target: target_layer_ids [99] outside"),

@@ -102,6 +102,10 @@ class Trainer:
             + (" (CPU: FlexAttention has no backward, dense-mask SDPA)" if self.ddevs[0].type == "cpu" else ""))
         self.data, self.heldout = data_dflash.load_training_data(cfg, files, self.tok, self.dcfg.vocab_size,
                                                                  self.rank, log)
+        # what a resume must find the same (held-out set, target) or is told changed (the training samples)
+        self.identity = {"heldout": data_dflash.digest(self.data.get("heldout") or []),
+                         "target": config.target_fingerprint(self.tpath, self.tcfg),
+                         "samples": len(self.data["input_ids"]), "data": data_dflash.digest(self.data)}
         memory = config.batch_memory(self.dcfg, self.tcfg, self.tdevs, self.ddevs)
         self.shapes = config.shape_plan(cfg, self.dcfg, memory)
         self.stream = data_dflash.BatchStream(cfg, [len(x) for x in self.data["input_ids"]], self.rank, self.world,
@@ -140,30 +144,55 @@ class Trainer:
 
     def resume(self):
         self.step, self.cursor, self.seconds_before, self.resumed_from = 0, 0, 0.0, None
-        if not self.cfg.resume:
-            return
-        path, state = ck.load_newest(self.cfg.out_dir, self.log)
-        if path is None:
+        path, state = ck.load_newest(self.cfg.out_dir, self.log) if self.cfg.resume else (None, None)
+        if self.cfg.resume and path is None:
             self.log(f"[resume] no checkpoint in {self.cfg.out_dir}: starting fresh")
-            return
+        if path is not None:
+            self.check_same_run(path, state)
+            self.step, self.seconds_before, self.cursor = state["step"], state["train_seconds"], state["cursor"]
+            self.next_end_s = state.get("next_step_ends_s", self.seconds_before)
+            self.time_frac = self.seconds_before / (60 * self.cfg.max_minutes) if self.cfg.max_minutes else 0.0
+            self.replicas.load(state, path)
+            self.resumed_from = path
+            if state.get("total_steps", self.total_steps) != self.total_steps:   # another schedule: follow it now
+                lr = self.replicas.follow_schedule()
+                self.log(f"[resume] NOTICE: the schedule changed ({state['total_steps']} -> {self.total_steps} steps "
+                         f"planned): the learning rate follows the new one from step {self.step + 1} (lr {lr:.3g})")
+            nb_old, nb = state["batches_per_epoch_by_rank"][self.rank], self.stream.nb
+            if nb_old != nb:
+                self.log(f"[resume] NOTICE: {nb_old} -> {nb} batches/epoch; continuing at the same epoch and position "
+                         "within it")
+                self.cursor = (self.cursor // nb_old) * nb + min(self.cursor % nb_old, nb - 1)
+            self.log(f"[resume] {path}: step {self.step}, batch cursor {self.cursor}, fp32 masters + moments "
+                     "match the saved digest")
+        if self.heldout:      # the run's held-out conversations, now known to be the ones it started with
+            data_dflash.write_chat_jsonl(self.heldout, self.data["heldout"])
+
+    def check_same_run(self, path, state):
+        """A resume continues the run of `path`: the same drafter, optimiser, loss, seed, target and held-out
+        conversations (else a one-line error before anything is written); other training samples are said."""
         saved = {"distill": 0.0, **state["config"]}    # a config without the key: labels only
         changed = [f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {saved[k]})"
                    for k in ("num_draft_layers", "block_size", "target_layer_ids", "mask_token_id", "lr",
-                             "weight_decay", "distill", "gamma") if saved[k] != getattr(self.cfg, k)]
+                             "weight_decay", "distill", "gamma", "seed") if saved[k] != getattr(self.cfg, k)]
         if changed:
-            raise SystemExit(f"error: {path} continues with its own drafter, optimiser and loss settings, but "
+            raise SystemExit(f"error: {path} continues with its own drafter, optimiser, loss and seed settings, but "
                              f"{', '.join(changed)}: pass the checkpoint's values or start a new run")
-        self.replicas.load(state, path)
-        self.resumed_from = path
-        self.step, self.seconds_before, self.cursor = state["step"], state["train_seconds"], state["cursor"]
-        self.next_end_s = state.get("next_step_ends_s", self.seconds_before)
-        nb_old, nb = state["batches_per_epoch_by_rank"][self.rank], self.stream.nb
-        if nb_old != nb:
-            self.log(f"[resume] NOTICE: the data set changed ({nb_old} -> {nb} batches/epoch); continuing at "
-                     "the same epoch and position within it")
-            self.cursor = (self.cursor // nb_old) * nb + min(self.cursor % nb_old, nb - 1)
-        self.log(f"[resume] {path}: step {self.step}, batch cursor {self.cursor}, fp32 masters + moments "
-                 "match the saved digest")
+        old, new = state.get("identity", {}), self.identity
+        if not old and self.heldout and os.path.isfile(self.heldout):   # a checkpoint that predates the record
+            with open(self.heldout, encoding="utf-8") as f:
+                old = {"heldout": data_dflash.digest([json.loads(line)["messages"] for line in f if line.strip()])}
+        if old.get("target", new["target"]) != new["target"]:
+            raise SystemExit(f"error: {path} was trained against another target than --target {self.tpath} (other "
+                             f"weights or config: fingerprint {old['target']}, now {new['target']}): resume with the "
+                             "run's target, or start a new run")
+        if old.get("heldout", new["heldout"]) != new["heldout"]:
+            raise SystemExit(f"error: {path}'s run holds out other conversations ({self.cfg.out_dir}/heldout.jsonl) "
+                             "than this --data, --heldout give: the new ones may be conversations it trained on. "
+                             "Resume with the run's --data and --heldout, or start a new --out-dir")
+        if old.get("data", new["data"]) != new["data"]:
+            self.log(f"[resume] NOTICE: the training samples changed ({old['samples']} -> {new['samples']} samples, "
+                     f"digest {old['data']} -> {new['data']}); the held-out conversations did not")
 
     # --- the loop ------------------------------------------------------------------------------------
     def loop(self):
@@ -261,6 +290,7 @@ class Trainer:
                              "train_seconds": self.train_seconds(),
                              "next_step_ends_s": self.next_end_s if cfg.max_minutes else self.train_seconds(),
                              "config": dataclasses.asdict(cfg), "data_manifests": self.data.get("manifests", {}),
+                             "identity": self.identity, "total_steps": self.total_steps,
                              **reps.checkpoint_state()}
                     tot["pause"] += self.ckpt.save(step, state, reps.drafters[0], self.checkpoint_env)
                 if last:
@@ -470,6 +500,7 @@ class Logger:
 
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
+    config.check_outputs(cfg)
     log = Logger(cfg.out_dir, int(os.environ.get("RANK", 0)))
     log("=" * 72)
     env = environment.collect_env(cfg.compile_cache)

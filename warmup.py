@@ -32,6 +32,7 @@ def build_drafters(cfg):
 
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
+    config.check_outputs(cfg, ("cache_dir", "compile_cache"))
     cfg.target = config.target_and_data(cfg)[0]      # the embedded default, prepared once
     dcfg, drafters, shapes = build_drafters(cfg)
     attn = config.resolve_attn(cfg, [d.fc.weight.device for d in drafters])
