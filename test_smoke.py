@@ -1325,6 +1325,7 @@ if __name__ == "__main__":
                    key=lambda p: (first.index(p.name) if p.name in first else len(first), p.name))
     files = [str(p) for p in files]
     workers = ["-n", "2", "--dist", "worksteal"] if importlib.util.find_spec("xdist") else []
+    workers += ["--timeout", "900"] if importlib.util.find_spec("pytest_timeout") else []   # a hang fails its test
     # one intra-op thread per worker: two workers and their scripts share the cores, and torch's threads
     # spinning on an oversubscribed core slow a worker's own tests many times over
     os.environ.setdefault("OMP_NUM_THREADS", "1")
