@@ -102,7 +102,18 @@ def parse_args(argv):
         close = difflib.get_close_matches(arg.split("=")[0], p._option_string_actions, n=3, cutoff=0.6)
         raise SystemExit(f"error: unknown option {arg}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
     cfg = TrainConfig(**vars(args))
-    bs = cfg.block_size     # every bad option next, in one line, before any slow set-up
+    if errs := option_errors(cfg):      # every bad option, in one line, before any slow set-up
+        raise SystemExit("error: " + "; ".join(errs))
+    # the defaults that follow from other options, resolved once (logged and checkpointed as resolved)
+    bs = cfg.block_size
+    cfg.gamma = cfg.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(bs, max(1.0, bs * 7 / 16))
+    cfg.compile_cache = cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache")
+    cfg.tensorboard = os.path.join(cfg.out_dir, "tensorboard") if cfg.tensorboard == "auto" else cfg.tensorboard
+    return cfg
+
+def option_errors(cfg):
+    """What is wrong with the options as given, one phrase each: [] if nothing."""
+    bs = cfg.block_size
     errs = [msg for bad, msg in [
         (cfg.attn not in ("auto", "flex", "sdpa"), f"--attn must be auto|flex|sdpa, got {cfg.attn}"),
         (bs < 2 or cfg.num_anchors < 1 or cfg.max_length < 2 * bs,
@@ -119,8 +130,6 @@ def parse_args(argv):
         # gamma < 0 would weight the block's last positions most; 0 picks the block size's default
         (not cfg.gamma >= 0, f"--gamma must be > 0 (0: the block size's default), got {cfg.gamma}"),
         (not 0 <= cfg.distill <= 1, f"--distill must lie in [0, 1], got {cfg.distill}")] if bad]
-    errs += [f"--data {name}: synthetic:N needs a number N >= 1 of samples" for name in cfg.data
-             if name.startswith("synthetic:") and not (name[10:].isdigit() and int(name[10:]) >= 1)]
     if cfg.buckets:
         try:
             if not all(2 * bs <= int(x) <= cfg.max_length for x in cfg.buckets.split(",")):
@@ -133,21 +142,18 @@ def parse_args(argv):
             __import__("torch.utils.tensorboard")
         except ImportError as e:
             errs.append(f"--tensorboard needs the tensorboard package: pip install tensorboard ({e})")
-    errs += data_errors([name for name in cfg.data if not name.startswith("synthetic:")])
-    if errs:
-        raise SystemExit("error: " + "; ".join(errs))
-    # the defaults that follow from other options, resolved once (logged and checkpointed as resolved)
-    cfg.gamma = cfg.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(bs, max(1.0, bs * 7 / 16))
-    cfg.compile_cache = cfg.compile_cache or os.path.join(cfg.out_dir, "compile_cache")
-    cfg.tensorboard = os.path.join(cfg.out_dir, "tensorboard") if cfg.tensorboard == "auto" else cfg.tensorboard
-    return cfg
+    return errs + data_errors(cfg.data)
 
 def data_errors(names):
-    """Why each of these data names reads nothing (a missing file, a folder without parts): [] if all do."""
+    """Why each of these data names reads nothing (a missing file, a folder without parts, synthetic:N without a
+    number N >= 1): [] if all do."""
     errs = []
     for name in names:
         try:
-            data_dflash.local_files(name)
+            if not name.startswith("synthetic:"):
+                data_dflash.local_files(name)
+            elif not (name[10:].isdigit() and int(name[10:]) >= 1):
+                errs.append(f"--data {name}: synthetic:N needs a number N >= 1 of samples")
         except FileNotFoundError as e:
             errs.append(str(e))
     return errs
@@ -158,9 +164,9 @@ def resolve_devices(cfg):
     n = torch.cuda.device_count()
     gpus, nd = [f"cuda:{i}" for i in range(n)], max(1, round(n * 3 / 8))
     auto = (",".join(gpus[:n - nd]), ",".join(gpus[n - nd:])) if n > 1 else ("cuda:0",) * 2 if n else ("cpu",) * 2
-    tdev, ddev = [devices(auto[i] if s == "auto" else s.replace("local", os.environ.get("LOCAL_RANK", "0")), option)
-                  for i, (s, option) in enumerate([(cfg.target_devices, "--target-devices"),
-                                                   (cfg.drafter_devices, "--drafter-devices")])]
+    pick = lambda s, auto: auto if s == "auto" else s.replace("local", os.environ.get("LOCAL_RANK", "0"))
+    tdev = devices(pick(cfg.target_devices, auto[0]), "--target-devices")
+    ddev = devices(pick(cfg.drafter_devices, auto[1]), "--drafter-devices")
     if not tdev or not ddev:
         raise SystemExit("error: need at least one target and one drafter device")
     return tdev, ddev
@@ -318,13 +324,13 @@ def target_fingerprint(path, tcfg):
     folder = os.path.expanduser(path)
     if not os.path.isdir(folder):
         h.update(path.split(":")[0].encode())     # random:<config> (seeded weights) or a hub name
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if name.endswith((".safetensors", ".bin", ".pt", ".pth")):
-            with open(os.path.join(folder, name), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(1 << 20)
-                f.seek(max(len(head), size - (1 << 20)))
-                h.update(f"{name} {size}".encode() + head + f.read())
+        return h.hexdigest()[:16]
+    for name in sorted(n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin", ".pt", ".pth"))):
+        with open(os.path.join(folder, name), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(1 << 20)
+            f.seek(max(len(head), size - (1 << 20)))
+            h.update(f"{name} {size}".encode() + head + f.read())
     return h.hexdigest()[:16]
 
 def choose_mask_token_id(tokenizer, vocab_size):

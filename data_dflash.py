@@ -213,12 +213,10 @@ def local_files(name):
 def identity(name):
     """A data name's cache key (an edited file is read again): (path, size, mtime), for a folder its parts' total
     size, newest mtime and a digest of their list; a hub name as it is."""
-    parts = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in local_files(name)]
-    if not parts:
-        return (name,)
+    parts = [(f, st.st_size, st.st_mtime_ns) for f in local_files(name) for st in [os.stat(f)]]
     path = os.path.abspath(os.path.expanduser(name))
-    if parts == [(path, *parts[0][1:])]:
-        return parts[0]
+    if not parts or os.path.isfile(path):
+        return parts[0] if parts else (name,)
     return (path, sum(p[1] for p in parts), max(p[2] for p in parts), hashlib.sha256(repr(parts).encode()).hexdigest())
 
 def _open(path, mode, **kw):
@@ -548,13 +546,14 @@ def load_training_data(cfg, files, tok, vocab, rank, log):
     return data, heldout
 
 def digest(obj):
-    """A short sha256 of JSON-able data or of (numpy) sample arrays: what a resume compares."""
+    """A short sha256 of JSON-able data (conversations): what a resume compares."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+
+def samples_digest(data):
+    """A short sha256 of the training samples' ids and loss masks: what a resume compares."""
     h = hashlib.sha256()
-    if isinstance(obj, dict):      # the training samples: ids and loss masks
-        for ids, mask in zip(obj["input_ids"], obj["loss_mask"]):
-            h.update(np.ascontiguousarray(ids, dtype=np.int32).tobytes() + np.asarray(mask, np.uint8).tobytes())
-    else:
-        h.update(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode())
+    for ids, mask in zip(data["input_ids"], data["loss_mask"]):
+        h.update(np.ascontiguousarray(ids, dtype=np.int32).tobytes() + np.asarray(mask, np.uint8).tobytes())
     return h.hexdigest()[:16]
 
 def _manifest(path):

@@ -105,7 +105,7 @@ class Trainer:
         # what a resume must find the same (held-out set, target) or is told changed (the training samples)
         self.identity = {"heldout": data_dflash.digest(self.data.get("heldout") or []),
                          "target": config.target_fingerprint(self.tpath, self.tcfg),
-                         "samples": len(self.data["input_ids"]), "data": data_dflash.digest(self.data)}
+                         "samples": len(self.data["input_ids"]), "data": data_dflash.samples_digest(self.data)}
         memory = config.batch_memory(self.dcfg, self.tcfg, self.tdevs, self.ddevs)
         self.shapes = config.shape_plan(cfg, self.dcfg, memory)
         self.stream = data_dflash.BatchStream(cfg, [len(x) for x in self.data["input_ids"]], self.rank, self.world,
@@ -180,8 +180,7 @@ class Trainer:
                              f"{', '.join(changed)}: pass the checkpoint's values or start a new run")
         old, new = state.get("identity", {}), self.identity
         if not old and self.heldout and os.path.isfile(self.heldout):   # a checkpoint that predates the record
-            with open(self.heldout, encoding="utf-8") as f:
-                old = {"heldout": data_dflash.digest([json.loads(line)["messages"] for line in f if line.strip()])}
+            old = {"heldout": data_dflash.digest(data_dflash.load_conversations([self.heldout])[0])}
         if old.get("target", new["target"]) != new["target"]:
             raise SystemExit(f"error: {path} was trained against another target than --target {self.tpath} (other "
                              f"weights or config: fingerprint {old['target']}, now {new['target']}): resume with the "
