@@ -175,7 +175,7 @@ class Engine:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
                 at = torch.where(self.pos[:, None] < 0, self.length - 1, self.pos[:, None] + offsets)
                 h, feats = self.forward(buf, self.all_rows, at, self.pos.clamp(min=0) + 1, self.layer_step)
-            return self.model.lm_head(h).float(), feats
+            return self.model.lm_head(h), feats     # the pickers read the logits in the model's dtype
         return replay(self.graphs, T, run, dev)
 
 def _layer_step(layer, h, pe, positions, engine):
@@ -194,18 +194,15 @@ def picker(temperature, top_p):
     Gumbel noise is hashed from the row's seed and the token id: the same answer whichever row or device decodes it."""
     if temperature <= 0:
         return lambda logits, seeds: logits.argmax(-1)
+    if top_p >= 1:     # every token stays: one pass over the logits (a kernel on a GPU), no sort of the vocabulary
+        return lambda logits, seeds: kernels.gumbel_argmax(logits, seeds, 1 / temperature)
 
     def sample(logits, seeds):
-        logp = (logits / temperature).log_softmax(-1)
-        if top_p < 1:      # the nucleus needs the probabilities sorted; top_p 1 keeps every token, and skips the sort
-            p, idx = logp.exp().sort(-1, descending=True)
-            cut = p.cumsum(-1) - p > top_p      # outside the smallest head whose mass reaches top_p
-            logp.scatter_(-1, idx, torch.where(cut, -torch.inf, logp.gather(-1, idx)))
-        x = seeds[:, None] * logits.shape[-1] + torch.arange(logits.shape[-1], device=logits.device)
-        for shift, mult in ((33, -49064778989728563), (33, -4265267296055464877), (33, 1)):   # murmur3's mix
-            x = (x ^ (x >> shift)) * mult
-        u = ((x >> 38) & 0xFFFFFF).float().add_(0.5).div_(1 << 24)     # bits 38-61 (63 is 0 after the mix)
-        return (logp - (-u.log()).log()).argmax(-1)
+        z = logits.float() * (1 / temperature)
+        p, idx = z.softmax(-1).sort(-1, descending=True)
+        cut = p.cumsum(-1) - p > top_p      # outside the smallest head whose mass reaches top_p
+        z.scatter_(-1, idx, torch.where(cut, -torch.inf, z.gather(-1, idx)))
+        return kernels.gumbel_scores_torch(z, seeds, 1.0).argmax(-1)
     return sample
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Triton kernels beside the torch code each must equal, checked against it on each device's first use (a miscompiling
 Triton build stops the run at its start): 1. cross entropy over a chunk of LM-head logits, 2. AdamW over bf16 weights
-with fp32 masters, 3. decoding attention. Without Triton the torch code runs; tests interpret the kernels on CPU."""
+with fp32 masters, 3. decoding attention, 4. sampling. Without Triton the torch code runs; tests interpret the kernels on CPU."""
 import math
 import threading
 from contextlib import nullcontext
@@ -14,7 +14,7 @@ except ImportError:
     triton = None
 
 _CHECK_LOCK = threading.Lock()
-_CE_CHECKED, _ADAMW_CHECKED, _ROW_CHECKED = set(), set(), set()   # devices whose kernel passed its check
+_CE_CHECKED, _ADAMW_CHECKED, _ROW_CHECKED, _GUMBEL_CHECKED = set(), set(), set(), set()   # devices whose kernel passed its check
 
 def _check_once(checked, dev, check, *args):
     """check(*args) on `dev`'s first use of a kernel, once even when several threads reach it."""
@@ -282,3 +282,71 @@ def _check_row_attention(q, k, v, lens, causal, scale, rows=None):
     if not err <= tol + 1e-6:
         raise RuntimeError(f"the Triton row-attention kernel disagrees with SDPA on {q.device} ({q.dtype}): max "
                            f"error {err:.3g}; this triton/GPU is not supported")
+
+# ---- 4. Sampling: the Gumbel-max draw of each row, its noise hashed from the row's seed and the token id
+
+MIX = ((33, -49064778989728563), (33, -4265267296055464877), (33, 1))     # murmur3's 64-bit finaliser
+
+def gumbel_scores_torch(logits, seeds, inv_temperature):
+    """logits (rows, V) * inv_temperature + Gumbel noise, fp32: the row's draw is the argmax. The noise of token j
+    in a row of seed s: bits 38-61 of murmur3's mix of s * V + j (63 is 0 after the mix), a uniform in (0, 1)."""
+    V = logits.shape[-1]
+    x = seeds[:, None] * V + torch.arange(V, device=logits.device)
+    for shift, mult in MIX:
+        x = (x ^ (x >> shift)) * mult
+    u = ((x >> 38) & 0xFFFFFF).float().add_(0.5).div_(1 << 24)
+    return logits.float() * inv_temperature - (-u.log()).log()
+
+if triton is not None:
+    @triton.jit
+    def _gumbel_argmax_kernel(x_ptr, seed_ptr, out_ptr, stride, inv_t, V: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per row: gumbel_scores_torch block by block, keeping the first maximum
+        row = tl.program_id(0).to(tl.int64)
+        seed = tl.load(seed_ptr + row)
+        cols = tl.arange(0, BLOCK)
+        best = tl.max(tl.full([BLOCK], -float("inf"), tl.float32), 0)
+        best_at = tl.sum(tl.zeros([BLOCK], tl.int64), 0)
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            x = tl.load(x_ptr + row * stride + c, mask=c < V, other=0.0).to(tl.float32)
+            h = seed * V + c.to(tl.int64)
+            h = (h ^ (h >> 33)) * -49064778989728563
+            h = (h ^ (h >> 33)) * -4265267296055464877
+            h = h ^ (h >> 33)
+            u = (((h >> 38) & 0xFFFFFF).to(tl.float32) + 0.5) / 16777216.0
+            s = tl.where(c < V, x * inv_t - tl.log(-tl.log(u)), -float("inf"))
+            top, at = tl.max(s, 0, return_indices=True)
+            best_at = tl.where(top > best, start + at.to(tl.int64), best_at)
+            best = tl.maximum(best, top)
+        tl.store(out_ptr + row, best_at)
+
+def _gumbel_argmax_unchecked(logits, seeds, inv_temperature):
+    out = torch.empty(len(logits), dtype=torch.long, device=logits.device)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
+        _gumbel_argmax_kernel[(len(logits),)](logits, seeds.contiguous(), out, logits.stride(0), inv_temperature,
+                                              V=logits.shape[-1], BLOCK=2048, num_warps=8)
+    return out
+
+def gumbel_argmax(logits, seeds, inv_temperature):
+    """gumbel_scores_torch's argmax per row; on a GPU one Triton pass over the logits (bf16 or fp32)."""
+    if not logits.is_cuda or triton is None:
+        return gumbel_scores_torch(logits, seeds, inv_temperature).argmax(-1)
+    _check_once(_GUMBEL_CHECKED, logits.device, _check_gumbel, logits.device)
+    return _gumbel_argmax_unchecked(logits, seeds, inv_temperature)
+
+def _check_gumbel(dev):
+    """The kernel's draws are the torch code's; where a rounding of the logs splits a near-tie otherwise, the two
+    picks' scores (in float64) agree to 1e-5."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(64, 50000, device=dev, generator=gen) * 3
+    seeds = torch.randint(0, 1 << 62, (64,), device=dev, generator=gen)
+    got, ref = _gumbel_argmax_unchecked(logits, seeds, 1.25), gumbel_scores_torch(logits, seeds, 1.25)
+    x = seeds[:, None] * logits.shape[1] + torch.arange(logits.shape[1], device=dev)
+    for shift, mult in MIX:
+        x = (x ^ (x >> shift)) * mult
+    exact = logits.double() * 1.25 - (-(((x >> 38) & 0xFFFFFF).double() + 0.5).div(1 << 24).log()).log()
+    gap = (exact.gather(1, ref.argmax(-1, keepdim=True)) - exact.gather(1, got[:, None])).abs().max()
+    if not float(gap) <= 1e-5:
+        raise RuntimeError(f"the Triton sampling kernel disagrees with the torch code on {dev}: a pick's score is "
+                           f"{float(gap):.3g} off; this triton/GPU is not supported")
