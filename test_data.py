@@ -77,12 +77,10 @@ def qwen_tok():
 
 
 @pytest.fixture(scope="session")
-def smollm():
-    # the repository's own cache, as start_training.sh's: built once (test_train.py's tests wait for it)
-    cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
-    target_dir, data_jsonl = D.prepare_embedded_default(str(cache))
+def smollm(embedded_default):
+    cache, target_dir, data_jsonl = embedded_default       # conftest.py: prepared once, in a temporary folder
     from transformers import AutoTokenizer
-    return {"cache": str(cache), "target_dir": target_dir, "data_jsonl": data_jsonl,
+    return {"cache": cache, "target_dir": target_dir, "data_jsonl": data_jsonl,
             "tok": AutoTokenizer.from_pretrained(target_dir)}
 
 

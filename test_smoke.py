@@ -1329,4 +1329,6 @@ if __name__ == "__main__":
     # one intra-op thread per worker: two workers and their scripts share the cores, and torch's threads
     # spinning on an oversubscribed core slow a worker's own tests many times over
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(pytest.main(["-q", *workers, *files, *sys.argv[1:]]))
+    # nothing written into the checkout: pytest's own cache, and pytest-benchmark's folder where it is installed
+    quiet = ["-p", "no:cacheprovider"] + (["-p", "no:benchmark"] if importlib.util.find_spec("pytest_benchmark") else [])
+    sys.exit(pytest.main(["-q", *quiet, *workers, *files, *sys.argv[1:]]))
