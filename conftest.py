@@ -2,6 +2,10 @@
 import pytest
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (test_gpu.py; skipped without one)")
+
+
 @pytest.fixture(scope="session")
 def embedded_default(tmp_path_factory):
     """(cache folder, SmolLM2 folder, ShareGPT JSONL) of the embedded default, prepared once per test run in a
