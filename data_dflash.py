@@ -286,12 +286,31 @@ def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
 
 def _hub_records(name):
     import datasets
+    if why := hub_unreachable():    # load_dataset would retry for half a minute, then chain tracebacks
+        raise SystemExit(f"error: --data {name} is no local file or folder, and the hub data set of that name cannot "
+                         f"load: {why}; give a local file or folder, or set HF_HUB_OFFLINE=1 to load a copy in the "
+                         "datasets cache")
     try:
         ds = datasets.load_dataset(name)
-    except Exception as e:  # noqa: BLE001 - offline, no such data set, no access: the one line names it
+    except Exception as e:  # noqa: BLE001 - no such data set, no access: the one line names it
         raise SystemExit(f"error: --data {name} is no local file or folder, and the hub data set of that name does "
                          f"not load: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
     return ds["train"] if "train" in ds else next(iter(ds.values()))
+
+def hub_unreachable(timeout=3.0):
+    """None, or why the hub's host does not answer a connection within `timeout` s. Not probed in offline mode
+    (HF_HUB_OFFLINE: the datasets cache answers) or behind a proxy (only the proxy knows the way)."""
+    import socket
+    import urllib.parse
+    import urllib.request
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE or urllib.request.getproxies().get("https"):
+        return None
+    url = urllib.parse.urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+    except OSError as e:
+        return f"{url.hostname} does not answer ({e.strerror or type(e).__name__})"
 
 def write_chat_jsonl(path, conversations):
     _write_jsonl(path, ({"messages": messages} for messages in conversations))

@@ -1,6 +1,7 @@
 """CPU tests for data_dflash.py. Tokenizers are built here or from the pip-shipped GGUF: no network."""
 import copy
 import json
+import errno
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -565,3 +566,32 @@ def test_collate():
     assert loss.tolist() == [[1, 0, 0, 0], [0, 1, 1, 0]]
     with pytest.raises(ValueError):
         D.collate([0], data, 2, pad_id=0)
+
+
+def test_a_hub_data_set_whose_hub_does_not_answer_is_one_line_without_retries(monkeypatch):
+    """Offline, a hub name in --data is refused at once in one line (load_dataset would retry for half a minute);
+    in offline mode (HF_HUB_OFFLINE) or behind a proxy the hub is not probed and load_dataset decides."""
+    import socket
+    import datasets
+    from huggingface_hub import constants
+
+    def unreachable(address, timeout):
+        raise OSError(errno.ENETUNREACH, os.strerror(errno.ENETUNREACH))
+
+    def loaded(name):
+        raise AssertionError("load_dataset ran")
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(datasets, "load_dataset", loaded)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for k in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(SystemExit, match=r"^error: --data org/chats is no local file or folder, and the hub data set "
+                                         r"of that name cannot load: huggingface.co does not answer \(Network is "
+                                         r"unreachable\); give a local file or folder, or set HF_HUB_OFFLINE=1"):
+        D._hub_records("org/chats")
+    for offline, proxy in ((True, None), (False, "http://proxy:3128")):
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+        if proxy:
+            monkeypatch.setenv("https_proxy", proxy)
+        with pytest.raises(SystemExit, match="does not load: AssertionError: load_dataset ran"):
+            D._hub_records("org/chats")
