@@ -302,18 +302,27 @@ def load_target_config(path):
     from transformers import AutoConfig, AutoTokenizer
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):   # a path, not a hub name
         raise SystemExit(f"error: cannot load the target {path!r}: no such folder")
+    offline = hub_offline(path)
     try:
         if path.startswith("random:"):
             with open(path[len("random:"):]) as f:
                 d = json.load(f)
             return AutoConfig.for_model(d.pop("model_type"), **d), None
-        tcfg = AutoConfig.from_pretrained(path)
+        tcfg = AutoConfig.from_pretrained(path, local_files_only=bool(offline))
         if hasattr(tcfg, "dflash_config"):
             raise SystemExit(f"error: the target {path!r} is a DFlash drafter (a checkpoint's drafter/ folder): pass "
                              "the target model it drafts for")
-        return tcfg, AutoTokenizer.from_pretrained(path)
+        return tcfg, AutoTokenizer.from_pretrained(path, local_files_only=bool(offline))
     except (OSError, ValueError, KeyError) as e:    # no such folder or hub name, a file that is no config
-        raise SystemExit(f"error: cannot load the target {path!r}: {first_line(e)}") from None
+        raise SystemExit(f"error: cannot load the target {path!r}: {offline or first_line(e)}") from None
+
+def hub_offline(path):
+    """None, or for a hub name with the hub unreachable why not: then from_pretrained reads the HF cache only
+    (local_files_only; it would retry for half a minute first), and a name not cached has this reason."""
+    if path.startswith("random:") or os.path.isdir(os.path.expanduser(path)):
+        return None
+    why = data_dflash.hub_unreachable()
+    return why and f"{why}, and the HF cache has no copy of it"
 
 def target_fingerprint(path, tcfg):
     """What tells one target from another of its shape: its config, and for a folder each weight file's name, size
@@ -376,10 +385,12 @@ def load_model(path, device, dtype):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
     logging.disable_progress_bar()    # a bar per load would fill the logs
+    offline = hub_offline(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=bool(offline))
     except Exception as e:    # no such folder or hub name, missing or cut weights: name it, in one line
-        raise SystemExit(f"error: cannot load the target {path!r}: {type(e).__name__}: {first_line(e)}") from None
+        raise SystemExit(f"error: cannot load the target {path!r}: "
+                         f"{offline or type(e).__name__ + ': ' + first_line(e)}") from None
     return model.to(device).eval().requires_grad_(False)
 
 def load_target(path, device, dtype, layer_ids, log=print, random_weights=False, whole=False):
@@ -387,7 +398,8 @@ def load_target(path, device, dtype, layer_ids, log=print, random_weights=False,
     the captured outputs (dm.capture). random_weights or random:<config.json>: seeded random weights of its shape."""
     from transformers import AutoConfig, AutoModelForCausalLM
     if random_weights or path.startswith("random:"):
-        tcfg = load_target_config(path)[0] if path.startswith("random:") else AutoConfig.from_pretrained(path)
+        tcfg = load_target_config(path)[0] if path.startswith("random:") else AutoConfig.from_pretrained(
+            path, local_files_only=bool(hub_offline(path)))
         torch.manual_seed(0)       # the same weights on every device and run: features must not depend on the thread
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype).eval().requires_grad_(False)

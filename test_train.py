@@ -478,6 +478,37 @@ def test_tensorboard_without_its_package_is_an_error_before_anything_starts(monk
     assert not (tmp_path / "tb").exists()
 
 
+def test_a_hub_target_with_the_hub_unreachable_reads_the_cache_only_and_else_is_one_line(monkeypatch):
+    """Offline, a hub name as --target is read from the HF cache only (from_pretrained would retry for half a
+    minute first); not cached, one line says the hub does not answer. A local folder is never probed."""
+    import socket
+    import config
+    import data_dflash
+    from huggingface_hub import constants
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    def unreachable(address, timeout):
+        raise OSError(errno.ENETUNREACH, os.strerror(errno.ENETUNREACH))
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for k in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(k, raising=False)
+    asked = []
+
+    def not_cached(path, *a, **kw):
+        asked.append(kw.get("local_files_only"))
+        raise OSError(f"{path} is not in the cache")
+    for cls in (AutoConfig, AutoTokenizer, AutoModelForCausalLM):
+        monkeypatch.setattr(cls, "from_pretrained", not_cached)
+    line = "huggingface.co does not answer (Network is unreachable), and the HF cache has no copy of it"
+    with pytest.raises(SystemExit, match=re.escape(f"error: cannot load the target 'org/model': {line}")):
+        config.load_target_config("org/model")
+    with pytest.raises(SystemExit, match=re.escape(f"error: cannot load the target 'org/model': {line}")):
+        config.load_model("org/model", "cpu", torch.float32)
+    assert asked == [True, True]
+    assert config.hub_offline(str(REPO)) is None and data_dflash.hub_unreachable() is not None
+
+
 def test_max_length_beyond_the_targets_positions_is_an_early_error():
     from transformers import Qwen3Config
     import config
