@@ -1,6 +1,7 @@
 """Triton kernels beside the torch code each must equal, checked against it on each device's first use (a miscompiling
 Triton build stops the run at its start): 1. cross entropy over a chunk of LM-head logits, 2. AdamW over bf16 weights
-with fp32 masters, 3. decoding attention, 4. sampling. Without Triton the torch code runs; tests interpret the kernels on CPU."""
+with fp32 masters, 3. decoding attention, 4. sampling. Without Triton the torch code runs; tests interpret the
+kernels on CPU."""
 import math
 import threading
 from contextlib import nullcontext
@@ -14,7 +15,7 @@ except ImportError:
     triton = None
 
 _CHECK_LOCK = threading.Lock()
-_CE_CHECKED, _ADAMW_CHECKED, _ROW_CHECKED, _GUMBEL_CHECKED = set(), set(), set(), set()   # devices whose kernel passed its check
+_CE_CHECKED, _ADAMW_CHECKED, _ROW_CHECKED, _GUMBEL_CHECKED = set(), set(), set(), set()   # checked devices
 
 def _check_once(checked, dev, check, *args):
     """check(*args) on `dev`'s first use of a kernel, once even when several threads reach it."""
