@@ -5,6 +5,7 @@ import heapq
 import itertools
 import math
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -305,31 +306,31 @@ def generate(engine, more, stops, pick, follow=lambda ended: []):
                 pending, ended = (pool.submit(follow_shared, ended), [k for k, _ in ended]), []
 
 class NGram:
-    """Prompt lookup: the up to block_size-1 tokens after the latest earlier occurrence of the row's last 3 tokens,
-    else 2, else 1; an index of each n-gram's last start makes a lookup cost what the round added."""
+    """Prompt lookup on the device: the up to block_size-1 tokens after the latest earlier occurrence of the row's
+    last 3 tokens, else 2, else 1 (each a comparison of the row with its tail: no host round trip per round)."""
     N = 3
 
     def __init__(self, block_size):
-        self.block_size, self.rows = block_size, {}
+        self.k = block_size - 1
 
     def prefill(self, rows, feats, lens):
-        for r in rows:
-            self.rows[r] = ([{} for _ in range(self.N)], [0] * self.N)
+        pass
 
-    def propose(self, seqs, last):
-        k, drafts = self.block_size - 1, []
-        for r, tokens in enumerate(seqs):
-            index, indexed = self.rows[r]
-            draft = []
-            for n in range(self.N, 0, -1):   # index every n-gram but the context's last one, then look that up
-                for i in range(indexed[n - 1], len(tokens) - n):
-                    index[n - 1][tuple(tokens[i:i + n])] = i
-                indexed[n - 1] = max(indexed[n - 1], len(tokens) - n)
-                at = index[n - 1].get(tuple(tokens[-n:])) if not draft and len(tokens) > n else None
-                draft = tokens[at + n: at + n + k] if at is not None else draft
-            drafts.append(draft)
-        ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], device=last.device)
-        return ids, torch.tensor([len(d) for d in drafts], device=last.device)
+    def propose(self, tokens, length, last):
+        """Drafts (R, k) from tokens (R, L) of which each row holds length[r], and their lengths (R,)."""
+        (R, L), dev = tokens.shape, tokens.device
+        at, start = torch.arange(L, device=dev), torch.full((R,), -1, device=dev)
+        for n in range(1, min(self.N, L - 1) + 1):          # a longer match overrides a shorter one
+            tail = tokens.gather(1, (length[:, None] - n + torch.arange(n, device=dev)).clamp(min=0))
+            hit = at[None, :L - n + 1] < (length - n)[:, None]   # a window before the tail's own
+            for t in range(n):
+                hit &= tokens[:, t:L - n + 1 + t] == tail[:, t:t + 1]
+            latest = torch.where(hit, at[:L - n + 1], -1).amax(1)
+            start = torch.where(latest >= 0, latest + n, start)
+        k = torch.where(start >= 0, (length - start).clamp(max=self.k), 0)
+        offsets = torch.arange(self.k, device=dev)
+        ids = tokens.gather(1, (start.clamp(min=0)[:, None] + offsets).clamp(max=L - 1))
+        return torch.where(offsets < k[:, None], ids, 0), k
 
     def accept(self, n, feats, live):
         pass
@@ -366,7 +367,7 @@ class DrafterRows:
         self.n_new[r[:, 0]] = 0
 
     @torch.no_grad()
-    def propose(self, contexts, last):
+    def propose(self, tokens, length, last):
         self.anchor[:len(last)].copy_(last)
         k = torch.full((len(last),), self.block_size - 1, device=last.device)
         return replay(self.graphs, "block", self.block, self.anchor.device)[:len(last)], k
@@ -409,33 +410,83 @@ def _block_layer(layer, h, ctx, cos_c, sin_c, cos_q, sin_q, rows):
 @torch.no_grad()
 def speculate(engine, prompts, max_new_tokens, stops, proposer=None):
     """Greedy decoding of each prompt in a row of its own, as it would decode alone: [(new tokens, acceptance lengths)]
-    per prompt; an answer ends at a stop id (kept) or after max_new_tokens."""
-    R, dev, stops = len(prompts), engine.pos.device, set(stops)
-    seqs, rounds, live = [list(p) for p in prompts], [[] for _ in prompts], [True] * R
+    per prompt; an answer ends at a stop id (kept) or after max_new_tokens. The rounds run on the device: the host
+    queues a round before it reads whether the one before left a row live (a round past the end commits nothing)."""
+    rows, accepted = _start(engine, prompts, max_new_tokens, stops, proposer), []
+    flags = [torch.zeros((), dtype=torch.bool, pin_memory=rows.live.is_cuda) for _ in range(2)]
+    pending = _flag(rows.live, flags[0])       # any row live for the round queued next?
+    while True:
+        accepted.append(_round(engine, rows, proposer))
+        flags.reverse()
+        before, pending = pending, _flag(rows.live, flags[0])
+        if not before():                       # no row was live for this round: it committed nothing
+            break
+    tokens, length, acc = rows.tokens.cpu(), rows.length.tolist(), torch.stack(accepted, 1).tolist()
+    return [(tokens[r, len(p):length[r]].tolist(), [a for a in acc[r] if a] if proposer else [])
+            for r, p in enumerate(prompts)]
+
+def _start(engine, prompts, max_new_tokens, stops, proposer):
+    """The rows after the prefill and its first tokens: tokens (R, engine.length), each row's length and new tokens
+    so far, whether it is live; budget and stop ids."""
+    dev, R = engine.pos.device, len(prompts)
     logits = engine.prefill(list(range(R)), prompts, proposer.prefill if proposer else None)   # batched by length
-    for i, t in enumerate(logits.argmax(-1).tolist()):
-        seqs[i].append(t)
-        live[i] = t not in stops and max_new_tokens > 1
-    while any(live):
-        last = torch.tensor([s[-1] for s in seqs], device=dev)
-        if proposer:
-            draft, k = proposer.propose(seqs, last)
-        else:
-            draft, k = torch.zeros(R, 0, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev)
-        logits, feats = engine.step(torch.cat([last[:, None], draft], 1), [len(s) - 1 for s in seqs])
-        verified = logits[:R].argmax(-1)                                        # (R, 1 + proposals)
-        n = torch.minimum((draft == verified[:, :-1]).long().cumprod(1).sum(1), k)   # the agreeing prefix
-        if proposer:
-            proposer.accept(n, feats, torch.tensor(live, device=dev))
-        bonus = verified.gather(1, n[:, None])[:, 0]
-        for i, (n_i, d_i, b_i) in enumerate(zip(n.tolist(), draft.tolist(), bonus.tolist())):
-            if not live[i]:
-                continue
-            if proposer:
-                rounds[i].append(n_i + 1)
-            for t in d_i[:n_i] + [b_i]:
-                seqs[i].append(t)
-                if t in stops or len(seqs[i]) - len(prompts[i]) >= max_new_tokens:
-                    live[i] = False
-                    break
-    return [(s[len(p):], r) for s, p, r in zip(seqs, prompts, rounds)]
+    tokens = torch.zeros(R, engine.length, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        tokens[r, :len(p)] = torch.tensor(p)
+    tokens, length = tokens.to(dev), torch.tensor([len(p) for p in prompts], device=dev)
+    first, stops = logits.argmax(-1), torch.tensor(sorted(stops), dtype=torch.long, device=dev)
+    tokens[torch.arange(R, device=dev), length] = first
+    live = ~torch.isin(first, stops) & (max_new_tokens > 1)
+    return _Rows(tokens, length + 1, torch.ones_like(length), live, max_new_tokens, stops)
+
+@dataclass
+class _Rows:
+    tokens: torch.Tensor      # (R, engine.length): the prompt, then the answer so far
+    length: torch.Tensor      # (R,) tokens held
+    new: torch.Tensor         # (R,) answer tokens
+    live: torch.Tensor        # (R,) bool: neither stopped nor at the budget
+    budget: int
+    stops: torch.Tensor
+
+def _round(engine, rows, proposer):
+    """Draft, verify and commit a round for every live row: its acceptance length (0 for a row not live)."""
+    last = rows.tokens.gather(1, (rows.length - 1)[:, None])[:, 0]
+    if proposer:
+        draft, k = proposer.propose(rows.tokens, rows.length, last)
+    else:
+        draft, k = last.new_zeros(len(last), 0), last.new_zeros(len(last))
+    logits, feats = engine.step(torch.cat([last[:, None], draft], 1), torch.where(rows.live, rows.length - 1, -1))
+    verified = logits[:len(last)].argmax(-1)                                      # (R, 1 + proposals)
+    n = torch.minimum((draft == verified[:, :-1]).long().cumprod(1).sum(1), k)   # the agreeing prefix
+    if proposer:
+        proposer.accept(n, feats, rows.live)
+    acc = torch.where(rows.live, n + 1, 0)
+    _commit(rows, F.pad(draft, (0, 1)), n, verified.gather(1, n[:, None]))
+    return acc
+
+def _commit(rows, block, n, bonus):
+    """Append the accepted n tokens of block and the target's bonus token to each live row, up to a stop id (kept)
+    or the budget; a row that reaches either is no longer live."""
+    j = torch.arange(block.shape[1], device=block.device)
+    out = torch.where(j < n[:, None], block, bonus)
+    stopped = torch.isin(out, rows.stops) & (j <= n[:, None])
+    count = torch.where(stopped.any(1), stopped.long().argmax(1) + 1, n + 1)
+    count = torch.where(rows.live, torch.minimum(count, rows.budget - rows.new), 0)
+    at = (rows.length[:, None] + j).clamp(max=rows.tokens.shape[1] - 1)   # beyond count: the token already there
+    rows.tokens.scatter_(1, at, torch.where(j < count[:, None], out, rows.tokens.gather(1, at)))
+    rows.length += count
+    rows.new += count
+    rows.live &= ~(stopped & (j < count[:, None])).any(1) & (rows.new < rows.budget)
+
+def _flag(live, buf):
+    """A function returning whether any row is live at this point of the stream, once the device gets there."""
+    buf.copy_(live.any(), non_blocking=buf.is_pinned())
+    done = torch.cuda.Event() if buf.is_pinned() else None
+    if done:
+        done.record()
+
+    def read():
+        if done:
+            done.synchronize()
+        return bool(buf)
+    return read

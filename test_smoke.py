@@ -802,7 +802,7 @@ def test_save_load_roundtrip_and_format(targets, tmp_path):
     for m in (d, loaded):
         rows = decoding.DrafterRows(m, 1, 64)
         rows.prefill([0], feats, [20])
-        outs.append(rows.propose(None, torch.tensor([5]))[0])
+        outs.append(rows.propose(None, None, torch.tensor([5]))[0])
     assert torch.equal(outs[0], outs[1])
 
     # default save dtype (bf16): same names, bf16 tensors, loads to the bf16-rounded weights
@@ -1281,22 +1281,27 @@ def test_ngram_lookup_tau_on_a_hand_made_sequence_equals_the_hand_count():
     out, rounds = decode(model, prompt, 10, block_size=4)
     assert torch.equal(out, ref) and rounds == [2, 4, 4], rounds
     ngram = decoding.NGram(4)
-    ngram.prefill([0, 1], None, None)
-    ids, k = ngram.propose([[5, 1, 2, 6, 3, 4, 1], [7, 8]], torch.tensor([1, 8]))
+    tokens = torch.tensor([[5, 1, 2, 6, 3, 4, 1, 0, 0], [7, 8, 0, 0, 0, 0, 0, 0, 0]])
+    ids, k = ngram.propose(tokens, torch.tensor([7, 2]), None)
     assert ids[0].tolist() == [2, 6, 3] and k.tolist() == [3, 0]
-    # the index kept across rounds proposes what a scan of the whole context finds
+    # the device's comparisons propose what a scan of the whole context finds, rows of other lengths side by side
     def scan(tokens, k):
         for n in (3, 2, 1):
             at = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
             if at:
                 return tokens[at[-1] + n: at[-1] + n + k]
         return []
-    ngram, tokens, g = decoding.NGram(6), [1], torch.Generator().manual_seed(0)
-    ngram.prefill([0], None, None)
+    ngram, g = decoding.NGram(6), torch.Generator().manual_seed(0)
+    rows = [[1], [2, 3]]
     for _ in range(60):
-        tokens += torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
-        ids, k = ngram.propose([tokens], torch.tensor([tokens[-1]]))
-        assert ids[0, :int(k[0])].tolist() == scan(tokens, 5), tokens
+        for seq in rows:
+            seq += torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+        L = max(map(len, rows)) + 3
+        tokens = torch.tensor([seq + [0] * (L - len(seq)) for seq in rows])
+        ids, k = ngram.propose(tokens, torch.tensor([len(seq) for seq in rows]), None)
+        for r, seq in enumerate(rows):
+            assert ids[r, :int(k[r])].tolist() == scan(seq, 5), seq
+            assert not ids[r, int(k[r]):].any()
 
 
 def test_eval_acceptance_by_position_from_a_histogram_equals_the_hand_count():
