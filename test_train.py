@@ -45,18 +45,10 @@ TINY = ["--max-length", "256", "--num-anchors", "32", "--block-size", "8", "--nu
 class Proc:
     rc: int
     lines: list          # (monotonic time the line was read, line)
-    t_start: float
-    t_end: float         # when the process had exited
 
     @property
     def out(self):
         return "".join(line for _, line in self.lines)
-
-    def time_of(self, needle):
-        for t, line in self.lines:
-            if needle in line:
-                return t
-        raise AssertionError(f"no line containing {needle!r} in the output:\n{self.tail()}")
 
     def tail(self, n=60):
         return "".join(line for _, line in self.lines[-n:])
@@ -73,7 +65,7 @@ def child_env(**extra):
 def run_cmd(cmd, timeout=TIMEOUT, env=None, cwd=REPO):
     """Run `cmd`, timestamp every output line as it arrives, and kill its process group on timeout. A Python
     script or `-c` code runs in a child of the fork server (`_script`), other commands in a fresh process."""
-    t0, env = time.monotonic(), env or child_env()
+    env = env or child_env()
     if cmd[0] == sys.executable and (cmd[1] == "-c" or cmd[1].endswith(".py")):
         ctx = _fork_server()
         read, write = ctx.Pipe(duplex=False)
@@ -104,9 +96,8 @@ def run_cmd(cmd, timeout=TIMEOUT, env=None, cwd=REPO):
         th.join(5)
         pytest.fail(f"{cmd[:3]}... did not finish within {timeout}s; output tail:\n"
                     + "".join(x for _, x in lines[-60:]))
-    t_end = time.monotonic()
     th.join(10)
-    return Proc(p.returncode if isinstance(p, subprocess.Popen) else p.exitcode, lines, t0, t_end)
+    return Proc(p.returncode if isinstance(p, subprocess.Popen) else p.exitcode, lines)
 
 
 def _alive(p):
@@ -228,7 +219,7 @@ def here(script, *args):
     import contextlib
     import importlib
     import io
-    buf, t0 = io.StringIO(), time.monotonic()
+    buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         try:
             rc = importlib.import_module(script).main([str(a) for a in args])
@@ -236,8 +227,7 @@ def here(script, *args):
             rc = e.code if isinstance(e.code, int) else 1
             if isinstance(e.code, str):
                 print(e.code)
-    t1 = time.monotonic()
-    return Proc(rc or 0, [(t1, line) for line in buf.getvalue().splitlines(keepends=True)], t0, t1)
+    return Proc(rc or 0, [(time.monotonic(), line) for line in buf.getvalue().splitlines(keepends=True)])
 
 
 def metrics(out_dir):
@@ -1033,7 +1023,7 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
 
 
 @pytest.mark.parametrize("where", ["target", "drafter"])
-def test_exception_in_a_thread_exits_nonzero_within_seconds_with_traceback_and_intact_checkpoint(
+def test_exception_in_a_thread_stops_the_run_at_once_with_traceback_and_intact_checkpoint(
         where, llama, sharegpt, cache_dir, tmp_path):
     import dflash_model as dm
     out = tmp_path / "out"
@@ -1049,10 +1039,12 @@ def test_exception_in_a_thread_exits_nonzero_within_seconds_with_traceback_and_i
     assert "injected failure" in p.out and "Traceback" in p.out, p.tail()
     assert re.search(rf"\[FATAL\] thread {where}-0:cpu failed", p.out), p.tail()
     assert "[FATAL] run stopped" in p.out
-    # stops within seconds: the failure comes after the warm-up (the threads start after it)
-    assert p.t_end - p.time_of("[warmup] done") < 30, p.tail()
+    # it stops at the failure (by itself: rc > 0, not the test's timeout), not after training on: the target's
+    # 7th batch is at most step 7's, the drafter's step 4 never ends
+    trained = [r["step"] for r in metrics(out)]
+    assert trained == list(range(1, len(trained) + 1)) and len(trained) < 7, trained
     if where == "drafter":
-        assert p.t_end - p.time_of("step 3/40") < 30 and "step 4/40" not in p.out
+        assert trained == [1, 2, 3] and "step 4/40" not in p.out
         assert [s for s, _ in tb_scalars(tmp_path / "tb")["loss"]] == [1, 2, 3]     # the events up to the failure
     log = (out / "train.log").read_text()
     assert "injected failure" in log and "[FATAL]" in log
