@@ -15,6 +15,11 @@ PY=${PYTHON:-python3}
 export TQDM_DISABLE=1
 own_data=0
 [[ " $* " == *" --target "* && " $* " == *" --data "* ]] && own_data=1
+cache=.cache     # the embedded default and its regenerated answers: train_dflash.py's --cache-dir, where given
+args=("$@")
+for i in "${!args[@]}"; do
+  case ${args[$i]} in --cache-dir) cache=${args[$((i + 1))]:-$cache} ;; --cache-dir=*) cache=${args[$i]#*=} ;; esac
+done
 if [ "${DFLASH_SKIP_INSTALL:-0}" != 1 ]; then
   # what is missing (an installed torch is kept); the data packages unless --target and --data are given
   $PY install.py $([ "$own_data" = 1 ] || echo --data)
@@ -39,13 +44,13 @@ if $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
       # tokens cover what acceptance is measured on, and an answer cut there ends its conversation, untaught an end
       # of turn the target did not write. ShareGPT last: its last conversations stay the held-out ones, their
       # copies never trained on.
-      regen=.cache/sharegpt_v3_sampled.jsonl     # a second start reuses it
-      if ! $PY -u generate_data.py --out "$regen" --temperature 0.8 --max-new-tokens 512 --unfinished cut 2>&1 \
-           | tee "$log"; then
+      regen=$cache/sharegpt_v3_sampled.jsonl     # a second start reuses it
+      if ! $PY -u generate_data.py --out "$regen" --cache-dir "$cache" --temperature 0.8 --max-new-tokens 512 \
+           --unfinished cut 2>&1 | tee "$log"; then
         echo "[start] generate_data.py failed (see $log); DFLASH_REGENERATE=0 trains on ShareGPT's answers alone"
         exit 1
       fi
-      defaults+=(--data "$regen" .cache/sharegpt_v3.jsonl)
+      defaults+=(--data "$regen" "$cache/sharegpt_v3.jsonl")
     fi
   fi
 else
