@@ -3,6 +3,7 @@
     python bench.py                    # Qwen3-8B-shaped random target, 5-layer drafter, S 3072, 512 anchors
     python bench.py --tiny             # the same code at toy size (CPU: seconds)
     python bench.py --pipeline-only --target-devices cuda:0 --drafter-devices cuda:1   # the loop, any layout
+    python bench.py --embedded --json main_job.json   # the main job's parts on the embedded default (GPU)
 """
 import argparse
 import json
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+import checkpoint
 import compiled
 import config
 import data_dflash
@@ -47,11 +49,24 @@ def parse_args(argv):
     p.add_argument("--device", default="", help="device of the one-device measurements (default cuda:0, or cpu)")
     p.add_argument("--distill", type=float, default=0.0, help="the step's KL weight, as train_dflash.py --distill")
     p.add_argument("--json", default="", help="also write the results to this file")
+    p.add_argument("--embedded", action="store_true",
+                   help="the main job on the embedded default, on a GPU: start_training.sh from a fresh cache and "
+                        "output folder (regeneration, tokenising, warm-up, --train-minutes of training: their rates "
+                        "and times), then eval_dflash.py --eval-runs times on its drafter (tau, batch-1 speed-ups)")
+    p.add_argument("--train-minutes", type=float, default=3.0,
+                   help="--embedded: the training budget (the main job's: 15)")
+    p.add_argument("--eval-runs", type=int, default=3,
+                   help="--embedded: eval_dflash.py runs (their spread is reported)")
     a = p.parse_args(argv)
-    if min(a.steps, a.rounds) < 1:
-        p.error("--steps and --rounds must be >= 1")
+    if min(a.steps, a.rounds, a.eval_runs) < 1 or a.train_minutes <= 0:
+        p.error("--steps, --rounds and --eval-runs must be >= 1, --train-minutes > 0")
+    if a.embedded and not torch.cuda.is_available():
+        p.error("--embedded needs a GPU: the main job's recipe runs there (on a CPU start_training.sh trains a short "
+                "CPU run, with no regeneration)")
     for option in ("device", "target_devices", "drafter_devices"):
         config.devices(getattr(a, option), "--" + option.replace("_", "-"))
+    if a.json:      # where the results go, before the work that makes them
+        config.writable_file(a.json, "--json")
     if a.target_config:
         try:
             with open(a.target_config) as f:
@@ -76,6 +91,8 @@ def main(argv=None):
            "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
            "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
     log = lambda m: print(m, flush=True)
+    if a.embedded:
+        return report(a, res | main_job(a, tmp, log))
     if a.pipeline_only:
         return report(a, res | pipeline(a, tcfg, cache, tmp, S, A, dev, log))
     peak = compiled.measure_peak_flops(dev)
@@ -177,6 +194,64 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
             "pipeline_tok_s_spread": [min(rates[1:]), max(rates[1:])] if len(rates) > 2 else None,
             "warmup_warm_cache_s": float(warm.group(1)) if warm else None,
             "pipeline_busy": busy.group(1) if busy else None, "pipeline_wall_s": wall, "pipeline_devices": devices}
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+def main_job(a, tmp, log):
+    """start_training.sh with a fresh cache (the embedded default's converted model and ShareGPT file linked in, as
+    prepared in .cache) and output folder: its regeneration, start-up and training figures; then eval_dflash.py's
+    tau and batch-1 speed-ups of the drafter it trained, --eval-runs times."""
+    model, chats = data_dflash.prepare_embedded_default(os.path.join(HERE, ".cache"))
+    cache, out = os.path.join(tmp, "cache"), os.path.join(tmp, "out")
+    os.makedirs(cache)
+    for path in (model, chats):
+        os.symlink(path, os.path.join(cache, os.path.basename(path)))
+    env = dict(os.environ, DFLASH_SKIP_INSTALL="1", PYTHON=sys.executable)
+    t0 = time.time()
+    text = run(["bash", os.path.join(HERE, "start_training.sh"), "--cache-dir", cache, "--out-dir", out,
+                "--max-minutes", str(a.train_minutes)], env, log)
+    res = {"main_job_s": time.time() - t0, "train_minutes": a.train_minutes,
+           **main_job_figures(text, out, os.path.join(cache, "sharegpt_v3_sampled.jsonl.manifest.json"))}
+    drafter = os.path.join(checkpoint.list_checkpoints(out)[-1], "drafter")
+    runs = []
+    for i in range(a.eval_runs):
+        run([sys.executable, "-u", os.path.join(HERE, "eval_dflash.py"), "--target", model, "--drafter", drafter,
+             "--prompts", os.path.join(out, "heldout.jsonl"), "--json", os.path.join(tmp, f"eval_{i}.json")], env, log)
+        runs.append(data_dflash.read_json(os.path.join(tmp, f"eval_{i}.json")))
+    return res | eval_figures(runs)
+
+def run(cmd, env, log):
+    """cmd's output; a failure ends the benchmark with its tail."""
+    log("[bench] " + " ".join(cmd))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode:
+        print((p.stdout + p.stderr)[-5000:])
+        raise SystemExit(f"error: {os.path.basename(cmd[1])} failed (exit {p.returncode}); its output's tail is above")
+    return p.stdout + p.stderr
+
+def main_job_figures(text, out, manifest):
+    """Regeneration (its manifest), start-up and training (the log, metrics.jsonl: steps/s after the first fifth)."""
+    gen = data_dflash.read_json(manifest)
+    find = lambda pattern: (m := re.search(pattern, text)) and m.group(1)
+    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    first, last = recs[len(recs) // 5], recs[-1]
+    return {"regen_tok_s": gen["this_run"]["tok_s"], "regen_s": gen["this_run"]["generation_seconds"],
+            "regen_tokens": gen["counts"]["generated_tokens"], "startup_s": float(find(r"\[run\] start-up ([\d.]+)s")),
+            "warmup_s": float(find(r"\[warmup\] done in ([\d.]+)s")), "train_steps": last["step"],
+            "train_steps_s": (last["step"] - first["step"]) / max(last["time"] - first["time"], 1e-9),
+            "train_busy": find(r"busy\s+(target .*?) \(share"),
+            "optimiser_sync_share": find(r"optimiser step \+ gradient sync (\d+%)")}
+
+def eval_figures(runs):
+    """Per method: tau, and the batch-1 speed-up (mean, min, max over the runs) and its ratio to tau."""
+    out = {"eval_prompts": runs[0]["prompts"], "lossless": {m: r["lossless"] for m, r in runs[0]["methods"].items()}}
+    for name in runs[0]["speed"]["methods"]:
+        ups = [r["speed"]["methods"][name]["speedup"] for r in runs]
+        tau = runs[0]["methods"].get(name, {}).get("mean_tau")
+        out[name] = {"tau": tau, "speedup": statistics.mean(ups), "speedup_range": [min(ups), max(ups)],
+                     "tok_s": statistics.mean(r["speed"]["methods"][name]["tok_s"] for r in runs),
+                     "speedup_per_tau": statistics.mean(ups) / tau if tau else None}
+    return out
 
 if __name__ == "__main__":
     main()
