@@ -82,6 +82,13 @@ def main(argv=None):
     dev = torch.device(a.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    log = lambda m: print(m, flush=True)
+    if a.embedded:
+        import transformers
+        import triton
+        return report(a, {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                          "triton": triton.__version__, "transformers": transformers.__version__}
+                      | main_job(a, tmp, log))
     spec = a.spec if a.target_config else TINY if a.tiny or dev.type == "cpu" else QWEN3_8B
     S, A = a.seq or (256 if spec is TINY else 3072), a.anchors or (16 if spec is TINY else 512)
     cfg_path = os.path.join(tmp, "target_config.json")
@@ -90,9 +97,6 @@ def main(argv=None):
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
            "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
-    log = lambda m: print(m, flush=True)
-    if a.embedded:
-        return report(a, res | main_job(a, tmp, log))
     if a.pipeline_only:
         return report(a, res | pipeline(a, tcfg, cache, tmp, S, A, dev, log))
     peak = compiled.measure_peak_flops(dev)
