@@ -16,10 +16,20 @@ import torch
 import compiled
 import dflash_model as dm
 from master_adamw import MasterAdamW
-from test_train import TINY, TRAIN, assert_ok, embedded, llama, metrics, run_cmd, sharegpt, tok  # noqa: F401
+from test_train import TINY, TRAIN, assert_ok, metrics, run_cmd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEV = torch.device("cuda:0")
+LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+@pytest.fixture
+def random_llama(tmp_path):
+    """A tiny Llama's config.json: random:<it> is a target of random weights (no tokenizer, no data needed)."""
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(LLAMA))
+    return f"random:{path}"
 
 
 def tiny_drafter(seed=7, H=128, V=512, bs=8):
@@ -61,10 +71,10 @@ def test_flex_trunk_forward_and_backward_equal_the_dense_trunk():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
-def test_the_graphed_target_replays_the_eager_targets_features(llama, dtype, tol):
-    from transformers import AutoModelForCausalLM
-    target = AutoModelForCausalLM.from_pretrained(llama, dtype=dtype).to(DEV).eval().requires_grad_(False)
+def test_the_graphed_target_replays_the_eager_targets_features(random_llama, dtype, tol):
+    import config
     layers = [1, 2, 3]
+    target = config.load_target(random_llama, DEV, dtype, layers, print, whole=True)
     compiled.compile_target_layers(target)
     graphed = compiled.GraphedTarget(target, layers, final=True)
     ids = torch.randint(0, target.config.vocab_size, (2, 128), device=DEV)
@@ -118,10 +128,10 @@ def test_bf16_weights_with_fp32_masters_follow_fp32_adamw():
         assert b == pytest.approx(a, rel=0.05), losses          # bf16 rounding, not a different update
 
 
-def test_target_and_drafter_sharing_a_gpu_on_two_streams_train_as_on_one(llama, sharegpt, tmp_path):
+def test_target_and_drafter_sharing_a_gpu_on_two_streams_train_as_on_one(random_llama, tmp_path):
     """The trainer's threads on one GPU each queue on a stream of their own (compiled.own_stream): the same run
     with every thread on the default stream gives the same losses and gradient norms."""
-    args = [*TINY, "--target", llama, "--data", sharegpt, "--max-samples", 40, "--max-steps", 8, "--heldout", 0,
+    args = [*TINY, "--target", random_llama, "--data", "synthetic:64", "--max-steps", 8, "--heldout", 0,
             "--target-devices", "cuda:0", "--drafter-devices", "cuda:0", "--cache-dir", tmp_path / "cache",
             "--compile-cache", tmp_path / "cc"]
     one_stream = ("import contextlib, sys, compiled, train_dflash; "
