@@ -288,20 +288,23 @@ def _check_row_attention(q, k, v, lens, causal, scale, rows=None):
 
 MIX = ((33, -49064778989728563), (33, -4265267296055464877), (33, 1))     # murmur3's 64-bit finaliser
 
-def gumbel_scores_torch(logits, seeds, inv_temperature):
-    """logits (rows, V) * inv_temperature + Gumbel noise, fp32: the row's draw is the argmax. The noise of token j
-    in a row of seed s: bits 38-61 of murmur3's mix of s * V + j (63 is 0 after the mix), a uniform in (0, 1)."""
-    V = logits.shape[-1]
-    x = seeds[:, None] * V + torch.arange(V, device=logits.device)
+def noise_bits(seeds, V):
+    """(rows, V) 24-bit integers: for token j in a row of seed s, bits 38-61 of murmur3's mix of s * V + j (63 is 0
+    after the mix). (bits + 0.5) / 2**24 is the token's uniform in (0, 1)."""
+    x = seeds[:, None] * V + torch.arange(V, device=seeds.device)
     for shift, mult in MIX:
         x = (x ^ (x >> shift)) * mult
-    u = ((x >> 38) & 0xFFFFFF).float().add_(0.5).div_(1 << 24)
+    return (x >> 38) & 0xFFFFFF
+
+def gumbel_scores_torch(logits, seeds, inv_temperature):
+    """logits (rows, V) * inv_temperature + Gumbel noise, fp32: the row's draw is the argmax."""
+    u = noise_bits(seeds, logits.shape[-1]).float().add_(0.5).div_(1 << 24)
     return logits.float() * inv_temperature - (-u.log()).log()
 
 if triton is not None:
     @triton.jit
     def _gumbel_argmax_kernel(x_ptr, seed_ptr, out_ptr, stride, inv_t, V: tl.constexpr, BLOCK: tl.constexpr):
-        # one program per row: gumbel_scores_torch block by block, keeping the first maximum
+        # one program per row: gumbel_scores_torch block by block, keeping the first maximum (MIX's constants)
         row = tl.program_id(0).to(tl.int64)
         seed = tl.load(seed_ptr + row)
         cols = tl.arange(0, BLOCK)
@@ -343,10 +346,7 @@ def _check_gumbel(dev):
     logits = torch.randn(64, 50000, device=dev, generator=gen) * 3
     seeds = torch.randint(0, 1 << 62, (64,), device=dev, generator=gen)
     got, ref = _gumbel_argmax_unchecked(logits, seeds, 1.25), gumbel_scores_torch(logits, seeds, 1.25)
-    x = seeds[:, None] * logits.shape[1] + torch.arange(logits.shape[1], device=dev)
-    for shift, mult in MIX:
-        x = (x ^ (x >> shift)) * mult
-    exact = logits.double() * 1.25 - (-(((x >> 38) & 0xFFFFFF).double() + 0.5).div(1 << 24).log()).log()
+    exact = logits.double() * 1.25 - (-(noise_bits(seeds, logits.shape[1]).double() + 0.5).div(1 << 24).log()).log()
     gap = (exact.gather(1, ref.argmax(-1, keepdim=True)) - exact.gather(1, got[:, None])).abs().max()
     if not float(gap) <= 1e-5:
         raise RuntimeError(f"the Triton sampling kernel disagrees with the torch code on {dev}: a pick's score is "
