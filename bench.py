@@ -28,6 +28,8 @@ from master_adamw import MasterAdamW
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUSY = r"busy\s+(target .*?) \(share"      # the summary's busy line, as train_dflash.py writes it
 TINY = dict(QWEN3_8B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
 
@@ -176,21 +178,17 @@ def report(a, res):
 def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
     """train_dflash.py on synthetic full-length samples: median tokens/s after its first log line, warm-up, busy."""
     devices = {"target": a.target_devices or str(dev), "drafter": a.drafter_devices or str(dev)}
-    cmd = [sys.executable, "-u", os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_dflash.py"),
+    cmd = [sys.executable, "-u", os.path.join(HERE, "train_dflash.py"),
            "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S), "--num-anchors", str(A),
            "--buckets", str(S), "--target-devices", devices["target"], "--drafter-devices", devices["drafter"],
            "--log-interval", "5", "--max-steps", str(a.pipeline_steps), "--ckpt-interval", "100000",
            "--compile-cache", cache, "--out-dir", os.path.join(tmp, "pipeline_out")]
-    log("[bench] pipeline: " + " ".join(cmd))
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    wall, text = time.time() - t0, p.stdout + p.stderr
-    if p.returncode:
-        print(text[-5000:])
-        raise SystemExit(f"pipeline run failed (exit {p.returncode})")
+    text = run(cmd, dict(os.environ), log)
+    wall = time.time() - t0
     rates = [float(x.replace(",", "")) for x in re.findall(r"\| ([\d,]+) tok/s \|", text)]
     warm = re.search(r"\[warmup\] done in ([\d.]+)s", text)
-    busy = re.search(r"busy\s+(target .*?) \(share", text)
+    busy = re.search(BUSY, text)
     for line in text.splitlines():
         if line.startswith(("step ", "[warmup]", "[replicas]", "[run] start-up")) or "busy" in line:
             log("  | " + line)
@@ -198,8 +196,6 @@ def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
             "pipeline_tok_s_spread": [min(rates[1:]), max(rates[1:])] if len(rates) > 2 else None,
             "warmup_warm_cache_s": float(warm.group(1)) if warm else None,
             "pipeline_busy": busy.group(1) if busy else None, "pipeline_wall_s": wall, "pipeline_devices": devices}
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main_job(a, tmp, log):
     """start_training.sh with a fresh cache (the embedded default's converted model and ShareGPT file linked in, as
@@ -230,7 +226,8 @@ def run(cmd, env, log):
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode:
         print((p.stdout + p.stderr)[-5000:])
-        raise SystemExit(f"error: {os.path.basename(cmd[1])} failed (exit {p.returncode}); its output's tail is above")
+        script = next(os.path.basename(c) for c in cmd if c.endswith((".py", ".sh")))
+        raise SystemExit(f"error: {script} failed (exit {p.returncode}); its output's tail is above")
     return p.stdout + p.stderr
 
 def main_job_figures(text, out, manifest):
@@ -243,7 +240,7 @@ def main_job_figures(text, out, manifest):
             "regen_tokens": gen["counts"]["generated_tokens"], "startup_s": float(find(r"\[run\] start-up ([\d.]+)s")),
             "warmup_s": float(find(r"\[warmup\] done in ([\d.]+)s")), "train_steps": last["step"],
             "train_steps_s": (last["step"] - first["step"]) / max(last["time"] - first["time"], 1e-9),
-            "train_busy": find(r"busy\s+(target .*?) \(share"),
+            "train_busy": find(BUSY),
             "optimiser_sync_share": find(r"optimiser step \+ gradient sync (\d+%)")}
 
 def eval_figures(runs):
