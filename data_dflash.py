@@ -1,5 +1,6 @@
 """The DFlash trainer's data: the embedded default, chat files -> conversations -> chat-template ids with a loss mask
 on replies (cached by `datasets`), buckets, batches. Imports transformers/datasets late: synthetic runs skip them."""
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -297,6 +298,7 @@ def _hub_records(name):
                          f"not load: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
     return ds["train"] if "train" in ds else next(iter(ds.values()))
 
+@functools.cache      # once a process: a script loads the target's config, then its weights
 def hub_unreachable(timeout=3.0):
     """None, or why the hub's host does not answer a connection within `timeout` s. Not probed in offline mode
     (HF_HUB_OFFLINE: the datasets cache answers) or behind a proxy (only the proxy knows the way)."""

@@ -568,7 +568,7 @@ def test_collate():
         D.collate([0], data, 2, pad_id=0)
 
 
-def test_a_hub_data_set_whose_hub_does_not_answer_is_one_line_without_retries(monkeypatch):
+def test_a_hub_data_set_whose_hub_does_not_answer_is_one_line_without_retries(monkeypatch, request):
     """Offline, a hub name in --data is refused at once in one line (load_dataset would retry for half a minute);
     in offline mode (HF_HUB_OFFLINE) or behind a proxy the hub is not probed and load_dataset decides."""
     import socket
@@ -580,6 +580,8 @@ def test_a_hub_data_set_whose_hub_does_not_answer_is_one_line_without_retries(mo
 
     def loaded(name):
         raise AssertionError("load_dataset ran")
+    request.addfinalizer(D.hub_unreachable.cache_clear)     # the probe's answer is kept for the process
+    D.hub_unreachable.cache_clear()
     monkeypatch.setattr(socket, "create_connection", unreachable)
     monkeypatch.setattr(datasets, "load_dataset", loaded)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -590,6 +592,7 @@ def test_a_hub_data_set_whose_hub_does_not_answer_is_one_line_without_retries(mo
                                          r"unreachable\); give a local file or folder, or set HF_HUB_OFFLINE=1"):
         D._hub_records("org/chats")
     for offline, proxy in ((True, None), (False, "http://proxy:3128")):
+        D.hub_unreachable.cache_clear()
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
         if proxy:
             monkeypatch.setenv("https_proxy", proxy)

@@ -468,7 +468,7 @@ def test_tensorboard_without_its_package_is_an_error_before_anything_starts(monk
     assert not (tmp_path / "tb").exists()
 
 
-def test_a_hub_target_with_the_hub_unreachable_reads_the_cache_only_and_else_is_one_line(monkeypatch):
+def test_a_hub_target_with_the_hub_unreachable_reads_the_cache_only_and_else_is_one_line(monkeypatch, request):
     """Offline, a hub name as --target is read from the HF cache only (from_pretrained would retry for half a
     minute first); not cached, one line says the hub does not answer. A local folder is never probed."""
     import socket
@@ -479,7 +479,10 @@ def test_a_hub_target_with_the_hub_unreachable_reads_the_cache_only_and_else_is_
 
     def unreachable(address, timeout):
         raise OSError(errno.ENETUNREACH, os.strerror(errno.ENETUNREACH))
-    monkeypatch.setattr(socket, "create_connection", unreachable)
+    request.addfinalizer(data_dflash.hub_unreachable.cache_clear)   # the probe's answer is kept for the process
+    data_dflash.hub_unreachable.cache_clear()
+    probes = []
+    monkeypatch.setattr(socket, "create_connection", lambda *a: probes.append(a) or unreachable(*a))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     for k in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(k, raising=False)
@@ -495,7 +498,7 @@ def test_a_hub_target_with_the_hub_unreachable_reads_the_cache_only_and_else_is_
         config.load_target_config("org/model")
     with pytest.raises(SystemExit, match=re.escape(f"error: cannot load the target 'org/model': {line}")):
         config.load_model("org/model", "cpu", torch.float32)
-    assert asked == [True, True]
+    assert asked == [True, True] and len(probes) == 1             # the hub probed once for both loads
     assert config.hub_offline(str(REPO)) is None and data_dflash.hub_unreachable() is not None
 
 
