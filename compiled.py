@@ -25,7 +25,6 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import config
-import decoding
 import dflash_model as dm
 
 # ---- 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every key the
@@ -201,6 +200,25 @@ def compile_target_layers(target):
     for layer in target.model.layers:
         layer.forward = functools.partial(gated, layer, getattr(layer.self_attn, "sliding_window", None) is None)
 
+def replay(graphs, key, fn, device):
+    """fn() on a CPU; on a GPU a replay of the CUDA graph captured from fn under `key` (fn touches only tensors that
+    outlive it; one dict's graphs share a memory pool: they never run at the same time)."""
+    if device.type != "cuda":
+        return fn()
+    if key not in graphs:
+        s = torch.cuda.Stream(device)       # warm up on a side stream (lazy inits, the kernels' checks), capture
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=graphs.get("pool")):
+            out = fn()
+        graphs["pool"], graphs[key] = g.pool(), (g, out)
+    g, out = graphs[key]
+    g.replay()
+    return out
+
 class GraphedTarget:
     """dm.target_forward as a CUDA-graph replay per (B, S) captured at the warm-up: a small target is bound by launching
     kernels under the GIL the drafter threads share. Off CUDA or uncaptured it runs gated (refusing unwarmed shapes)."""
@@ -215,7 +233,7 @@ class GraphedTarget:
     def capture(self, B, S):
         if self.device.type == "cuda":
             ids = self.inputs[(B, S)] = torch.zeros(B, S, dtype=torch.long, device=self.device)
-            decoding.replay(self.graphs, (B, S), lambda: self.forward(ids), self.device)
+            replay(self.graphs, (B, S), lambda: self.forward(ids), self.device)
 
     def __call__(self, ids):
         static = self.inputs.get(tuple(ids.shape))
@@ -223,7 +241,7 @@ class GraphedTarget:
             return self.forward(ids.to(self.device, non_blocking=True))
         static.copy_(ids, non_blocking=True)
         # a copy: the next replay overwrites the graph's output, and the trainer queues features ahead
-        return decoding.replay(self.graphs, tuple(ids.shape), None, self.device).clone()
+        return replay(self.graphs, tuple(ids.shape), None, self.device).clone()
 
 # ---- 3. The compile cache
 

@@ -11,31 +11,13 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from compiled import replay
 
 def stop_token_ids(tok, target):
     """Sorted ids that end generation; <|im_end|> is looked up in the vocabulary (convert_tokens_to_ids gives unk)."""
     gen = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     ids = {*(gen if isinstance(gen, (list, tuple)) else [gen]), tok.eos_token_id, tok.get_vocab().get("<|im_end|>")}
     return sorted(t for t in ids if isinstance(t, int) and t >= 0)
-
-def replay(graphs, key, fn, device):
-    """fn() on a CPU; on a GPU a replay of the CUDA graph captured from fn under `key` (fn touches only tensors that
-    outlive it; one dict's graphs share a memory pool: they never run at the same time)."""
-    if device.type != "cuda":
-        return fn()
-    if key not in graphs:
-        s = torch.cuda.Stream(device)       # warm up on a side stream (lazy inits, the kernels' checks), capture
-        s.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream(device).wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=graphs.get("pool")):
-            out = fn()
-        graphs["pool"], graphs[key] = g.pool(), (g, out)
-    g, out = graphs[key]
-    g.replay()
-    return out
 
 def kv_shape(c, rows, length):
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
