@@ -122,9 +122,12 @@ def main(argv=None):
     attn = "flex" if dev.type == "cuda" else "sdpa"
     if attn == "flex":
         compiled.compile_target_layers(target)
+        compiled.compile_drafter(drafter)
     graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=tcfg.teacher)
     t0 = time.time()
-    rows = compiled.warm_up([drafter], [(B, S, A)], 7.0, attn, log=log, targets=[graphed] if attn == "flex" else ())
+    rows = compiled.warm_up([drafter], [(B, S, A)], replicas.forward_backward, 7.0, a.distill, log=log,
+                            targets=[graphed] if attn == "flex" else ())
+    opt.zero_grad(set_to_none=True)
     res.update(warmup_cold_s=time.time() - t0, warmup_rows=[[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows])
     ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
 
@@ -141,19 +144,16 @@ def main(argv=None):
     lm = torch.ones(B, S, device=dev)
     lm[:, : S // 10] = 0
     anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size, torch.Generator().manual_seed(0))
-    taught = dm.teacher_positions(anchors, valid, S, dcfg.block_size) if tcfg.teacher else None   # the loader's work
+    batch = dm.make_batch(ids, lm, anchors, valid, dcfg, 7.0, a.distill)      # the loader's work
 
     def step():
-        with compiled.autocast(dev):
-            loss = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, compiled.trunk(attn),
-                                           distill=a.distill, taught=taught)[0]
-        compiled.backward(loss, dev, (B, S, A), attn)
+        replicas.forward_backward(drafter, [(feats, batch)], None)
         replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)   # the trainer's lone-replica step
         opt.zero_grad(set_to_none=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t_drafter = timed("drafter_ms", step)
-    flops = dm.batch_flops(dcfg, S, anchors, valid, taught)
+    flops = dm.batch_flops(dcfg, S, anchors, valid, batch.taught)
     mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     res.update(drafter_tok_s=B * S / t_drafter, drafter_mfu=flops / t_drafter / peak,
                drafter_tflop_per_step=flops / 1e12, drafter_peak_mem_gib=mem)

@@ -63,7 +63,7 @@ def run_exercise(mode, threads, seconds, device):
 
     @torch.no_grad()
     def one_call(x, *a):   # x's shape tells the threads apart
-        f = compiled.compiled_flex
+        f = compiled.compiled_attention
         return f(x, *a) if mode == "nogate" else gate.run("flex", x.device, x.shape, f, x, *a)
 
     def worker(me, args):

@@ -22,7 +22,6 @@ import types
 from contextlib import contextmanager
 
 import torch
-from torch.nn.attention.flex_attention import flex_attention
 
 import config
 import dflash_model as dm
@@ -136,47 +135,32 @@ GATE = CompileGate()
 
 # ---- 2. The compiled calls, only through GATE.run; dynamic=False: an entry per shape (length buckets keep them few).
 
-def require_compiled(what):
-    # dynamo folds this away when it compiles; run eagerly (dynamo disabled), flex would take its dense path silently
-    if not torch.compiler.is_dynamo_compiling():
-        raise RuntimeError(f"{what} ran uncompiled: this would be the dense fallback (B x H x Q x KV "
-                           "scores). Every flex call must go through the compiled functions and GATE.")
+def _trunk(drafter, *args):
+    return type(drafter).trunk(drafter, *args)
 
-def flex(q, k, v, block_mask):
-    # kv heads repeated for their query heads: flex's backward gives each (key tile, kv head) one program looping
-    # over the group's query heads, and nearly every query sees the first context tiles, so those few programs
-    # set the kernel's tail. The repeat's gradient sums the group's: the same math.
-    if k.shape[1] != q.shape[1]:
-        group = q.shape[1] // k.shape[1]                      # query head h uses kv head h // group
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return flex_attention(q, k, v, block_mask=block_mask)
+# The trunk is one graph: inductor fuses norms, rope and activations around the matmuls across layers. One code
+# object serves every replica: a GPU per compiled replica (see the top).
+compiled_trunk = torch.compile(_trunk, dynamic=False, fullgraph=True)
+compiled_attention = torch.compile(dm.attention, dynamic=False, fullgraph=True)   # flex alone (tests, the race demo)
 
-def _flex_impl(q, k, v, block_mask):
-    require_compiled("flex_attention")
-    return flex(q, k, v, block_mask)
+def compile_drafter(drafter):
+    """The drafter's trunk compiled, with flex attention on the tile-level BlockMask, and called through GATE; its
+    backward goes through GATE too (backward). The model is unchanged otherwise: it calls its trunk as before."""
+    bs = drafter.config.block_size
 
-def _body_impl(drafter, target_feats, block_ids, ctx_pos, block_pos, block_mask):
-    require_compiled("drafter body (flex)")
-    return drafter.body(target_feats, block_ids, ctx_pos, block_pos, lambda q, k, v: flex(q, k, v, block_mask))
+    def gated(target_feats, block_ids, ctx_pos, block_pos, mask):
+        (B, S), A = ctx_pos.shape, block_ids.shape[1] // bs
+        return GATE.run("drafter_fwd", ctx_pos.device, (B, S, A, bs), compiled_trunk, drafter, target_feats,
+                        block_ids, ctx_pos, block_pos, mask)
+    drafter.trunk, drafter.block_mask = gated, True
+    return drafter
 
-# The trunk is one graph: inductor fuses norms, rope and activations around the matmuls across layers.
-compiled_flex = torch.compile(_flex_impl, dynamic=False, fullgraph=True)
-compiled_body = torch.compile(_body_impl, dynamic=False, fullgraph=True)
-
-def flex_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
-    """dm.drafter_forward_loss's trunk on GPUs: the tile-level block mask and the compiled body, gated."""
-    (B, S), A, bs = ctx_pos.shape, anchors.shape[1], drafter.config.block_size
-    return GATE.run("drafter_fwd", ctx_pos.device, (B, S, A, bs), compiled_body, drafter, target_feats, block_ids,
-                    ctx_pos, block_pos, dm.create_dflash_block_mask(anchors, S, bs))
-
-def trunk(attn):
-    """The drafter trunk of --attn: flex (compiled, gated) or sdpa (dense mask, eager)."""
-    return flex_trunk if attn == "flex" else dm.dense_trunk
-
-def backward(loss, device, shape, attn):
-    """loss.backward(); with flex through the gate (the compiled backward compiles on its first call)."""
-    if attn == "flex":
-        GATE.run("drafter_bwd", device, shape, loss.backward)
+def backward(drafter, loss, shape):
+    """loss.backward(); a compiled drafter's through the gate (its compiled backward compiles on the first call)."""
+    if not loss.requires_grad:      # a forward-only pass (no-grad mode: CPU flex has no backward) has none
+        return
+    if drafter.block_mask:
+        GATE.run("drafter_bwd", loss.device, shape, loss.backward)
     else:
         loss.backward()
 
@@ -262,20 +246,17 @@ def _cache_counters():
 
 # ---- 4. The warm-up
 
-def warm_shape(drafter, shape, gamma, attn):
-    """One forward + backward of the training step at `shape` = (B, S, A); the gradients are left as they were."""
+def warm_shape(drafter, shape, step, gamma, distill):
+    """The training step's forward + backward at `shape` = (B, S, A): step(drafter, [(features, Batch)], weight_sum)
+    (replicas.forward_backward, the trainer's own) on random features and anchors spread over the sequence."""
     (B, S, A), c, dev = shape, drafter.config, drafter.fc.weight.device
-    feats = torch.randn(B, S, len(c.target_layer_ids) * c.hidden_size, device=dev, dtype=config.param_dtype(dev))
+    width = (len(c.target_layer_ids) + (distill > 0)) * c.hidden_size      # distillation: the teacher's too
+    feats = torch.randn(B, S, width, device=dev, dtype=config.param_dtype(dev))
     ids = torch.randint(0, c.vocab_size, (B, S), device=dev)
     anchors = torch.arange(A).mul(max(1, (S - c.block_size) // A)).expand(B, A).contiguous()
-    with autocast(dev):
-        loss = dm.drafter_forward_loss(drafter, feats, ids, torch.ones(B, S, device=dev), anchors,
-                                       torch.ones(B, A, dtype=torch.bool), gamma, trunk(attn))[0]
-    had_grad = [p.grad is not None for p in drafter.parameters()]
-    if loss.requires_grad:          # no-grad mode has no backward to compile
-        backward(loss, dev, shape, attn)
-    for p, had in zip(drafter.parameters(), had_grad):
-        p.grad = p.grad.zero_() if had else None
+    batch = dm.make_batch(ids, torch.ones(B, S, device=dev), anchors, torch.ones(B, A, dtype=torch.bool), c, gamma,
+                          distill)
+    step(drafter, [(feats, batch)], None)
     sync_device(dev)
 
 def warm_target(graphed, B, S):
@@ -298,9 +279,10 @@ def warm_target(graphed, B, S):
                          f"{tol:g}): refusing to train on them. Report it with `python diagnose.py` output")
     return worst
 
-def warm_up(drafters, shapes, gamma, attn, log=print, targets=()):
-    """Warm every (target, (B, S)) of compiled targets (GraphedTarget) and every (replica, shape) in turn, size the
-    recompile limit, then mark the gate warm. Returns a row per pair: [(device, shape, seconds, how)]."""
+def warm_up(drafters, shapes, step, gamma, distill=0.0, log=print, targets=()):
+    """Warm every (target, (B, S)) of compiled targets (GraphedTarget) and every (replica, shape) in turn (warm_shape:
+    the real step; the gradients it leaves are the caller's to zero), size the recompile limit, then mark the gate
+    warm. Returns a row per pair: [(device, shape, seconds, how)]."""
     target_shapes = sorted({(B, S) for B, S, _ in shapes})
     # dynamo entries: per (replica, shape) on the drafter's code object, per ((B, S), layer kind) on a target's
     kinds = len(set(getattr(targets[0].target.config, "layer_types", None) or [0])) if targets else 0
@@ -322,7 +304,8 @@ def warm_up(drafters, shapes, gamma, attn, log=print, targets=()):
     for graphed, (B, S) in itertools.product(targets, target_shapes):
         timed(f"{graphed.device} target", (B, S), lambda: warm_target(graphed, B, S), True)
     for drafter, shape in itertools.product(drafters, shapes):
-        timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, gamma, attn), attn == "flex")
+        timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, step, gamma, distill),
+              drafter.block_mask)
     GATE.mark_warm(log)
     return rows
 

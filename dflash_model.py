@@ -4,12 +4,12 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 import kernels
 
@@ -156,6 +156,7 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
+        self.block_mask = False     # the training mask's form: compiled.compile_drafter sets the BlockMask's
 
     def attach_target(self, target):
         self.embed_weight, self.lm_head_weight = (target.get_input_embeddings().weight.detach(),
@@ -170,14 +171,47 @@ class DFlashDrafter(nn.Module):
     def context(self, target_feats):   # shared by all layers
         return self.hidden_norm(self.fc(target_feats))
 
-    def body(self, target_feats, block_ids, ctx_pos, block_pos, attend):
-        """The block tokens' final-normed hidden states; each layer projects the shared context to keys/values."""
+    def trunk(self, target_feats, block_ids, ctx_pos, block_pos, mask):
+        """The block tokens' final-normed hidden states; each layer projects the shared context to keys/values. mask:
+        the training mask, dense (SDPA) or a BlockMask (flex: compiled.compile_drafter compiles this function)."""
         ctx = self.context(target_feats)
         h = F.embedding(block_ids, self.embed_weight).to(ctx.dtype)
         (cos_c, sin_c), (cos_q, sin_q) = self.rope(ctx_pos, ctx.dtype), self.rope(block_pos, ctx.dtype)
+        attend = functools.partial(attention, mask=mask)
         for layer in self.layers:
             h = layer(h, *layer.self_attn.kv(ctx, cos_c, sin_c), cos_q, sin_q, attend)
         return self.norm(h)
+
+    def forward(self, features, batch, weight_sum=None):
+        """The training loss of a Batch (make_batch) on the target's features (B, S, layers x hidden; with
+        distillation the final hidden states last, the teacher): (loss over weight_sum, the batch's own weights by
+        default; acc and counts per block position 1..bs-1)."""
+        c, (B, S, _), dev = self.config, batch.shape, features.device
+        teacher = rows = None
+        if batch.distill:    # block position k's label is the target's next token after position anchor + k - 1
+            features, final = features[..., :-c.hidden_size].contiguous(), features[..., -c.hidden_size:]
+            positions, rows = to_device(batch.taught[0], dev), batch.taught[1]
+            teacher = final[positions // S, positions % S]
+        ctx_pos = torch.arange(S, device=dev).expand(B, S)
+        mask = (create_dflash_block_mask if self.block_mask else dense_dflash_mask)(batch.anchors, S, c.block_size)
+        hidden = self.trunk(features, batch.block_ids, ctx_pos, batch.block_pos, mask)
+        return dflash_loss(hidden, self.lm_head_weight, batch.labels, batch.weights, weight_sum=weight_sum,
+                           teacher=teacher, teacher_rows=rows, distill=batch.distill)
+
+def attention(q, k, v, mask):
+    """SDPA under a dense boolean mask, or flex attention under a BlockMask. Flex runs compiled only: eagerly it is a
+    dense fallback (B x H x Q x KV scores). Its kv heads are repeated for their query heads: flex's backward gives
+    each (key tile, kv head) one program looping over the group's query heads, and nearly every query sees the first
+    context tiles, so those few programs set the kernel's tail; the repeat's gradient sums the group's (the same math)."""
+    if not isinstance(mask, BlockMask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if not torch.compiler.is_dynamo_compiling():
+        raise RuntimeError("flex attention ran uncompiled: this would be the dense fallback (B x H x Q x KV scores); "
+                           "the drafter's flex path runs through compiled.compile_drafter and its gate")
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]                      # query head h uses kv head h // group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return flex_attention(q, k, v, block_mask=mask)
 
 # ---- 2. The training mask. Queries: A blocks of `bs` tokens (q = i*bs + k); keys: [S context features | A*bs block
 # tokens]. Block i sees context kv < anchor_i (STRICTLY: the target computes the anchor's feature AFTER seeing its
@@ -268,6 +302,37 @@ def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id,
     block_ids[:, :, 0] = labels[:, :, 0]
     return block_ids.flatten(1), pos.flatten(1), labels, weights
 
+@dataclass
+class Batch:
+    """A micro-batch's training blocks, built once by make_batch on the host (the loader thread, ahead of its step):
+    block inputs and positions (B, A*bs), labels and loss weights (B, A, bs), the anchors (B, A) the mask reads, and
+    with distillation (distill > 0: the KL's share of the loss) teacher_positions' result."""
+    block_ids: torch.Tensor
+    block_pos: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+    anchors: torch.Tensor
+    S: int                      # the context length: the target features' positions
+    distill: float = 0.0
+    taught: tuple = None
+
+    @property
+    def shape(self):
+        """(B, S, A): the key of the compiled step and of the shape plan."""
+        return (self.anchors.shape[0], self.S, self.anchors.shape[1])
+
+    def to(self, dev):
+        """The tensors the step reads on `dev` (taught's rows stay on the host: the loss's chunks index with them)."""
+        move = {k: to_device(getattr(self, k), dev) for k in ("block_ids", "block_pos", "labels", "weights", "anchors")}
+        return replace(self, **move)
+
+def make_batch(input_ids, loss_mask, anchors, valid, config, gamma, distill=0.0):
+    """The Batch of host tensors input_ids, loss_mask (B, S) and anchors, valid (B, A) for a drafter of `config`."""
+    block_ids, block_pos, labels, weights = make_blocks(input_ids, loss_mask, anchors, valid, config.block_size,
+                                                        config.mask_token_id, gamma)
+    taught = teacher_positions(anchors, valid, input_ids.shape[1], config.block_size) if distill else None
+    return Batch(block_ids, block_pos, labels, weights, anchors, input_ids.shape[1], distill, taught)
+
 def chunk_plan(n, chunk_rows):
     """(rows per chunk, chunks): equal chunks of <= chunk_rows rows covering n, the last padded: one kernel shape."""
     k = max(1, math.ceil(n / chunk_rows))
@@ -350,32 +415,6 @@ def teacher_positions(anchors, valid, S, block_size):
 def simulated_tau(acc):
     """1 + sum_k prod_{j<=k} acc_j: the acceptance length if position errors were independent."""
     return 1.0 + float(torch.cumprod(torch.as_tensor(acc, dtype=torch.float64), 0).sum())
-
-def dense_trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors):
-    """The drafter trunk with the dense boolean mask and SDPA (CPU, and the reference of the flex trunk)."""
-    mask = dense_dflash_mask(anchors, ctx_pos.shape[1], drafter.config.block_size)
-    return drafter.body(target_feats, block_ids, ctx_pos, block_pos,
-                        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
-
-def drafter_forward_loss(drafter, target_feats, input_ids, loss_mask, anchors, valid, gamma, trunk=dense_trunk,
-                         weight_sum=None, distill=0.0, taught=None):
-    """One training forward: blocks -> trunk (dense_trunk, or compiled.flex_trunk) -> loss. distill > 0: target_feats
-    ends with the target's final hidden states (the teacher); `taught`: teacher_positions' result, if computed ahead."""
-    c, (B, S), dev = drafter.config, input_ids.shape, input_ids.device
-    if distill and taught is None:     # from the host anchors, before they move
-        taught = teacher_positions(anchors, valid, S, c.block_size)
-    anchors, valid = to_device(anchors, dev), to_device(valid, dev)
-    block_ids, block_pos, labels, weights = make_blocks(
-        input_ids, loss_mask, anchors, valid, c.block_size, c.mask_token_id, gamma)
-    teacher = rows = None
-    if distill:    # block position k's label is the target's next token after position anchor + k - 1
-        target_feats, final = target_feats[..., :-c.hidden_size].contiguous(), target_feats[..., -c.hidden_size:]
-        positions, rows = to_device(taught[0], dev), taught[1]
-        teacher = final[positions // S, positions % S]
-    ctx_pos = torch.arange(S, device=dev).expand(B, S)
-    hidden = trunk(drafter, target_feats, block_ids, ctx_pos, block_pos, anchors)
-    return dflash_loss(hidden, drafter.lm_head_weight, labels, weights, weight_sum=weight_sum, teacher=teacher,
-                       teacher_rows=rows, distill=distill)
 
 def to_device(t, dev):
     """A host tensor to `dev` through pinned memory: queued like a kernel (a pageable copy waits for the stream)."""

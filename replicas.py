@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint as ck
+import compiled
 import config
 from master_adamw import MasterAdamW
 
@@ -131,6 +132,18 @@ class Replicas:
         names = self.tensors(0)[0]
         return [f"{who or f'replica {r}'}: {names[i]}" for r in range(1, len(fps))
                 for i in (fps[r] != fps[0]).nonzero()[:, 0].tolist()]
+
+def forward_backward(drafter, work, weight_sum):
+    """A replica's share of a training step: each micro-batch's loss (over the step's weight_sum) and its backward,
+    the gradients adding up; work: [(target features, dm.Batch)]. Returns the summed loss, then hits and counts per
+    block position (the log's figures)."""
+    dev, loss_sum, hits, counts = drafter.fc.weight.device, 0.0, 0, 0
+    for feats, batch in work:
+        with compiled.autocast(dev):
+            loss, acc, cnt = drafter(feats.to(dev, non_blocking=True), batch.to(dev), weight_sum)
+        compiled.backward(drafter, loss, batch.shape)
+        loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
+    return torch.cat([loss_sum.float().view(1), hits.float(), counts.float()])
 
 def clip_and_step(opt, grads, clip):
     """clip_grad_norm_'s factor, applied on the device in MasterAdamW's pass (no scaling pass, no host sync). The step

@@ -7,6 +7,7 @@ commands). Skipped where no GPU is visible (the CPU suite runs the same code in 
 4. The pipeline with the target and the drafter on one GPU, each thread on its own stream, against one stream.
 """
 import contextlib
+import copy
 import json
 import sys
 
@@ -47,20 +48,17 @@ def batch(c, B=2, S=256, A=16, seed=0):
     valid[1, A // 2:] = False                                      # a row with padding blocks
     ids = torch.randint(0, c.vocab_size - 1, (B, S), generator=g).to(DEV)
     feats = torch.randn(B, S, len(c.target_layer_ids) * c.hidden_size, generator=g).to(DEV)
-    return feats, ids, torch.ones(B, S, device=DEV), anchors, valid
+    return feats, dm.make_batch(ids, torch.ones(B, S, device=DEV), anchors, valid, c, 2.0)
 
 
 def test_flex_trunk_forward_and_backward_equal_the_dense_trunk():
-    drafter = tiny_drafter()
-    feats, ids, mask, anchors, valid = batch(drafter.config)
+    dense = tiny_drafter()
+    flex = compiled.compile_drafter(copy.deepcopy(dense))
+    feats, b = batch(dense.config)
     out = {}
-    for name, trunk in (("dense", dm.dense_trunk), ("flex", compiled.flex_trunk)):
-        drafter.zero_grad(set_to_none=True)
-        loss = dm.drafter_forward_loss(drafter, feats, ids, mask, anchors, valid, 2.0, trunk)[0]
-        if name == "flex":
-            compiled.backward(loss, DEV, tuple(ids.shape) + (anchors.shape[1],), "flex")
-        else:
-            loss.backward()
+    for name, drafter in (("dense", dense), ("flex", flex)):
+        loss = drafter(feats, b)[0]
+        compiled.backward(drafter, loss, b.shape)
         out[name] = float(loss), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
     (ld, gd), (lf, gf) = out["dense"], out["flex"]
     assert lf == pytest.approx(ld, rel=1e-4)
@@ -106,15 +104,14 @@ def test_bf16_weights_with_fp32_masters_follow_fp32_adamw():
         torch.testing.assert_close(master, p_ref.detach(), rtol=1e-5, atol=1e-6)
 
     ref, mixed = tiny_drafter(), tiny_drafter()
-    feats, ids, mask, anchors, valid = batch(ref.config)
+    feats, b = batch(ref.config)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3)
     opt = MasterAdamW(mixed.parameters(), lr=3e-3, param_dtype=torch.bfloat16)
     losses = {"fp32": [], "bf16": []}
     for _ in range(12):                  # the fp32 loss falls from about 10 to 3.5 (a third) in these steps
         for name, model, o in (("fp32", ref, opt_ref), ("bf16", mixed, opt)):
             with torch.autocast("cuda", torch.bfloat16) if name == "bf16" else contextlib.nullcontext():
-                loss = dm.drafter_forward_loss(model, feats.to(next(model.parameters()).dtype), ids, mask, anchors,
-                                               valid, 2.0)[0]
+                loss = model(feats.to(next(model.parameters()).dtype), b)[0]
             loss.backward()
             if name == "fp32":
                 o.step()

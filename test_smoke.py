@@ -16,6 +16,7 @@ if __name__ == "__main__":   # the test command sets itself up: it installs what
     import install
     install.main(["--test"])
 
+import copy
 import json
 import math
 import os
@@ -36,6 +37,7 @@ import decoding
 import dflash_model as dm
 import kernels
 from compiled import GATE
+from replicas import forward_backward
 
 FX_ERROR = "Detected that you are using FX to symbolically trace"
 DEFAULT_RECOMPILE_LIMIT = GATE.recompile_limit
@@ -221,11 +223,13 @@ def flex_case():
                           block_size=bs, mask_token_id=255)
     drafter = dm.DFlashDrafter(cfg, embed_weight=torch.randn(256, H), lm_head_weight=0.3 * torch.randn(256, H))
     drafter.eval()
+    flex = compiled.compile_drafter(copy.deepcopy(drafter))     # the same weights, compiled: flex on a BlockMask
     feats = torch.randn(B, S, len(cfg.target_layer_ids) * H)
     with torch.no_grad():
         bm = dm.create_dflash_block_mask(anchors, S, bs)
+    batch = dm.make_batch(input_ids, loss_mask, anchors, valid, cfg, 7.0)
     return SimpleNamespace(B=B, S=S, A=A, bs=bs, anchors=anchors, valid=valid, loss_mask=loss_mask,
-                           input_ids=input_ids, drafter=drafter, feats=feats, bm=bm, gamma=7.0)
+                           input_ids=input_ids, drafter=drafter, flex=flex, feats=feats, bm=bm, gamma=7.0, batch=batch)
 
 
 @pytest.fixture(scope="module")
@@ -254,15 +258,15 @@ def trained(targets):
     gamma, tau, t0 = 4.0, 1.0, time.time()
     for step in range(400):
         anchors, valid = dm.sample_anchors(loss_mask, lengths, 32, bs, gen)
-        loss, _, _ = dm.drafter_forward_loss(drafter, feats, seq, loss_mask, anchors, valid, gamma)
+        loss, _, _ = drafter(feats, dm.make_batch(seq, loss_mask, anchors, valid, drafter.config, gamma))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         if step % 10 == 9:
             with torch.no_grad():
-                _, acc, _ = dm.drafter_forward_loss(drafter, feats, seq, loss_mask, all_anchors, all_valid,
-                                                    gamma)
+                _, acc, _ = drafter(feats, dm.make_batch(seq, loss_mask, all_anchors, all_valid, drafter.config,
+                                                         gamma))
             tau = dm.simulated_tau(acc)
             if tau >= 7.9:
                 break
@@ -411,7 +415,7 @@ def test_compiled_flex_output_equals_sdpa_with_naive_mask(flex_case):
     v = torch.randn(c.B, 2, KV, 16, generator=g)
     mask = naive_mask(c.anchors, c.S, c.bs)[:, None]
     with torch.no_grad():
-        out = GATE.run("flex", "cpu", tuple(q.shape) + tuple(k.shape), compiled.compiled_flex, q, k, v, c.bm)
+        out = GATE.run("flex", "cpu", tuple(q.shape) + tuple(k.shape), compiled.compiled_attention, q, k, v, c.bm)
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert rel_err(out, ref) < 1e-4
     with torch.no_grad():   # the key includes grad mode (part of dynamo's guards)
@@ -420,21 +424,14 @@ def test_compiled_flex_output_equals_sdpa_with_naive_mask(flex_case):
 
 def test_flex_drafter_forward_equals_sdpa(flex_case):
     c = flex_case
-    d = c.drafter
+    b = c.batch
     with torch.no_grad():
-        loss_f, acc_f, cnt_f = dm.drafter_forward_loss(d, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid,
-                                                       c.gamma, compiled.flex_trunk)
-        loss_s, acc_s, cnt_s = dm.drafter_forward_loss(d, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid,
-                                                       c.gamma)
-        # the hidden states themselves, through the same compiled entry drafter_forward_loss used
-        block_ids, block_pos, _, _ = dm.make_blocks(c.input_ids, c.loss_mask, c.anchors, c.valid, c.bs,
-                                                    d.config.mask_token_id, c.gamma)
+        loss_f, acc_f, cnt_f = c.flex(c.feats, b)
+        loss_s, acc_s, cnt_s = c.drafter(c.feats, b)
+        # the hidden states themselves, through the same compiled entry the loss used
         ctx_pos = torch.arange(c.S).expand(c.B, c.S)
-        h_flex = GATE.run("drafter_fwd", "cpu", (c.B, c.S, c.A), compiled.compiled_body,
-                          d, c.feats, block_ids, ctx_pos, block_pos, c.bm)
-        h_sdpa = d.body(c.feats, block_ids, ctx_pos, block_pos,
-                        lambda q, k, v: F.scaled_dot_product_attention(
-                            q, k, v, attn_mask=naive_mask(c.anchors, c.S, c.bs)[:, None], enable_gqa=True))
+        h_flex = c.flex.trunk(c.feats, b.block_ids, ctx_pos, b.block_pos, c.bm)
+        h_sdpa = c.drafter.trunk(c.feats, b.block_ids, ctx_pos, b.block_pos, naive_mask(c.anchors, c.S, c.bs)[:, None])
     assert math.isfinite(float(loss_s)) and float(loss_s) > 0
     assert abs(float(loss_f) - float(loss_s)) / abs(float(loss_s)) < 1e-4
     assert rel_err(h_flex, h_sdpa) < 1e-4
@@ -447,7 +444,8 @@ def test_warm_up_compiles_each_replica_and_shape_sizes_the_recompile_limit_and_m
     warm; the flex rows say how each compile went (here: the trunk this file already compiled for the
     flex_case shape, in no-grad mode, so reused in process)."""
     c, logs = flex_case, []
-    rows = compiled.warm_up([c.drafter, c.drafter], [(1, 128, 8), (1, 256, 8)], 7.0, "sdpa", log=logs.append)
+    rows = compiled.warm_up([c.drafter, c.drafter], [(1, 128, 8), (1, 256, 8)], forward_backward, 7.0,
+                            log=logs.append)
     assert [(r[1], r[3]) for r in rows] == [((1, 128, 8), "eager (sdpa)"), ((1, 256, 8), "eager (sdpa)")] * 2
     assert GATE.recompile_limit == 2 * 2 + 2 and GATE.warm
     # each line counts the pairs and, but for the last, gives the rest's ETA
@@ -457,15 +455,15 @@ def test_warm_up_compiles_each_replica_and_shape_sizes_the_recompile_limit_and_m
         [("1", True), ("2", True), ("3", True), ("4", False)], logs
     reset_gate()
     with torch.no_grad():
-        dm.drafter_forward_loss(c.drafter, c.feats, c.input_ids, c.loss_mask, c.anchors, c.valid, c.gamma, compiled.flex_trunk)
+        c.flex(c.feats, c.batch)
         reset_gate()
-        rows = compiled.warm_up([c.drafter], [(c.B, c.S, c.A)], 7.0, "flex", log=logs.append)
+        rows = compiled.warm_up([c.flex], [(c.B, c.S, c.A)], forward_backward, 7.0, log=logs.append)
         assert rows[0][3] in ("reused (in process)", "cache hit") and is_warmed(
             "drafter_fwd", "cpu", (c.B, c.S, c.A, c.bs))
         # an unwarmed shape is refused under the warm gate, naming it
         with pytest.raises(compiled.UnwarmedShapeError, match=r"\(3, 128, 8, 16\)"):
-            dm.drafter_forward_loss(c.drafter, c.feats[:, :128], c.input_ids[:, :128], c.loss_mask[:, :128],
-                                    c.anchors[:, :8].clamp(max=100), c.valid[:, :8], c.gamma, compiled.flex_trunk)
+            c.flex(c.feats[:, :128], dm.make_batch(c.input_ids[:, :128], c.loss_mask[:, :128],
+                                                   c.anchors[:, :8].clamp(max=100), c.valid[:, :8], c.flex.config, c.gamma))
 
 
 # -----------------------------------------------------------------------------
@@ -575,8 +573,8 @@ def test_distillation_matches_the_targets_next_token_distributions_and_training_
     def dense_kl():
         with torch.no_grad():
             block_ids, pos, labels, w = dm.make_blocks(ids, lm, anchors, valid, c.block_size, c.mask_token_id, 7.0)
-            hidden = dm.dense_trunk(drafter, feats[..., :-c.hidden_size], block_ids,
-                                    torch.arange(S).expand(B, S), pos, anchors)
+            hidden = drafter.trunk(feats[..., :-c.hidden_size], block_ids, torch.arange(S).expand(B, S), pos,
+                                   dm.dense_dflash_mask(anchors, S, c.block_size))
             h = hidden.view(B, -1, c.block_size, c.hidden_size)[:, :, 1:]
             q = (h @ drafter.lm_head_weight.t()).log_softmax(-1)
             at = (pos.view(B, -1, c.block_size)[:, :, 1:] - 1).clamp(max=S - 1)
@@ -584,12 +582,13 @@ def test_distillation_matches_the_targets_next_token_distributions_and_training_
             kl = F.kl_div(q, p, log_target=True, reduction="none").sum(-1)
             return float((kl * w[:, :, 1:]).sum() / w[:, :, 1:].sum())
 
-    loss = float(dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, distill=1.0)[0].detach())
+    batch = dm.make_batch(ids, lm, anchors, valid, c, 7.0, distill=1.0)
+    loss = float(drafter(feats, batch)[0].detach())
     before = dense_kl()
     assert abs(loss - before) <= 1e-4 * before, (loss, before)
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     for _ in range(20):
-        dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0, distill=1.0)[0].backward()
+        drafter(feats, batch)[0].backward()
         opt.step()
         opt.zero_grad()
     assert dense_kl() < 0.5 * before, (dense_kl(), before)
@@ -970,7 +969,7 @@ def test_ce_correct_means_the_label_has_the_row_max():
 
 
 def test_gqa_expand_hands_flex_one_kv_head_per_query_head_with_the_same_output_and_gradients(monkeypatch):
-    """compiled.flex repeats each kv head for its query heads before flex: the kernel sees as many kv heads as
+    """dm.attention repeats each kv head for its query heads before flex: the kernel sees as many kv heads as
     query heads, and the output equals flex's own GQA. (flex has no backward on CPU: the gradients are
     checked with SDPA over the same mask standing in for the kernel, against SDPA's own GQA.)"""
     S, A, bs = 128, 8, 16
@@ -979,18 +978,19 @@ def test_gqa_expand_hands_flex_one_kv_head_per_query_head_with_the_same_output_a
     mask = dm.dense_dflash_mask(anchors, S, bs)
     g = torch.Generator().manual_seed(5)
     x = [torch.randn(1, h, L, 16, generator=g, dtype=torch.float64) for h, L in ((4, A * bs), (2, S + A * bs), (2, S + A * bs))]
-    heads, real_flex = [], compiled.flex_attention
-    monkeypatch.setattr(compiled, "flex_attention", lambda q, k, v, **kw: heads.append(k.shape[1]) or real_flex(q, k, v, **kw))
+    heads, real_flex = [], dm.flex_attention
+    monkeypatch.setattr(dm, "flex_attention", lambda q, k, v, **kw: heads.append(k.shape[1]) or real_flex(q, k, v, **kw))
+    monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)    # flex eagerly: the kernel's math
     with torch.no_grad():
-        ours = compiled.flex(*x, bm)
+        ours = dm.attention(*x, bm)
         theirs = real_flex(*x, block_mask=bm, enable_gqa=True)
     assert heads == [4]
     sdpa = lambda q, k, v, **kw: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ours, sdpa(*x), rtol=1e-10, atol=1e-10)
-    monkeypatch.setattr(compiled, "flex_attention", sdpa)
+    monkeypatch.setattr(dm, "flex_attention", sdpa)
     grads = []
-    for attend in (compiled.flex, lambda q, k, v, bm: sdpa(q, k, v)):
+    for attend in (dm.attention, lambda q, k, v, bm: sdpa(q, k, v)):
         q, k, v = (t.clone().requires_grad_() for t in x)
         attend(q, k, v, bm).pow(2).sum().backward()
         grads.append((q.grad, k.grad, v.grad))
@@ -1101,7 +1101,7 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
     for t in targets:
         compiled.compile_target_layers(t)
     graphed = [compiled.GraphedTarget(t, [0, 2], False) for t in targets]
-    rows = compiled.warm_up([], TARGET_SHAPES + [(1, 128, 16)], 7.0, "flex", log=lambda m: None, targets=graphed)
+    rows = compiled.warm_up([], TARGET_SHAPES + [(1, 128, 16)], None, 7.0, log=lambda m: None, targets=graphed)
     assert [(r[0], r[1]) for r in rows] == [("cpu target", (1, 128)), ("cpu target", (2, 64))] * 2
     kinds = [r[3] for r in rows]
     assert all(re.search(r"(compile|hit|\(in process\)), features \de[+-]\d+ from eager", k) for k in kinds), kinds
@@ -1167,7 +1167,7 @@ def test_a_compiled_target_whose_features_differ_from_eager_is_refused_at_the_wa
     compiled.compile_target_layers(target)
     rows = []
     graphed = compiled.GraphedTarget(target, [0, 2], False)
-    warm = lambda: rows.extend(compiled.warm_up([], TARGET_SHAPES, 7.0, "flex", log=lambda m: None, targets=[graphed]))
+    warm = lambda: rows.extend(compiled.warm_up([], TARGET_SHAPES, None, 7.0, log=lambda m: None, targets=[graphed]))
     if where == "every position":
         with pytest.raises(SystemExit, match=r"^error: the compiled target's features at \(B, S\) = \(1, 128\) "
                            r"differ from the eager target's: a row's median position by .* \(relative; torch.float32 "
@@ -1194,7 +1194,7 @@ def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_
             f"t = config.load_target({str(tmp_path / 'm')!r}, 'cpu', torch.float32, [0, 2], log=print, "
             "random_weights=sys.argv[1] == 'random')\n"
             "compiled.compile_target_layers(t)\n"
-            "print('rows', compiled.warm_up([], [(2, 64, 8)], 7.0, 'flex', targets=[compiled.GraphedTarget(t, [0, 2], False)], "
+            "print('rows', compiled.warm_up([], [(2, 64, 8)], None, 7.0, targets=[compiled.GraphedTarget(t, [0, 2], False)], "
             "log=lambda m: None))\n")
     out = []
     for weights in ("random", "real"):
@@ -1216,7 +1216,12 @@ def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
             "anchors = torch.tensor([[0, 40, 100, 200, 0, 0, 0, 0]])\n"
             "bm = dm.create_dflash_block_mask(anchors, 256, 16)\n"
             "q, kv = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 384, 16)\n"
-            "calls = [lambda: compiled.compiled_flex(q, kv, kv, bm), lambda: compiled.compiled_body(None, None, None, None, None, bm)]\n"
+            "c = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,"
+            " head_dim=16, vocab_size=64, num_target_layers=4, max_position_embeddings=512, num_draft_layers=1)\n"
+            "d, pos = dm.DFlashDrafter(c), torch.arange(256)[None]\n"
+            "feats, ids = torch.randn(1, 256, len(c.target_layer_ids) * 32), torch.zeros(1, 128, dtype=torch.long)\n"
+            "calls = [lambda: compiled.compiled_attention(q, kv, kv, bm),\n"
+            "         lambda: compiled.compiled_trunk(d, feats, ids, pos, pos[:, :128], bm)]\n"
             "for call in calls:\n"
             "    try:\n"
             "        call()\n"
@@ -1227,8 +1232,7 @@ def test_flex_refuses_to_run_eagerly_when_dynamo_is_off(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "refused: flex_attention ran uncompiled" in p.stdout, p.stdout
-    assert "refused: drafter body (flex) ran uncompiled" in p.stdout, p.stdout
+    assert p.stdout.count("refused: flex attention ran uncompiled") == 2, p.stdout
 
 
 def _word_tokenizer(words, eos):

@@ -164,8 +164,9 @@ def break_(kind, n):
     calls = iter(range(1, 1 << 30))
     if kind == "target":
         wrap(dm, "target_forward", before=lambda *a: next(calls) == n and fail("target"))
-    elif kind == "drafter":
-        wrap(tr.Trainer, "forward_backward", before=lambda self, r, step, *a: step == n and fail("drafter"))
+    elif kind == "drafter":    # a drafter thread's N-th call is step N's (one replica; the warm-up's run elsewhere)
+        wrap(tr, "forward_backward", before=lambda *a: threading.current_thread().name.startswith("drafter")
+             and next(calls) == n and fail("drafter"))
     elif kind == "ckpt":         # as a full disk fails a write
         def full(d, path, *a):
             if f"step_{n:06d}.tmp" in path:
@@ -191,8 +192,8 @@ def break_(kind, n):
                 os.kill(os.getpid(), signal.SIGKILL)
         wrap(ck.Checkpointer, "save", after=kill)
     elif kind == "term":
-        wrap(tr.Trainer, "forward_backward", before=lambda self, r, step, *a: step == n
-             and os.kill(os.getpid(), signal.SIGTERM))
+        wrap(tr, "forward_backward", before=lambda *a: threading.current_thread().name.startswith("drafter")
+             and next(calls) == n and os.kill(os.getpid(), signal.SIGTERM))
     elif kind == "gen_kill":
         wrap(data_dflash, "write_chat_jsonl", after=lambda path, *a: ".shards" in path and next(calls) == n
              and os.kill(os.getpid(), signal.SIGKILL))
@@ -906,26 +907,25 @@ def test_gradients_summed_in_the_flat_buffer_by_the_hooks():
         torch.testing.assert_close(v, p.grad)
 
 
-def test_warm_shape_leaves_the_grads_as_it_found_them():
-    """Absent grads stay absent (a lone replica's next backward hands its grads over); a flat buffer's
-    views stay those views, zeroed."""
+def test_the_warm_up_runs_the_trainers_own_step_on_each_shape():
+    """warm_shape hands the step it is given (replicas.forward_backward, the drafter threads' own) a Batch of the
+    shape, with distillation features that carry the teacher's states, and that step's backward fills the grads."""
     import compiled
     import dflash_model as dm
+    from replicas import forward_backward
     c = dm.DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                         head_dim=16, vocab_size=64, num_target_layers=4, max_position_embeddings=128,
                         num_draft_layers=1)
     d = dm.DFlashDrafter(c, embed_weight=torch.randn(64, 32), lm_head_weight=torch.randn(64, 32))
-    compiled.warm_shape(d, (1, 64, 4), 7.0, "sdpa")
-    assert all(p.grad is None for p in d.parameters())
-    params = list(d.parameters())
-    flat = torch.zeros(sum(p.numel() for p in params))
-    off = 0
-    for p in params:
-        p.grad = flat[off: off + p.numel()].view_as(p)
-        off += p.numel()
-    compiled.warm_shape(d, (1, 64, 4), 7.0, "sdpa")
-    assert all(p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in params)
-    assert not flat.any()
+    seen = []
+
+    def step(drafter, work, weight_sum):
+        seen.append((work[0][0].shape[-1], work[0][1].shape, work[0][1].distill))
+        return forward_backward(drafter, work, weight_sum)
+    for shape, distill in (((1, 64, 4), 0.0), ((2, 32, 2), 0.5)):
+        compiled.warm_shape(d, shape, step, 7.0, distill)
+    assert seen == [(len(c.target_layer_ids) * 32, (1, 64, 4), 0.0), ((len(c.target_layer_ids) + 1) * 32, (2, 32, 2), 0.5)]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in d.parameters())
 
 
 def test_checkpoint_snapshots_reuse_their_host_buffers_and_never_alias_the_live_tensors():
@@ -995,7 +995,7 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
     ids, lm = torch.randint(0, 255, (1, S)), torch.ones(1, S)
     anchors, valid = dm.sample_anchors(lm, torch.tensor([S]), A, bs, torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
-        loss, _, _ = dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, 7.0)
+        loss, _, _ = drafter(feats, dm.make_batch(ids, lm, anchors, valid, cfg, 7.0))
         loss.backward()
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     matmuls = sum(n for op, n in counts.items() if op in ("aten.mm", "aten.addmm", "aten.bmm"))
@@ -1013,9 +1013,10 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
     assert dm.batch_flops(cfg, S, anchors2, valid2, taught2) == \
         dm.batch_flops(cfg, S, anchors2, valid2) + 2 * (30 + 15) * H * 256
     taught = len(dm.teacher_positions(anchors, valid, S, bs)[0])
+    feats_final = torch.cat([feats, torch.randn(1, S, H)], -1)     # the target's final states: the teacher
+    batch = dm.make_batch(ids, lm, anchors, valid, cfg, 7.0, distill=0.5)
     with FlopCounterMode(display=False) as counter:
-        feats_final = torch.cat([feats, torch.randn(1, S, H)], -1)     # the target's final states: the teacher
-        dm.drafter_forward_loss(drafter, feats_final, ids, lm, anchors, valid, 7.0, distill=0.5)[0].backward()
+        drafter(feats_final, batch)[0].backward()
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     assert sum(n for op, n in counts.items() if op in ("aten.mm", "aten.addmm", "aten.bmm")) == \
         dm.matmul_flops(cfg, S, A) + 2 * taught * H * 256, counts
@@ -1587,12 +1588,12 @@ def test_a_batch_of_many_sequences_gives_the_losses_and_gradients_of_its_rows_ru
     lm = (torch.arange(S)[None] < lengths[:, None]).long()
     lm[:, :10] = 0                                                      # a prompt: no loss there
     anchors, valid = tr.sample_anchors_for(0, [(i, 0) for i in range(B)], lm, lengths, A, bs)
-    wsum = float(dm.make_blocks(ids, lm, anchors, valid, bs, 255, 4.0)[3][:, :, 1:].sum())
+    wsum = float(dm.make_batch(ids, lm, anchors, valid, cfg, 4.0).weights[:, :, 1:].sum())
 
     def run(rows):
         drafter.zero_grad(set_to_none=True)
-        loss, acc, cnt = dm.drafter_forward_loss(drafter, feats[rows], ids[rows], lm[rows], anchors[rows],
-                                                 valid[rows], 4.0, weight_sum=wsum)
+        batch = dm.make_batch(ids[rows], lm[rows], anchors[rows], valid[rows], cfg, 4.0)
+        loss, acc, cnt = drafter(feats[rows], batch, wsum)
         loss.backward()
         return loss.detach(), acc * cnt, cnt, [p.grad.clone() for p in drafter.parameters()]
 
@@ -1619,8 +1620,8 @@ def test_host_threads_is_one_intra_op_thread_only_where_every_device_is_a_gpu():
 
 
 def test_the_loaders_prepared_batch_is_what_the_step_would_compute_itself():
-    """prepare_batch (the loader thread's host work) gives each batch its anchors, distillation's taught positions and
-    the step's sums; the drafter's loss with the taught positions handed in equals the one that finds them itself."""
+    """prepare_batch (the loader thread's host work) gives each batch its anchors (drawn per sample and epoch), its
+    Batch with distillation's taught positions, and the step's sums (weights, tokens, FLOPs)."""
     import config
     import dflash_model as dm
     import train_dflash as tr
@@ -1633,15 +1634,14 @@ def test_the_loaders_prepared_batch_is_what_the_step_would_compute_itself():
     lengths, ids = torch.tensor([128, 90, 41]), torch.randint(0, 255, (B, S))
     lm = (torch.arange(S)[None] < lengths[:, None]).long()
     keys = [(7, 0), (3, 1), (5, 0)]
-    b = tr.prepare_batch(cfg, dcfg, S, keys, ids, lm, lengths)
+    b = tr.prepare_batch(cfg, dcfg, keys, ids, lm, lengths)
     anchors, valid = tr.sample_anchors_for(cfg.seed, keys, lm, lengths, config.anchors_for(cfg, S), bs)
-    assert torch.equal(b["anchors"], anchors) and torch.equal(b["valid"], valid)
-    for got, want in zip(b["taught"], dm.teacher_positions(anchors, valid, S, bs)):
-        assert torch.equal(got, want)
-    assert b["wsum"] == float(dm.make_blocks(ids, lm, anchors, valid, bs, 255, cfg.gamma)[3][:, :, 1:].sum())
-    assert b["tokens"] == 259 and b["flops"] == dm.batch_flops(dcfg, S, anchors, valid, b["taught"])
-    drafter = dm.DFlashDrafter(dcfg, embed_weight=torch.randn(256, H), lm_head_weight=torch.randn(256, H))
-    feats = torch.randn(B, S, (len(dcfg.target_layer_ids) + 1) * H)
-    losses = [dm.drafter_forward_loss(drafter, feats, ids, lm, anchors, valid, cfg.gamma, weight_sum=b["wsum"],
-                                      distill=0.5, taught=taught)[0] for taught in (b["taught"], None)]
-    assert torch.equal(losses[0], losses[1])
+    want = dm.make_batch(ids, lm, anchors, valid, dcfg, cfg.gamma, 0.5)
+    got = b["batch"]
+    for k in ("block_ids", "block_pos", "labels", "weights", "anchors"):
+        assert torch.equal(getattr(got, k), getattr(want, k)), k
+    assert got.distill == 0.5 and got.shape == (B, S, config.anchors_for(cfg, S))
+    for g, w in zip(got.taught, dm.teacher_positions(anchors, valid, S, bs)):
+        assert torch.equal(g, w)
+    assert b["wsum"] == float(want.weights[:, :, 1:].sum())
+    assert b["tokens"] == 259 and b["flops"] == dm.batch_flops(dcfg, S, anchors, valid, got.taught)

@@ -28,7 +28,7 @@ import data_dflash
 import dflash_model as dm
 import environment
 from pipeline import ReorderBuffer, Run, Stop
-from replicas import Replicas
+from replicas import Replicas, forward_backward
 
 class Trainer:
     def __init__(self, cfg, log, env=None):
@@ -65,7 +65,7 @@ class Trainer:
         t_warm = time.time()
         if self.attn == "flex":
             compiled.use_compile_cache(cfg.compile_cache)
-        compiled.warm_up(self.replicas.drafters, self.shapes, cfg.gamma, self.attn, log,
+        compiled.warm_up(self.replicas.drafters, self.shapes, forward_backward, cfg.gamma, cfg.distill, log,
                          targets=self.graphed if self.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
         self.replicas.zero_grads()          # the warm-up's backward passes added into the flat buffers
@@ -136,6 +136,9 @@ class Trainer:
         self.replicas = Replicas(self.dcfg, t0.get_input_embeddings().weight.detach(),
                                  t0.get_output_embeddings().weight.detach(), self.ddevs, self.cfg, self.world,
                                  self.lr_factor, self.log)
+        if self.attn == "flex":
+            for dr in self.replicas.drafters:
+                compiled.compile_drafter(dr)
 
     def lr_factor(self, s):
         """At the middle of step s (0-based): no step runs at lr 0. Under a time budget the elapsed share counts too."""
@@ -312,7 +315,10 @@ class Trainer:
             S, sids = self.stream.batch(j)
             ids, lm, lengths = data_dflash.collate(sids, self.data, S, self.pad_id)
             keys = [(i, j // self.stream.nb) for i in sids]
-            self.run.put(self.load_q, (j, prepare_batch(self.cfg, self.dcfg, S, keys, ids, lm, lengths)))
+            item = prepare_batch(self.cfg, self.dcfg, keys, ids, lm, lengths)
+            if item["batch"].shape not in self.shapes:     # on every path, not only the gate's: CPU runs see it too
+                raise RuntimeError(f"batch shape {item['batch'].shape} is not in the warmed shape plan {self.shapes}")
+            self.run.put(self.load_q, (j, item))
 
     def target_worker(self, ti):
         dev, graphed = self.tdevs[ti], self.graphed[ti]
@@ -326,32 +332,17 @@ class Trainer:
                 self.buf.put(j, batch)
 
     def drafter_worker(self, r):
-        dev = self.ddevs[r]
+        dev, drafter = self.ddevs[r], self.replicas.drafters[r]
         with compiled.own_stream(dev) as stream:
             while True:
                 step, batches, wsum = self.run.get(self.inbox[r])
                 if stream is not None:   # the step loop's AdamW pass, queued on the default stream, writes the weights
                     stream.wait_stream(torch.cuda.default_stream(dev))
-                self.run.put(self.outbox[r], self.forward_backward(r, step, batches, wsum))
-
-    def forward_backward(self, r, step, batches, wsum):
-        dev, dr, t0 = self.ddevs[r], self.replicas.drafters[r], time.time()
-        loss_sum, hits, counts = 0.0, 0, 0
-        for b in batches:
-            ids, anchors = b["ids"], b["anchors"]
-            shape = (ids.shape[0], b["S"], anchors.shape[1])
-            if shape not in self.shapes:     # on every path, not only the gate's: CPU tests see it too
-                raise RuntimeError(f"batch shape {shape} is not in the warmed shape plan {self.shapes}")
-            with compiled.autocast(dev):
-                loss, acc, cnt = dm.drafter_forward_loss(dr, b["feats"].to(dev, non_blocking=True),
-                                                         dm.to_device(ids, dev), dm.to_device(b["lm"], dev), anchors,
-                                                         b["valid"], self.cfg.gamma, compiled.trunk(self.attn),
-                                                         weight_sum=wsum, distill=self.cfg.distill, taught=b["taught"])
-            compiled.backward(loss, dev, shape, self.attn)
-            loss_sum, hits, counts = loss_sum + loss.detach(), hits + acc * cnt, counts + cnt
-        compiled.sync_device(dev)            # the step waits for the grads anyway; this makes busy = device time
-        self.busy["drafter"][r] += time.time() - t0
-        return torch.cat([loss_sum.float().view(1), hits.float(), counts.float()])
+                t0 = time.time()
+                sums = forward_backward(drafter, [(b["feats"], b["batch"]) for b in batches], wsum)
+                compiled.sync_device(dev)      # the step waits for the grads anyway; this makes busy = device time
+                self.busy["drafter"][r] += time.time() - t0
+                self.run.put(self.outbox[r], sums)
 
     # --- what a run reports --------------------------------------------------------------------------
     def interval(self, step, tot, seen):
@@ -444,15 +435,14 @@ def log_line(step, x, total_steps, cfg):
             + f" | ETA {x['eta_min']:.1f}min" + (f" | checkpoint pause {x['ckpt_pause_s']:.2f}s (not in the rates)"
                                                  if x["ckpt_pause_s"] else ""))
 
-def prepare_batch(cfg, dcfg, S, keys, ids, lm, lengths):
+def prepare_batch(cfg, dcfg, keys, ids, lm, lengths):
     """A batch's host work, done by the loader thread ahead of its step (off the step loop's and the drafter thread's
-    path): its anchors, distillation's taught positions, and its share of the step's sums."""
-    anchors, valid = sample_anchors_for(cfg.seed, keys, lm, lengths, config.anchors_for(cfg, S), cfg.block_size)
-    weights = dm.make_blocks(ids, lm, anchors, valid, cfg.block_size, dcfg.mask_token_id, cfg.gamma)[3]
-    taught = dm.teacher_positions(anchors, valid, S, cfg.block_size) if cfg.teacher else None
-    return {"S": S, "ids": ids, "lm": lm, "anchors": anchors, "valid": valid, "taught": taught,
-            "wsum": float(weights[:, :, 1:].sum()), "tokens": float(lengths.sum()),
-            "flops": dm.batch_flops(dcfg, S, anchors, valid, taught)}
+    path): its anchors, its dm.Batch, and its share of the step's sums."""
+    A = config.anchors_for(cfg, ids.shape[1])
+    anchors, valid = sample_anchors_for(cfg.seed, keys, lm, lengths, A, cfg.block_size)
+    batch = dm.make_batch(ids, lm, anchors, valid, dcfg, cfg.gamma, cfg.distill)
+    return {"ids": ids, "batch": batch, "wsum": float(batch.weights[:, :, 1:].sum()), "tokens": float(lengths.sum()),
+            "flops": dm.batch_flops(dcfg, ids.shape[1], anchors, valid, batch.taught)}
 
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
     """Drawn per (sample, epoch) with their own generator: the same however batches are split, and again on resume."""

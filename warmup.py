@@ -10,6 +10,7 @@ import torch
 import compiled
 import config
 from master_adamw import cast_weights
+from replicas import forward_backward
 
 def build_drafters(cfg):
     """The drafter replicas and the shape plan train_dflash.py builds for `cfg`, without the target's weights: its
@@ -39,6 +40,8 @@ def main(argv=None):
     targets = []
     if attn == "flex":        # the target's compiled layers too, on random weights of its shape
         compiled.use_compile_cache(cfg.compile_cache)
+        for dr in drafters:
+            compiled.compile_drafter(dr)
         for d in config.resolve_devices(cfg)[0]:
             target = config.load_target(cfg.target, d, config.param_dtype(d), dcfg.target_layer_ids,
                                         random_weights=True, whole=cfg.teacher)
@@ -46,7 +49,7 @@ def main(argv=None):
             targets.append(compiled.GraphedTarget(target, dcfg.target_layer_ids, final=cfg.teacher))
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
           f"attention {attn}")
-    rows = compiled.warm_up(drafters, shapes, cfg.gamma, attn, targets=targets)
+    rows = compiled.warm_up(drafters, shapes, forward_backward, cfg.gamma, cfg.distill, targets=targets)
     print(f"[warmup] done: {sum(r[2] for r in rows):.1f}s over {len(rows)} (device, shape) pairs")
 
 if __name__ == "__main__":
