@@ -4,8 +4,9 @@ drafts; for eval_dflash.py). Engine: a static KV cache of rows, each at its own 
 import heapq
 import itertools
 import math
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -188,104 +189,189 @@ def picker(temperature, top_p):
         return kernels.gumbel_scores_torch(z, seeds, 1.0).argmax(-1)
     return sample
 
+@dataclass
+class Request:
+    """An answer to decode: up to `budget` new tokens after `prompt`, its token i drawn with the seed `seed` + i."""
+    key: tuple      # (group, ...): the answer comes back under it; requests start by group (a shard)
+    prompt: list    # token ids
+    budget: int     # new tokens at most
+    chain: int      # answers its conversation asks for from this one on: the longest chains start first
+    seed: int
+
+    @property
+    def group(self):
+        """The first part of the key: requests start group by group."""
+        return self.key[0]
+
+class _Parked(NamedTuple):
+    """An ended answer's row, held for its key's next turn, and the ids its cache holds."""
+    row: int
+    ids: list
+
+@dataclass
+class _Step:
+    """A step queued on the device: its picks land in a pinned buffer (`landed`: a CUDA event, None on a CPU)."""
+    picks: torch.Tensor
+    landed: object
+    live: torch.Tensor     # the rows that keep their pick
+
+@dataclass
+class _GenRows:
+    """generate's state: each row's answer on the host, its next step's inputs on the device, the requests between."""
+    stop_ids: torch.Tensor
+    req: list               # each row's Request; None while it is free or held
+    gen: torch.Tensor       # (rows, engine.length): each row's answer so far
+    count: torch.Tensor     # its tokens so far
+    budget: torch.Tensor    # its tokens at most
+    live: torch.Tensor      # decoding
+    held: torch.Tensor      # ended, its cache kept for a next turn
+    cur: torch.Tensor       # on the device: the next step's token of each row,
+    at: torch.Tensor        # its position (-1: the row idles)
+    drawn: torch.Tensor     # and its seed
+    back: list              # two pinned buffers the picks come back through, a step each in turn
+    ahead: _Step = None     # the step queued, its picks not read yet
+    heap: list = field(default_factory=list)     # waiting: (group, -chain, prompt length, arrival, Request)
+    arrival: itertools.count = field(default_factory=itertools.count)
+    more_done: bool = False                      # more() gave []: no more requests come
+    ended: list = field(default_factory=list)    # (key, tokens) of the answers ended since the last follow
+    parked: dict = field(default_factory=dict)   # key -> _Parked
+    resume: list = field(default_factory=list)   # (row, Request, ids shared): next turns in their keys' held rows
+    pending: Future = None                       # the last follow, run in the thread during this step
+    pending_keys: list = field(default_factory=list)   # the ended answers' keys it was asked for
+
+    @classmethod
+    def new(cls, engine, stops):
+        """Every row free: no request, idle on the device."""
+        n, dev = engine.rows, engine.pos.device
+        zeros = lambda dtype=torch.long, device=None: torch.zeros(n, dtype=dtype, device=device)
+        return cls(stop_ids=torch.tensor(sorted(stops), dtype=torch.long), req=[None] * n,
+                   gen=torch.zeros(n, engine.length, dtype=torch.long), count=zeros(), budget=zeros(),
+                   live=zeros(torch.bool), held=zeros(torch.bool),
+                   cur=zeros(device=dev), at=zeros(device=dev) - 1, drawn=zeros(device=dev),
+                   back=[torch.zeros(n, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)])
+
 @torch.no_grad()
 def generate(engine, more, stops, pick, follow=lambda ended: []):
-    """Decode requests ((group, ...) key, prompt ids, budget, chain, seed) until none is left; more() gives more ([] at
-    the end) while fewer wait than rows. pick(logits, seeds) -> ids; seeds: the request's seed + the token's index. An
-    answer ends at a stop id (kept) or after `budget` tokens. follow([(key, tokens)]), run in a thread during the next
-    step, gives the ended answers' next turns: each takes its answer's row and prefills past the prefix its cache
-    shares. Other requests go by group (a shard), then longest chain first: a group's last turns do not decode alone at
-    the end. Each step is queued before the host reads the last one's picks (a row they end decodes one token more,
-    never kept): the GPU never waits for the host's bookkeeping."""
-    n, heap, order, done_more, dev = engine.rows, [], itertools.count(), False, engine.pos.device
-    push = lambda r: heapq.heappush(heap, (r[0][0], -r[3], len(r[1]), next(order), r))   # (group, chain)
-    req, stop_ids = [None] * n, torch.tensor(sorted(stops), dtype=torch.long)
-    gen = torch.zeros(n, engine.length, dtype=torch.long)    # each row's answer so far
-    count, budget = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
-    live, held = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)   # held: kept for a next turn
-    ended, pending, parked, resume = [], None, {}, []    # parked: key -> (row, cached ids)
-    cur, at, drawn = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))   # the next step's token,
-    at -= 1    # position (-1: the row idles) and seed, on the device; the picks come back through pinned buffers
-    back, ahead = [torch.zeros(n, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)], None
-
-    def emit(rows, tokens):   # a token for each row: kept, and the row held when its answer ends
-        gen[rows, count[rows]] = tokens
-        count[rows] += 1
-        done = rows[torch.isin(tokens, stop_ids) | (count[rows] >= budget[rows])]
-        for s in done.tolist():
-            ended.append((req[s][0], gen[s, :count[s]].tolist()))
-            parked[req[s][0]] = s, req[s][1] + ended[-1][1][:-1]   # the last token: not always in it
-            req[s] = None
-        live[done], held[done] = False, True
-        at[done.to(dev)] = -1
-        if ahead:   # the step queued ahead decodes them once more: not kept, and its writes land just past the
-            ahead[2][done] = False   # ids a held row keeps
-
-    def follow_shared(ended):   # follow's requests, each with the ids its prompt shares with its key's row
-        out = []
-        for r in follow(ended):
-            cached = parked[r[0]][1] if r[0] in parked else []
-            m = min(len(cached), len(r[1]) - 1)            # one prompt token at least is prefilled: its logits
-            differ = (torch.tensor(cached[:m]) != torch.tensor(r[1][:m])).nonzero()
-            out.append((r, int(differ[0, 0]) if len(differ) else m))
-        return out
-
-    def join():   # the requests of the last follow, and more while fewer wait than there are rows
-        nonlocal pending, done_more
-        if pending:
-            for r, shared in pending[0].result():
-                if r[0] in parked:
-                    resume.append((parked.pop(r[0])[0], r, shared))
-                else:
-                    push(r)
-            for key in pending[1]:   # conversations without a next turn: their rows are free
-                if key in parked:
-                    held[parked.pop(key)[0]] = False
-        pending = None
-        while not done_more and len(heap) < n:
-            got = more()
-            done_more = not got
-            for r in got:
-                push(r)
-
+    """Decode Requests until none is left; more() gives more ([] at the end) while fewer wait than rows.
+    pick(logits, seeds) -> ids; seeds: the request's seed + the token's index. An answer ends at a stop id (kept) or
+    after its budget. follow([(key, tokens)]), run in a thread during the next step, gives the ended answers' next
+    turns: each takes its answer's row and prefills past the prefix its cache shares. Other requests go by group (a
+    shard), then longest chain first: a group's last turns do not decode alone at the end. Each step is queued before
+    the host reads the last one's picks (a row they end decodes one token more, never kept): the GPU never waits for
+    the host's bookkeeping."""
+    s = _GenRows.new(engine, stops)
     with ThreadPoolExecutor(1) as pool:
         while True:
-            free, idle = (~live & ~held).nonzero()[:, 0].tolist(), n - int(live.sum())
-            if (resume or heap and free) and (idle >= n // 8 or idle == n):   # once an eighth idles: batched prefill
-                take = [heapq.heappop(heap)[-1] for _ in range(min(len(free), len(heap)))]
-                rows = torch.tensor(free[:len(take)] + [s for s, _, _ in resume])
-                shared = [0] * len(take) + [m for _, _, m in resume]
-                take, resume = take + [r for _, r, _ in resume], []
-                for s, r in zip(rows.tolist(), take):
-                    req[s] = r
-                count[rows], live[rows], held[rows] = 0, True, False
-                budget[rows] = torch.tensor([r[2] for r in take])
-                logits = engine.prefill(rows.tolist(), [r[1] for r in take], starts=shared)
-                on, seeds = rows.to(dev), torch.tensor([r[4] for r in take], device=dev)
-                first = pick(logits, seeds)   # a row decodes on from its prompt's end, with the seed's next draws
-                cur[on], at[on], drawn[on] = first, torch.tensor([len(r[1]) for r in take], device=dev), seeds + 1
-                emit(rows, first.cpu())
-            last, ahead = ahead, None
-            if live.any():   # queued before the host reads the last step's picks
-                cur = pick(engine.step(cur[:, None], at)[0][:, 0], drawn)
-                at += (at >= 0).long()
-                drawn += 1
-                back.reverse()                   # the other buffer: the last step's is read below
-                back[0].copy_(cur, non_blocking=True)
-                landed = torch.cuda.Event() if dev.type == "cuda" else None
-                if landed:
-                    landed.record()
-                ahead = back[0], landed, live.clone()
-            join()
+            free = (~s.live & ~s.held).nonzero()[:, 0].tolist()
+            if _prefill_due(s, free):
+                _prefill(s, engine, pick, free)
+            last, s.ahead = s.ahead, None
+            if s.live.any():   # queued before the host reads the last step's picks
+                s.ahead = _queue_step(s, engine, pick)
+            _join_follow(s)
+            _fill(s, more)
             if last:
-                if last[1]:
-                    last[1].synchronize()
-                rows = last[2].nonzero()[:, 0]
-                emit(rows, last[0][rows])
-            elif not (ahead or pending or heap or resume or ended or not done_more):
+                _read(s, last)
+            elif _finished(s):
                 return
-            if ended:
-                pending, ended = (pool.submit(follow_shared, ended), [k for k, _ in ended]), []
+            if s.ended:   # their next turns are made in the thread while the step queued decodes
+                s.pending, s.pending_keys = pool.submit(_follow_shared, s, follow, s.ended), [k for k, _ in s.ended]
+                s.ended = []
+
+def _wait(s, r):
+    """Queue a request: by group (a shard), then longest chain, then shortest prompt, then arrival."""
+    heapq.heappush(s.heap, (r.group, -r.chain, len(r.prompt), next(s.arrival), r))
+
+def _prefill_due(s, free):
+    """Whether to prefill: requests wait for rows, and an eighth of the rows idles (fewer, larger prefills)."""
+    idle = len(s.live) - int(s.live.sum())
+    return bool(s.resume or s.heap and free) and idle >= len(s.live) // 8
+
+def _prefill(s, engine, pick, free):
+    """Start waiting requests in free rows and next turns in their held rows: one batched prefill, the first picks."""
+    take = [heapq.heappop(s.heap)[-1] for _ in range(min(len(free), len(s.heap)))]
+    rows = torch.tensor(free[:len(take)] + [row for row, _, _ in s.resume])
+    shared = [0] * len(take) + [m for _, _, m in s.resume]
+    take, s.resume = take + [r for _, r, _ in s.resume], []
+    for row, r in zip(rows.tolist(), take):
+        s.req[row] = r
+    s.count[rows], s.live[rows], s.held[rows] = 0, True, False
+    s.budget[rows] = torch.tensor([r.budget for r in take])
+    logits = engine.prefill(rows.tolist(), [r.prompt for r in take], starts=shared)
+    dev = s.cur.device
+    on, seeds = rows.to(dev), torch.tensor([r.seed for r in take], device=dev)
+    first = pick(logits, seeds)   # a row decodes on from its prompt's end, with the seed's next draws
+    s.cur[on], s.at[on], s.drawn[on] = first, torch.tensor([len(r.prompt) for r in take], device=dev), seeds + 1
+    _emit(s, rows, first.cpu())
+
+def _queue_step(s, engine, pick):
+    """Queue a step of every row on the device, its picks copied into the pinned buffer the last step's are not in."""
+    s.cur = pick(engine.step(s.cur[:, None], s.at)[0][:, 0], s.drawn)
+    s.at += (s.at >= 0).long()
+    s.drawn += 1
+    s.back.reverse()                   # the other buffer: the last step's is read after this one is queued
+    s.back[0].copy_(s.cur, non_blocking=True)
+    landed = torch.cuda.Event() if s.cur.device.type == "cuda" else None
+    if landed:
+        landed.record()
+    return _Step(s.back[0], landed, s.live.clone())
+
+def _read(s, step):
+    """Keep a step's picks once they land (the step queued after it runs on meanwhile)."""
+    if step.landed:
+        step.landed.synchronize()
+    rows = step.live.nonzero()[:, 0]
+    _emit(s, rows, step.picks[rows])
+
+def _emit(s, rows, tokens):
+    """Keep a token for each of rows (host tensors); a row whose answer ends is held for its next turn."""
+    s.gen[rows, s.count[rows]] = tokens
+    s.count[rows] += 1
+    done = rows[torch.isin(tokens, s.stop_ids) | (s.count[rows] >= s.budget[rows])]
+    for row in done.tolist():
+        r, answer = s.req[row], s.gen[row, :s.count[row]].tolist()
+        s.ended.append((r.key, answer))
+        s.parked[r.key] = _Parked(row, r.prompt + answer[:-1])   # the last token: cached only by a step queued ahead
+        s.req[row] = None
+    s.live[done], s.held[done] = False, True
+    s.at[done.to(s.at.device)] = -1
+    if s.ahead:   # the step queued ahead decodes them once more: not kept, and its writes land just past the
+        s.ahead.live[done] = False   # ids a held row keeps
+
+def _follow_shared(s, follow, ended):
+    """follow's requests for the ended answers, each with the ids its prompt shares with its key's held row."""
+    out = []
+    for r in follow(ended):
+        cached = s.parked[r.key].ids if r.key in s.parked else []
+        m = min(len(cached), len(r.prompt) - 1)            # one prompt token at least is prefilled: its logits
+        differ = (torch.tensor(cached[:m]) != torch.tensor(r.prompt[:m])).nonzero()
+        out.append((r, int(differ[0, 0]) if len(differ) else m))
+    return out
+
+def _join_follow(s):
+    """Take the last follow's requests: a next turn resumes its key's held row; a row without one is freed."""
+    if s.pending:
+        for r, shared in s.pending.result():
+            if r.key in s.parked:
+                s.resume.append((s.parked.pop(r.key).row, r, shared))
+            else:
+                _wait(s, r)
+        for key in s.pending_keys:   # conversations without a next turn: their rows are free
+            if key in s.parked:
+                s.held[s.parked.pop(key).row] = False
+    s.pending = None
+
+def _fill(s, more):
+    """Ask more() for requests while fewer wait than there are rows, until it gives []."""
+    while not s.more_done and len(s.heap) < len(s.req):
+        got = more()
+        s.more_done = not got
+        for r in got:
+            _wait(s, r)
+
+def _finished(s):
+    """Whether nothing is left: no step queued, follow pending, request waiting or to come, answer unhanded."""
+    return not (s.ahead or s.pending or s.heap or s.resume or s.ended or not s.more_done)
 
 class NGram:
     """Prompt lookup on the device: the up to block_size-1 tokens after the latest earlier occurrence of the row's

@@ -95,7 +95,7 @@ class Shard:
             self.st[f"{'cut' if r else 'skipped'}: {why}"] += 1
 
     def next_turns(self, ks):
-        """The requests (key, prompt ids, budget, chain, seed) of the next answers of conversations ks that have one."""
+        """The decoding.Requests of the next answers of conversations ks that have one."""
         asked, out, a = [], [], self.a
         for k in ks:
             msgs, r = self.convs[k], self.regen[k]
@@ -116,7 +116,7 @@ class Shard:
             c, j = divmod(k, a.answers)    # one answer a conversation: the key of files written without copies
             key = repr((a.seed, self.i, c, len(r)) + ((j,) if a.answers > 1 else ())).encode()
             seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 2
-            out.append(((self.i, k), ids, min(a.max_new_tokens, a.max_length - len(ids)), chain, seed))
+            out.append(decoding.Request((self.i, k), ids, min(a.max_new_tokens, a.max_length - len(ids)), chain, seed))
         return out
 
     def answered(self, k, row):

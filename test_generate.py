@@ -133,7 +133,7 @@ def test_an_answer_that_reaches_max_new_tokens_is_kept_cut_or_dropped(tok, tmp_p
     rows = {0: [finished, unfinished], 1: [unfinished, finished], 2: [finished, finished]}
     asked, decoded = sh.next_turns(range(3)), []
     while asked:   # as the decoder's follow(): each ended answer handed over, the next turns asked for
-        ended = [(k, rows[k].pop(0)) for (_, k), *_ in asked]
+        ended = [(k, rows[k].pop(0)) for _, k in (r.key for r in asked)]
         decoded += [row for _, row in ended]
         asked = sh.next_turns([k for k, row in ended if sh.answered(k, row)])
     done = {k: [(m["content"], m.get("unfinished")) for m in c if m["role"] == "assistant"] for k, c in sh.done.items()}
@@ -241,7 +241,7 @@ def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(
     prompts = [tok(" ".join(["word"] * n) + f" {n}")["input_ids"] for n in (3, 40, 9, 1, 25, 60, 14)]
     budgets = [5, 17, 9, 30, 2, 11, 20]
     def decode(n_rows, pick):
-        got, requests = {}, [[((0, i), p, b, 0, i) for i, (p, b) in enumerate(zip(prompts, budgets))]]
+        got, requests = {}, [[decoding.Request((0, i), p, b, 0, i) for i, (p, b) in enumerate(zip(prompts, budgets))]]
         decoding.generate(decoding.Engine(model, n_rows, 128), lambda: requests.pop() if requests else [],
                           stops, pick, lambda ended: got.update({k[1]: t for k, t in ended}) or [])
         return [got[i] for i in range(len(prompts))]
@@ -279,7 +279,7 @@ def test_a_next_turn_takes_its_answers_row_and_prefills_only_what_the_row_does_n
             if len(turns[i]) == 1:
                 p = asked[i][0] + answer + tok(" and then what?")["input_ids"]
                 asked[i] = (p[:2] + [p[2] + 1] + p[3:] if i == 1 else p), 7
-                out.append(((0, i), *asked[i], 0, i))
+                out.append(decoding.Request((0, i), *asked[i], 0, i))
         return out
 
     real = decoding.Engine.prefill
@@ -287,7 +287,7 @@ def test_a_next_turn_takes_its_answers_row_and_prefills_only_what_the_row_does_n
         prefilled.extend(zip(rows, map(tuple, prompts), starts or [0] * len(prompts)))
         return real(self, rows, prompts, features, starts)
     monkeypatch.setattr(decoding.Engine, "prefill", prefill)
-    requests = [[((0, i), p, b, 1, i) for i, (p, b) in asked.items()]]
+    requests = [[decoding.Request((0, i), p, b, 1, i) for i, (p, b) in asked.items()]]
     decoding.generate(decoding.Engine(model, 2, 128), lambda: requests.pop() if requests else [], stops,
                       decoding.picker(0, 1), follow)
     where = {ids: (row, start) for row, ids, start in prefilled}
