@@ -9,6 +9,7 @@ import time
 
 import torch
 
+import data_dflash
 import dflash_model as dm
 
 def list_checkpoints(out_dir):
@@ -47,6 +48,33 @@ def load_newest(out_dir, log):
     if ckpts:
         raise SystemExit(f"error: every checkpoint in {out_dir} is damaged (see above): nothing to resume from")
     return None, None
+
+def check_same_run(path, state, cfg, identity, heldout, target):
+    """A resume continues the run of `path`: the same drafter, optimiser, loss, seed, target and held-out
+    conversations (else a one-line error before anything is written). Returns a notice if the training samples
+    changed, else ''."""
+    saved = {"distill": 0.0, **state["config"]}    # a config without the key: labels only
+    changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (checkpoint: {saved[k]})"
+               for k in ("num_draft_layers", "block_size", "target_layer_ids", "mask_token_id", "lr",
+                         "weight_decay", "distill", "gamma", "seed") if saved[k] != getattr(cfg, k)]
+    if changed:
+        raise SystemExit(f"error: {path} continues with its own drafter, optimiser, loss and seed settings, but "
+                         f"{', '.join(changed)}: pass the checkpoint's values or start a new run")
+    old, new = state.get("identity", {}), identity
+    if not old and heldout and os.path.isfile(heldout):   # a checkpoint that predates the record
+        old = {"heldout": data_dflash.digest(data_dflash.load_conversations([heldout])[0])}
+    if old.get("target", new["target"]) != new["target"]:
+        raise SystemExit(f"error: {path} was trained against another target than --target {target} (other "
+                         f"weights or config: fingerprint {old['target']}, now {new['target']}): resume with the "
+                         "run's target, or start a new run")
+    if old.get("heldout", new["heldout"]) != new["heldout"]:
+        raise SystemExit(f"error: {path}'s run holds out other conversations ({cfg.out_dir}/heldout.jsonl) "
+                         "than this --data, --heldout give: the new ones may be conversations it trained on. "
+                         "Resume with the run's --data and --heldout, or start a new --out-dir")
+    if old.get("data", new["data"]) != new["data"]:
+        return (f"[resume] NOTICE: the training samples changed ({old['samples']} -> {new['samples']} samples, "
+                f"digest {old['data']} -> {new['data']}); the held-out conversations did not")
+    return ""
 
 class WriteError(OSError):
     """A checkpoint that could not be written (a full or read-only disk, no permission): the run reports its one line

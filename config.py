@@ -159,6 +159,21 @@ def data_errors(names):
     return errs
 
 # --- Devices and shapes ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Plan:
+    """Where and how a run trains: its rank of `world`, the target and drafter devices, the attention, the (B, S, A)
+    shapes every batch takes (all warmed before the first step), batches a step on this node, the steps planned, and
+    each rank's batches an epoch (a resume reads its position against its own)."""
+    rank: int
+    world: int
+    tdevs: list
+    ddevs: list
+    attn: str
+    shapes: list = dataclasses.field(default_factory=list)
+    per_step: int = 1
+    total_steps: int = 0
+    nb_by_rank: list = dataclasses.field(default_factory=list)
+
 def resolve_devices(cfg):
     """(target devices, drafter devices), as --target-devices and --drafter-devices say (auto: 5/8 and 3/8)."""
     n = torch.cuda.device_count()

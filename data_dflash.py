@@ -613,6 +613,13 @@ class BatchStream:
             self.current, self.batches = e, make_batches(self.lengths, self.buckets, self.rows, self.cfg.seed, e)
         return self.batches
 
+    def resume_cursor(self, cursor, nb_old, log):
+        """A saved position in a stream of nb_old batches an epoch, in this one: the same epoch and place within it."""
+        if nb_old == self.nb:
+            return cursor
+        log(f"[resume] NOTICE: {nb_old} -> {self.nb} batches/epoch; continuing at the same epoch and position within it")
+        return (cursor // nb_old) * self.nb + min(cursor % nb_old, self.nb - 1)
+
     def batch(self, j):
         S, local = self.epoch(j // self.nb)[j % self.nb]
         return S, [self.indices[i] for i in local]

@@ -93,6 +93,10 @@ def _default_cache_dir():   # inductor's rule, without importing inductor (secon
         user = f"uid_{os.getuid()}"
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
+def with_cache(env, cache_dir):
+    """`env` with the compile cache as it is now (a checkpoint's env.json: the start's code and packages)."""
+    return {**env, "compile_cache": cache_state(cache_dir)}
+
 def cache_state(cache_dir):
     """Where the compile cache is and how much it holds (how its entries serve a run: the warm-up's log says)."""
     chosen = cache_dir or _env_vars().get("TORCHINDUCTOR_CACHE_DIR")   # as recorded: inductor's export is no choice

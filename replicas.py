@@ -80,7 +80,8 @@ class Replicas:
                 "fingerprint": ck.digest(ck.fingerprint(self.tensors(0)[1])),   # the end-of-run log line's
                 "resume_fingerprint": ck.optimizer_digest(opt_state)}
 
-    def load(self, state, path):
+    def load(self, state, path, total_steps, log):
+        """Every replica from a checkpoint's state; a schedule of other total steps is followed from the next step."""
         for dr, opt, sched in zip(self.drafters, self.opts, self.scheds):
             try:
                 dr.load_state_dict(state["master_weights"])
@@ -93,6 +94,10 @@ class Replicas:
         if ck.optimizer_digest(self.opts[0].state_dict()) != state["resume_fingerprint"]:
             raise RuntimeError(f"{path}: the optimiser state loaded from it is not the one saved (a load path "
                                "that rounds or skips a tensor)")
+        if state.get("total_steps", total_steps) != total_steps:   # another schedule: follow it now
+            lr = self.follow_schedule()
+            log(f"[resume] NOTICE: the schedule changed ({state['total_steps']} -> {total_steps} steps planned): the "
+                f"learning rate follows the new one from step {state['step'] + 1} (lr {lr:.3g})")
 
     def follow_schedule(self):
         """Set the learning rate the schedule gives the next step (after a resume under another schedule, whose

@@ -1040,7 +1040,7 @@ def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
     trainer.build_models()
     dcfg, drafters, shapes = warmup.build_drafters(cfg)
     mine, theirs = drafters[0], trainer.replicas.drafters[0]
-    assert dcfg == trainer.dcfg and shapes == trainer.shapes and len(drafters) == len(trainer.replicas.drafters) == 1
+    assert dcfg == trainer.dcfg and shapes == trainer.plan.shapes and len(drafters) == len(trainer.replicas.drafters) == 1
     assert dcfg.mask_token_id == 511                                # the trainer's pick for a tokenizer-less target
     assert [(n, p.dtype, p.shape, p.requires_grad) for n, p in mine.named_parameters()] == \
         [(n, p.dtype, p.shape, p.requires_grad) for n, p in theirs.named_parameters()]

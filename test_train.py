@@ -147,7 +147,7 @@ def break_(kind, n):
     import checkpoint as ck
     import data_dflash
     import dflash_model as dm
-    import train_dflash as tr
+    import replicas
 
     def wrap(owner, name, before=None, after=None):
         orig = getattr(owner, name)
@@ -165,7 +165,7 @@ def break_(kind, n):
     if kind == "target":
         wrap(dm, "target_forward", before=lambda *a: next(calls) == n and fail("target"))
     elif kind == "drafter":    # a drafter thread's N-th call is step N's (one replica; the warm-up's run elsewhere)
-        wrap(tr, "forward_backward", before=lambda *a: threading.current_thread().name.startswith("drafter")
+        wrap(replicas, "forward_backward", before=lambda *a: threading.current_thread().name.startswith("drafter")
              and next(calls) == n and fail("drafter"))
     elif kind == "ckpt":         # as a full disk fails a write
         def full(d, path, *a):
@@ -192,7 +192,7 @@ def break_(kind, n):
                 os.kill(os.getpid(), signal.SIGKILL)
         wrap(ck.Checkpointer, "save", after=kill)
     elif kind == "term":
-        wrap(tr, "forward_backward", before=lambda *a: threading.current_thread().name.startswith("drafter")
+        wrap(replicas, "forward_backward", before=lambda *a: threading.current_thread().name.startswith("drafter")
              and next(calls) == n and os.kill(os.getpid(), signal.SIGTERM))
     elif kind == "gen_kill":
         wrap(data_dflash, "write_chat_jsonl", after=lambda path, *a: ".shards" in path and next(calls) == n
@@ -963,7 +963,7 @@ def test_checkpoints_record_the_start_environment_and_the_cache_as_it_is(tmp_pat
     monkeypatch.setattr(environment, "installed_packages", lambda: packages() + [("newpkg", "1.0", 0.0)])
     (tmp_path / "compile_cache").mkdir()
     (tmp_path / "compile_cache" / "entry").write_text("x")
-    env = trainer.checkpoint_env()
+    env = environment.with_cache(trainer.env_at_start, cfg.compile_cache)     # what Trainer.checkpoint writes
     assert "newpkg" not in env["packages"]                             # the start's environment
     assert env["compile_cache"]["file_count"] == 1                     # the cache as it is now
 
@@ -1569,7 +1569,7 @@ def test_resuming_a_drafter_of_another_targets_shape_is_a_one_line_error_naming_
     state = replicas(32).checkpoint_state()
     with pytest.raises(SystemExit, match=r"^error: out/step_000001/state.pt holds a drafter this run cannot take "
                                          r"\(size mismatch for .*\): resume with the checkpoint's --target"):
-        replicas(48).load(state, "out/step_000001")
+        replicas(48).load(state, "out/step_000001", 1, print)
 
 
 def test_a_batch_of_many_sequences_gives_the_losses_and_gradients_of_its_rows_run_one_by_one():
