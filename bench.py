@@ -22,6 +22,7 @@ import compiled
 import config
 import data_dflash
 import dflash_model as dm
+import errors
 import replicas
 from master_adamw import MasterAdamW
 
@@ -77,6 +78,7 @@ def parse_args(argv):
             p.error(f"--target-config {a.target_config}: {e}")
     return a
 
+@errors.script
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     tmp = tempfile.mkdtemp(prefix="dflash_bench_")

@@ -11,6 +11,7 @@ import torch
 
 import data_dflash
 import dflash_model as dm
+from errors import UserError
 
 def list_checkpoints(out_dir):
     """Complete checkpoints (DONE written), oldest first."""
@@ -46,7 +47,7 @@ def load_newest(out_dir, log):
                 why = f"state.pt does not load: {type(e).__name__}: {e}"
         log(f"[resume] WARNING: {path} is damaged: {why}; trying the checkpoint before it")
     if ckpts:
-        raise SystemExit(f"error: every checkpoint in {out_dir} is damaged (see above): nothing to resume from")
+        raise UserError(f"every checkpoint in {out_dir} is damaged (see above): nothing to resume from")
     return None, None
 
 def check_same_run(path, state, cfg, identity, heldout, target):
@@ -58,17 +59,17 @@ def check_same_run(path, state, cfg, identity, heldout, target):
                for k in ("num_draft_layers", "block_size", "target_layer_ids", "mask_token_id", "lr",
                          "weight_decay", "distill", "gamma", "seed") if saved[k] != getattr(cfg, k)]
     if changed:
-        raise SystemExit(f"error: {path} continues with its own drafter, optimiser, loss and seed settings, but "
+        raise UserError(f"{path} continues with its own drafter, optimiser, loss and seed settings, but "
                          f"{', '.join(changed)}: pass the checkpoint's values or start a new run")
     old, new = state.get("identity", {}), identity
     if not old and heldout and os.path.isfile(heldout):   # a checkpoint that predates the record
         old = {"heldout": data_dflash.digest(data_dflash.load_conversations([heldout])[0])}
     if old.get("target", new["target"]) != new["target"]:
-        raise SystemExit(f"error: {path} was trained against another target than --target {target} (other "
+        raise UserError(f"{path} was trained against another target than --target {target} (other "
                          f"weights or config: fingerprint {old['target']}, now {new['target']}): resume with the "
                          "run's target, or start a new run")
     if old.get("heldout", new["heldout"]) != new["heldout"]:
-        raise SystemExit(f"error: {path}'s run holds out other conversations ({cfg.out_dir}/heldout.jsonl) "
+        raise UserError(f"{path}'s run holds out other conversations ({cfg.out_dir}/heldout.jsonl) "
                          "than this --data, --heldout give: the new ones may be conversations it trained on. "
                          "Resume with the run's --data and --heldout, or start a new --out-dir")
     if old.get("data", new["data"]) != new["data"]:

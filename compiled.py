@@ -25,6 +25,7 @@ import torch
 
 import config
 import dflash_model as dm
+from errors import UserError
 
 # ---- 1. The gate: exclusive (one compiled call at a time, process-wide) until the warm-up has compiled every key the
 # run uses; then warmed keys share it and may not compile ("fail_on_recompile" stance); an unwarmed key is an error.
@@ -274,7 +275,7 @@ def warm_target(graphed, B, S):
     err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)       # (B, S): each position's
     worst = float(err.median(dim=1).values.max())
     if not worst <= tol:
-        raise SystemExit(f"error: the compiled target's features at (B, S) = {(B, S)} differ from the eager "
+        raise UserError(f"the compiled target's features at (B, S) = {(B, S)} differ from the eager "
                          f"target's: a row's median position by {worst:.2e} (relative; {dtype} allows "
                          f"{tol:g}): refusing to train on them. Report it with `python diagnose.py` output")
     return worst

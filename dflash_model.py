@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 import kernels
+from errors import UserError
 
 # ---- 1. Config and model
 
@@ -499,7 +500,7 @@ def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
     from safetensors.torch import load_file
     cfg_path, weights = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     if not os.path.isfile(cfg_path):
-        raise SystemExit(f"error: no drafter at {path}: {cfg_path} does not exist (a drafter folder is a "
+        raise UserError(f"no drafter at {path}: {cfg_path} does not exist (a drafter folder is a "
                          "checkpoint's drafter/, e.g. out/step_000690/drafter)")
     try:
         with open(cfg_path) as f:
@@ -508,16 +509,16 @@ def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
         cfg = DFlashConfig(**{k: hf[k] for k in HF_KEYS}, num_draft_layers=hf["num_hidden_layers"],
                            **{k: d[k] for k in ("block_size", "mask_token_id", "target_layer_ids")})
     except (ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"error: {cfg_path} is not a DFlash drafter's config ({type(e).__name__}: {e})") from None
+        raise UserError(f"{cfg_path} is not a DFlash drafter's config ({type(e).__name__}: {e})") from None
     drafter = DFlashDrafter(cfg)
     try:
         drafter.load_state_dict(load_file(weights), strict=True)
     except Exception as e:       # missing, cut or foreign: name the file, not safetensors' internals
-        raise SystemExit(f"error: cannot load the drafter weights {weights}: {e}") from None
+        raise UserError(f"cannot load the drafter weights {weights}: {e}") from None
     if target is not None:
         t = getattr(target.config, "text_config", target.config)
         if (t.hidden_size, t.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
-            raise SystemExit(f"error: the drafter at {path} was trained for a target of hidden size {cfg.hidden_size} "
+            raise UserError(f"the drafter at {path} was trained for a target of hidden size {cfg.hidden_size} "
                              f"and {cfg.vocab_size} tokens; this one has {t.hidden_size} and {t.vocab_size}")
         drafter.attach_target(target)
     return drafter.to(device=device, dtype=dtype)

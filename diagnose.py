@@ -15,6 +15,7 @@ import torch
 
 import config
 from environment import collect_env, diff_env, format_packages, format_report, installed_packages
+import errors
 
 def _against(folder, cache_dir):
     if not os.path.isdir(folder):
@@ -39,6 +40,7 @@ def _against(folder, cache_dir):
              "differences": [{"field": k, "old": o, "new": n} for k, o, n in diffs],
              "packages_after": [{"name": n, "version": v, "mtime": t} for n, v, t in newer]}, "\n".join(text))
 
+@errors.script
 def main(argv=None):
     ap = config.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", metavar="CHECKPOINT", help="checkpoint folder with env.json: what changed since")

@@ -20,6 +20,7 @@ import config
 import data_dflash
 import decoding
 import dflash_model as dm
+import errors
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -94,6 +95,7 @@ def decode(target, drafters, prompts, n, stops, bs, device, rows=None, compile=F
               + (f", tau {sum(rounds) / max(1, len(rounds)):.3f}" if name != "target greedy" else ""), flush=True)
     return out
 
+@errors.script
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -19,6 +19,7 @@ import torch
 import config
 import data_dflash
 import decoding
+import errors
 
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples", "dtype",
             "answers", "unfinished")  # with the target and the sources, what decides the result (not the batch size)
@@ -236,6 +237,7 @@ def same_settings(path, settings):
                          f"or delete {os.path.dirname(path) if path.endswith('settings.json') else path}")
     return True
 
+@errors.script
 def main(argv=None):
     a, t_start = parse_args(sys.argv[1:] if argv is None else argv), time.time()
     a.target, a.data = config.target_and_data(a)

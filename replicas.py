@@ -9,6 +9,7 @@ import torch.distributed as dist
 import checkpoint as ck
 import compiled
 import config
+from errors import UserError
 from master_adamw import MasterAdamW
 
 class Replicas:
@@ -88,7 +89,7 @@ class Replicas:
                 opt.load_state_dict(state["optimizer"])      # fp32 masters and moments; weights written from them
             except (RuntimeError, ValueError) as e:    # a drafter of another target's shape: its last line, a tensor
                 why = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
-                raise SystemExit(f"error: {path}/state.pt holds a drafter this run cannot take ({why}): resume "
+                raise UserError(f"{path}/state.pt holds a drafter this run cannot take ({why}): resume "
                                  "with the checkpoint's --target, or start a new run") from None
             sched.load_state_dict(state["scheduler"])
         if ck.optimizer_digest(self.opts[0].state_dict()) != state["resume_fingerprint"]:

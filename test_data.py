@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import data_dflash as D
+from errors import UserError
 from test_train import run_cmd
 
 
@@ -587,7 +588,7 @@ def test_a_hub_data_set_whose_hub_does_not_answer_is_one_line_without_retries(mo
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     for k in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(k, raising=False)
-    with pytest.raises(SystemExit, match=r"^error: --data org/chats is no local file or folder, and the hub data set "
+    with pytest.raises(UserError, match=r"^--data org/chats is no local file or folder, and the hub data set "
                                          r"of that name cannot load: huggingface.co does not answer \(Network is "
                                          r"unreachable\); give a local file or folder, or set HF_HUB_OFFLINE=1"):
         D._hub_records("org/chats")
@@ -596,5 +597,5 @@ def test_a_hub_data_set_whose_hub_does_not_answer_is_one_line_without_retries(mo
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
         if proxy:
             monkeypatch.setenv("https_proxy", proxy)
-        with pytest.raises(SystemExit, match="does not load: AssertionError: load_dataset ran"):
+        with pytest.raises(UserError, match="does not load: AssertionError: load_dataset ran"):
             D._hub_records("org/chats")

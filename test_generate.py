@@ -9,6 +9,7 @@ import torch
 
 import data_dflash as D
 import decoding
+from errors import UserError
 import generate_data as G
 import kernels
 from test_train import _save_tiny, broken, embedded, run_cmd, tok  # noqa: F401 - fixtures
@@ -367,7 +368,7 @@ def test_a_target_the_engine_cannot_decode_exactly_is_refused(target):
     from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
     mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=1, sliding_window=256))
-    with pytest.raises(SystemExit, match="sliding-window attention within 512 tokens"):
+    with pytest.raises(UserError, match="sliding-window attention within 512 tokens"):
         decoding.Engine(mistral, 2, 512)
     decoding.Engine(mistral, 2, 256)                                 # a window no context reaches is full attention
     decoding.Engine(AutoModelForCausalLM.from_pretrained(target), 2, 512)

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch.nn.attention.flex_attention import create_mask
@@ -35,6 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config
 import compiled
 import decoding
 import dflash_model as dm
+from errors import UserError
 import kernels
 from compiled import GATE
 from replicas import forward_backward
@@ -1002,7 +1004,7 @@ def test_generate_refuses_positions_beyond_the_rope_table(targets):
     target = targets["qwen3"]
     drafter = drafter_for(target, 16)
     n = drafter.config.max_position_embeddings
-    with pytest.raises(SystemExit, match="exceed the .* positions of the drafter's rotary table"):
+    with pytest.raises(UserError, match="exceed the .* positions of the drafter's rotary table"):
         decode(target, torch.zeros(1, 8, dtype=torch.long), n, drafter=drafter)
 
 
@@ -1169,7 +1171,7 @@ def test_a_compiled_target_whose_features_differ_from_eager_is_refused_at_the_wa
     graphed = compiled.GraphedTarget(target, [0, 2], False)
     warm = lambda: rows.extend(compiled.warm_up([], TARGET_SHAPES, None, 7.0, log=lambda m: None, targets=[graphed]))
     if where == "every position":
-        with pytest.raises(SystemExit, match=r"^error: the compiled target's features at \(B, S\) = \(1, 128\) "
+        with pytest.raises(UserError, match=r"^the compiled target's features at \(B, S\) = \(1, 128\) "
                            r"differ from the eager target's: a row's median position by .* \(relative; torch.float32 "
                            r"allows 0.0001\)"):
             warm()

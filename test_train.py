@@ -28,6 +28,9 @@ import shutil
 import pytest
 import torch
 
+from errors import UserError
+
+
 REPO = Path(__file__).resolve().parent
 TRAIN = str(REPO / "train_dflash.py")
 TIMEOUT = 120
@@ -382,7 +385,7 @@ def test_help_lists_every_option_and_unknown_or_mistyped_options_are_errors(tmp_
                          (["--data", "synthetic:abc"], "--data synthetic:abc: synthetic:N needs a number N >= 1"),
                          (["--data", "synthetic:0"], "--data synthetic:0: synthetic:N needs a number N >= 1"),
                          (["--data", str(tmp_path)], f"data folder {tmp_path} holds no .json, .jsonl")]:
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(UserError) as e:
             config.parse_args(argv)
         assert needle in str(e.value), (argv, str(e.value))
     cfg = config.parse_args(["--max-steps", "3", "--resume", "--data", str(REPO / "README.md"), "--lr", "1e-3"])
@@ -438,7 +441,7 @@ def test_compiled_drafters_need_a_gpu_each():
     threads at once (a spurious recompile): an error before anything loads. Dense SDPA and CPU allow it."""
     import config
     twice = [torch.device("cuda:0"), torch.device("cuda:0")]
-    with pytest.raises(SystemExit, match="--drafter-devices cuda:0,cuda:0 lists a GPU twice"):
+    with pytest.raises(UserError, match="--drafter-devices cuda:0,cuda:0 lists a GPU twice"):
         config.resolve_attn(config.parse_args([]), twice)
     assert config.resolve_attn(config.parse_args(["--attn", "sdpa"]), twice) == "sdpa"
     assert config.resolve_attn(config.parse_args([]), [torch.device("cuda:0"), torch.device("cuda:1")]) == "flex"
@@ -454,7 +457,7 @@ def test_device_lists_auto_split_and_local_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     t, d = config.resolve_devices(config.parse_args(["--target-devices", "cuda:local", "--drafter-devices", "cuda:local"]))
     assert [str(x) for x in t] == ["cuda:3"] and [str(x) for x in d] == ["cuda:3"]
-    with pytest.raises(SystemExit, match="only 8 CUDA device"):
+    with pytest.raises(UserError, match="only 8 CUDA device"):
         config.resolve_devices(config.parse_args(["--target-devices", "cuda:9"]))
 
 
@@ -463,7 +466,7 @@ def test_tensorboard_without_its_package_is_an_error_before_anything_starts(monk
     assert config.parse_args(["--tensorboard", str(tmp_path / "tb")]).tensorboard == str(tmp_path / "tb")
     assert config.parse_args(["--tensorboard", "auto", "--out-dir", "o"]).tensorboard == os.path.join("o", "tensorboard")
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)      # the import fails, as when not installed
-    with pytest.raises(SystemExit, match="--tensorboard needs the tensorboard package: pip install tensorboard"):
+    with pytest.raises(UserError, match="--tensorboard needs the tensorboard package: pip install tensorboard"):
         config.parse_args(["--tensorboard", str(tmp_path / "tb")])
     assert config.parse_args([]).tensorboard == ""                           # off: never imported
     assert not (tmp_path / "tb").exists()
@@ -495,9 +498,9 @@ def test_a_hub_target_with_the_hub_unreachable_reads_the_cache_only_and_else_is_
     for cls in (AutoConfig, AutoTokenizer, AutoModelForCausalLM):
         monkeypatch.setattr(cls, "from_pretrained", not_cached)
     line = "huggingface.co does not answer (Network is unreachable), and the HF cache has no copy of it"
-    with pytest.raises(SystemExit, match=re.escape(f"error: cannot load the target 'org/model': {line}")):
+    with pytest.raises(UserError, match=re.escape(f"cannot load the target 'org/model': {line}")):
         config.load_target_config("org/model")
-    with pytest.raises(SystemExit, match=re.escape(f"error: cannot load the target 'org/model': {line}")):
+    with pytest.raises(UserError, match=re.escape(f"cannot load the target 'org/model': {line}")):
         config.load_model("org/model", "cpu", torch.float32)
     assert asked == [True, True] and len(probes) == 1             # the hub probed once for both loads
     assert config.hub_offline(str(REPO)) is None and data_dflash.hub_unreachable() is not None
@@ -509,7 +512,7 @@ def test_max_length_beyond_the_targets_positions_is_an_early_error():
     tcfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=16, num_hidden_layers=4, vocab_size=64, max_position_embeddings=512)
     assert config.make_drafter_config(config.parse_args(["--max-length", "512"]), tcfg, None).max_position_embeddings == 512
-    with pytest.raises(SystemExit, match="--max-length 1024 exceeds the target's max_position_embeddings"):
+    with pytest.raises(UserError, match="--max-length 1024 exceeds the target's max_position_embeddings"):
         config.make_drafter_config(config.parse_args(["--max-length", "1024"]), tcfg, None)
 
 
@@ -605,7 +608,7 @@ def test_sigkill_after_or_in_a_checkpoint_write_then_resume_is_bit_equal_and_a_d
     shutil.copytree(straight, out)
     for d in ("step_000003", "step_000006"):
         cut_file("state.pt")(out / d)
-    with pytest.raises(SystemExit, match="every checkpoint in .* is damaged"):
+    with pytest.raises(UserError, match="every checkpoint in .* is damaged"):
         ck.load_newest(str(out), lambda m: None)
 
 
@@ -1567,7 +1570,7 @@ def test_resuming_a_drafter_of_another_targets_shape_is_a_one_line_error_naming_
         emb = torch.zeros(64, hidden)
         return Replicas(dcfg, emb, emb, [torch.device("cpu")], config.TrainConfig(), 1, lambda s: 1.0, lambda m: None)
     state = replicas(32).checkpoint_state()
-    with pytest.raises(SystemExit, match=r"^error: out/step_000001/state.pt holds a drafter this run cannot take "
+    with pytest.raises(UserError, match=r"^out/step_000001/state.pt holds a drafter this run cannot take "
                                          r"\(size mismatch for .*\): resume with the checkpoint's --target"):
         replicas(48).load(state, "out/step_000001", 1, print)
 

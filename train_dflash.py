@@ -24,6 +24,7 @@ import config
 import data_dflash
 import dflash_model as dm
 import environment
+import errors
 from pipeline import Clock, Run, Stop, Workers, gather_ints, init_distributed, over_ranks
 from records import Logger, Recorder
 from replicas import Replicas, forward_backward
@@ -44,7 +45,7 @@ class Trainer:
         self.resume()
         steps = gather_ints(self.plan.world, self.at.step)
         if len(set(steps)) > 1:
-            raise SystemExit(f"error: the ranks resumed at different steps {steps} (rank order): every rank "
+            raise errors.UserError(f"the ranks resumed at different steps {steps} (rank order): every rank "
                              "must see the same --out-dir (a file system all nodes share)")
         # done already: by the steps, or by the loop's budget rule on the end the checkpoint predicted for its successor
         done = (f"already at step {self.at.step} of {self.plan.total_steps}: nothing to do"
@@ -79,7 +80,7 @@ class Trainer:
         compiled.host_threads(plan.tdevs + plan.ddevs)      # before any compile
         plan.attn = config.resolve_attn(cfg, plan.ddevs)
         if cfg.target and not cfg.data:
-            raise SystemExit("error: --data is required with --target")
+            raise errors.UserError("--data is required with --target")
         self.tpath, files = config.target_and_data(cfg)
         tcfg, self.tok = config.load_target_config(self.tpath)
         self.dcfg = config.make_drafter_config(cfg, tcfg, self.tok)
@@ -102,7 +103,7 @@ class Trainer:
         plan.total_steps = min(gather_ints(plan.world, cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))))
         plan.nb_by_rank = gather_ints(plan.world, self.stream.nb)   # a rank's resume position is read against its own
         if plan.attn == "flex" and any(S % 128 for _, S, _ in plan.shapes):
-            raise SystemExit(f"error: flex attention needs bucket lengths that are multiples of 128, got "
+            raise errors.UserError(f"flex attention needs bucket lengths that are multiples of 128, got "
                              f"{[S for _, S, _ in plan.shapes]} (set --buckets / --max-length)")
         log(f"[data] {len(self.stream.indices)} samples on this node, {self.stream.nb} batches/epoch, "
             f"buckets {self.stream.buckets}, shapes (B,S,A) {plan.shapes}, padding waste "
@@ -277,12 +278,13 @@ def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
              for r, (sid, epoch) in enumerate(sample_keys)]
     return torch.cat([a for a, _ in drawn]), torch.cat([v for _, v in drawn])
 
+@errors.script
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     config.check_outputs(cfg)
     old = ck.list_checkpoints(cfg.out_dir)
     if old and not cfg.resume:   # a new run would interleave its checkpoints with the old ones
-        raise SystemExit(f"error: {cfg.out_dir} holds checkpoints of an earlier run (newest {old[-1]}): "
+        raise errors.UserError(f"{cfg.out_dir} holds checkpoints of an earlier run (newest {old[-1]}): "
                          "pass --resume to continue it, or use another --out-dir")
     log = Logger(cfg.out_dir, int(os.environ.get("RANK", 0)))
     log("=" * 72)
@@ -291,8 +293,8 @@ def main(argv=None):
     log("[config] " + json.dumps(dataclasses.asdict(cfg)))
     try:
         rc = Trainer(cfg, log, env).train()
-    except SystemExit as e:       # a clear error: printed by Python on the way out, and kept in the log
-        log.f.write(f"{e}\n")
+    except errors.UserError as e:   # a clear error: printed on the way out (errors.script), and kept in the log
+        log.f.write(f"error: {e}\n")
         raise
     sys.stdout.flush()
     if rc:

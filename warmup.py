@@ -9,6 +9,7 @@ import torch
 
 import compiled
 import config
+import errors
 from master_adamw import cast_weights
 from replicas import forward_backward
 
@@ -31,6 +32,7 @@ def build_drafters(cfg):
         cast_weights(dr.parameters(), config.param_dtype(d))     # as the trainer's optimiser does
     return dcfg, drafters, config.shape_plan(cfg, dcfg, config.batch_memory(dcfg, tcfg, tdevs, ddevs))
 
+@errors.script
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     config.check_outputs(cfg, ("cache_dir", "compile_cache"))
