@@ -23,6 +23,7 @@ import config
 import data_dflash
 import dflash_model as dm
 import errors
+import models
 import replicas
 from master_adamw import MasterAdamW
 
@@ -112,13 +113,13 @@ def main(argv=None):
         res[name], res["spread_ms"][name] = 1e3 * t, [round(1e3 * s, 2) for s in spread]
         return t
     # the models, then the trainer's cold warm-up: the drafter's shapes, and the target's on a GPU
-    target_cfg, _ = config.load_target_config(tcfg.target)
-    dcfg = config.make_drafter_config(tcfg, target_cfg, None)
-    target = config.load_target(tcfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log,
+    target_cfg, _ = models.load_target_config(tcfg.target)
+    dcfg = models.make_drafter_config(tcfg, target_cfg, None)
+    target = models.load_target(tcfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log,
                                 whole=tcfg.teacher)
     plan = config.shape_plan(tcfg, dcfg, config.batch_memory(dcfg, target_cfg, [dev], [dev]))
     B = res["B"] = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
-    drafter = config.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
+    drafter = models.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
                                  target.get_output_embeddings().weight.detach(), dev, 0)
     opt = MasterAdamW(drafter.parameters(), lr=1e-5, param_dtype=config.param_dtype(dev))
     attn = "flex" if dev.type == "cuda" else "sdpa"

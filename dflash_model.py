@@ -461,8 +461,8 @@ def capture(target, layer_ids):
 def target_forward(target, input_ids, layer_ids, final=False):
     """`layer_ids`' outputs on a batch, concatenated, then with `final` the final normed hidden states (the teacher).
     Rows are right-padded: causal attention gives real positions exact features with no padding mask; pads go unread."""
-    if final and isinstance(target.model.norm, nn.Identity):   # config.load_target cut it: no teacher there
-        raise ValueError("target_forward(final=True) needs the target's whole depth: config.load_target(whole=True)")
+    if final and isinstance(target.model.norm, nn.Identity):   # models.load_target cut it: no teacher there
+        raise ValueError("target_forward(final=True) needs the target's whole depth: models.load_target(whole=True)")
     capture(target, layer_ids)
     out = target.model(input_ids=input_ids, use_cache=False).last_hidden_state
     feats = torch.cat([target.captured[i] for i in layer_ids] + ([out] if final else []), dim=-1)

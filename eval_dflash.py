@@ -21,6 +21,7 @@ import data_dflash
 import decoding
 import dflash_model as dm
 import errors
+import models
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -99,9 +100,9 @@ def decode(target, drafters, prompts, n, stops, bs, device, rows=None, compile=F
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     torch.backends.cuda.matmul.allow_tf32 = False
-    t_start, tok, dtype = time.time(), config.load_target_config(a.target)[1], getattr(torch, a.dtype)
+    t_start, tok, dtype = time.time(), models.load_target_config(a.target)[1], getattr(torch, a.dtype)
     data_dflash.require_chat_template(tok, a.target)
-    target = config.load_model(a.target, a.device, dtype)
+    target = models.load_model(a.target, a.device, dtype)
     drafters = {lb: dm.load_drafter(p, target, device=a.device, dtype=dtype).eval() for lb, p in a.drafters.items()}
     sizes = {lb: d.config.block_size for lb, d in drafters.items()}
     if len(set(sizes.values())) > 1:      # the report and its JSON name one drafter block size

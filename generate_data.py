@@ -20,6 +20,7 @@ import config
 import data_dflash
 import decoding
 import errors
+import models
 
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "max_length", "seed", "shard_size", "max_samples", "dtype",
             "answers", "unfinished")  # with the target and the sources, what decides the result (not the batch size)
@@ -147,9 +148,9 @@ def worker(device, jobs, a, shards_dir, n_shards, total, t_run):
     turns join the rows while the last ones still decode, so no shard waits for the longest chain of the one before."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    tok = config.load_target_config(a.target)[1]
+    tok = models.load_target_config(a.target)[1]
     data_dflash.require_chat_template(tok, a.target)
-    model = config.load_model(a.target, device, getattr(torch, a.dtype))
+    model = models.load_model(a.target, device, getattr(torch, a.dtype))
     stops = decoding.stop_token_ids(tok, model)
     engine = decoding.Engine(model, decoding.Engine.fit(model, a.max_length, most=1024), a.max_length,
                              compile=device.startswith("cuda"))
@@ -240,7 +241,7 @@ def same_settings(path, settings):
 @errors.script
 def main(argv=None):
     a, t_start = parse_args(sys.argv[1:] if argv is None else argv), time.time()
-    a.target, a.data = config.target_and_data(a)
+    a.target, a.data = models.target_and_data(a)
     if errs := config.data_errors(a.data):
         raise SystemExit(f"error: --data: {'; '.join(errs)}")
     settings = {"target": a.target, "target_sha256": weights_hash(a.target),   # what decides the result

@@ -11,11 +11,12 @@ import compiled
 import config
 from errors import UserError
 from master_adamw import MasterAdamW
+import models
 
 class Replicas:
     def __init__(self, dcfg, emb, head, devices, cfg, world, lr_lambda, log):
         self.world = world
-        self.drafters = [config.new_drafter(dcfg, emb, head, d, cfg.seed) for d in devices]   # identical replicas
+        self.drafters = [models.new_drafter(dcfg, emb, head, d, cfg.seed) for d in devices]   # identical replicas
         self.opts = [MasterAdamW(dr.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                  param_dtype=config.param_dtype(d)) for dr, d in zip(self.drafters, devices)]
         self.scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) for opt in self.opts]

@@ -12,6 +12,7 @@ import decoding
 from errors import UserError
 import generate_data as G
 import kernels
+import models
 from test_train import _save_tiny, broken, embedded, run_cmd, tok  # noqa: F401 - fixtures
 from test_data import _masked_runs, tokenize_conversation
 
@@ -210,8 +211,8 @@ def test_the_eta_counts_the_conversations_finished_in_shards_still_open(tmp_path
 def test_the_target_decodes_in_the_dtype_asked_for_and_the_manifest_records_it(target, tmp_path, monkeypatch):
     """--dtype bfloat16 on a CPU: the target is loaded in it and the manifest says so; a restart with --dtype auto
     (float32 on a CPU) is refused, as the precision decides the answers."""
-    loaded, load = [], G.config.load_model
-    monkeypatch.setattr(G.config, "load_model", lambda *a: loaded.append((m := load(*a)).dtype) or m)
+    loaded, load = [], G.models.load_model
+    monkeypatch.setattr(G.models, "load_model", lambda *a: loaded.append((m := load(*a)).dtype) or m)
     src, out = chats(tmp_path / "in.jsonl", 1), tmp_path / "out.jsonl"
     assert generate(target, src, out, "--dtype", "bfloat16") == 0
     assert loaded == [torch.bfloat16] and manifest(out)["settings"]["dtype"] == "bfloat16"

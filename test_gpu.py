@@ -17,6 +17,7 @@ import torch
 import compiled
 import dflash_model as dm
 from master_adamw import MasterAdamW
+import models
 from test_train import TINY, TRAIN, assert_ok, metrics, run_cmd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -72,7 +73,7 @@ def test_flex_trunk_forward_and_backward_equal_the_dense_trunk():
 def test_the_graphed_target_replays_the_eager_targets_features(random_llama, dtype, tol):
     import config
     layers = [1, 2, 3]
-    target = config.load_target(random_llama, DEV, dtype, layers, print, whole=True)
+    target = models.load_target(random_llama, DEV, dtype, layers, print, whole=True)
     compiled.compile_target_layers(target)
     graphed = compiled.GraphedTarget(target, layers, final=True)
     ids = torch.randint(0, target.config.vocab_size, (2, 128), device=DEV)

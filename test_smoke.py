@@ -39,6 +39,7 @@ import dflash_model as dm
 from errors import UserError
 import kernels
 from compiled import GATE
+import models
 from replicas import forward_backward
 
 FX_ERROR = "Detected that you are using FX to symbolically trace"
@@ -568,7 +569,7 @@ def test_distillation_matches_the_targets_next_token_distributions_and_training_
         full = target(ids).logits                                    # (B, S, V): the dense reference's teacher
     assert feats.shape[-1] == (len(c.target_layer_ids) + 1) * c.hidden_size
     cut = tiny_target("llama")
-    cut.model.norm = torch.nn.Identity()          # as config.load_target cuts a target: its last state is no teacher
+    cut.model.norm = torch.nn.Identity()          # as models.load_target cuts a target: its last state is no teacher
     with pytest.raises(ValueError, match="needs the target's whole depth"):
         dm.target_forward(cut, ids, c.target_layer_ids, final=True)
 
@@ -1057,9 +1058,9 @@ def test_a_random_target_has_the_same_weights_on_every_device_and_in_every_run(t
     must not depend on which target thread took it, and two runs must see the same target."""
     import config
     path = tiny_config_json(tmp_path / "tiny.json")
-    a = config.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
+    a = models.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
     torch.randn(1000)        # whatever the global RNG did in between
-    b = config.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
+    b = models.load_target(f"random:{path}", "cpu", torch.float32, [1, 2], log=lambda m: None)
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert sa["model.layers.0.mlp.up_proj.weight"].std() > 0      # random, not zeros
@@ -1079,12 +1080,12 @@ def test_the_target_runs_only_up_to_its_deepest_captured_layer_with_the_full_mod
     with torch.no_grad():
         hs = full.model(ids, output_hidden_states=True).hidden_states      # hs[i + 1]: layer i's output
         lines = []
-        cut = config.load_target(str(tmp_path), "cpu", torch.float32, [1, 3], log=lines.append)
+        cut = models.load_target(str(tmp_path), "cpu", torch.float32, [1, 3], log=lines.append)
         feats = dm.target_forward(cut, ids, [1, 3])
     assert len(cut.model.layers) == 4 and isinstance(cut.model.norm, torch.nn.Identity)
     assert torch.equal(feats, torch.cat([hs[2], hs[4]], -1))
     assert "kept 4/6 layers" in lines[-1]
-    last = config.load_target(str(tmp_path), "cpu", torch.float32, [1, 5], log=lines.append)
+    last = models.load_target(str(tmp_path), "cpu", torch.float32, [1, 5], log=lines.append)
     assert len(last.model.layers) == 6 and not isinstance(last.model.norm, torch.nn.Identity)  # nothing to cut
 
 
@@ -1099,7 +1100,7 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
     thread through the shared gate: the features equal the eager target's, and an unwarmed shape is refused."""
     import config
     path = f"random:{tiny_config_json(tmp_path / 'tiny.json')}"
-    eager, *targets = (config.load_target(path, "cpu", torch.float32, [0, 2], log=lambda m: None) for _ in range(3))
+    eager, *targets = (models.load_target(path, "cpu", torch.float32, [0, 2], log=lambda m: None) for _ in range(3))
     for t in targets:
         compiled.compile_target_layers(t)
     graphed = [compiled.GraphedTarget(t, [0, 2], False) for t in targets]
@@ -1138,7 +1139,7 @@ def test_right_padded_rows_get_their_exact_features_without_a_mask(tmp_path):
     """The trainer pads rows on the right and runs the target with no padding mask: causal attention never
     lets a position see the ones after it, so each row's real positions get the features of that row alone."""
     import config
-    target = config.load_target(f"random:{tiny_config_json(tmp_path / 'tiny.json')}", "cpu", torch.float32,
+    target = models.load_target(f"random:{tiny_config_json(tmp_path / 'tiny.json')}", "cpu", torch.float32,
                                 [0, 2], log=lambda m: None, whole=True)
     lengths, S = [64, 9, 40], 64
     ids = torch.randint(0, 512, (len(lengths), S))
@@ -1153,7 +1154,7 @@ def test_right_padded_rows_get_their_exact_features_without_a_mask(tmp_path):
 def test_a_compiled_target_whose_features_differ_from_eager_is_refused_at_the_warm_up(tmp_path, monkeypatch, where):
     """Refused where its rows' positions differ; not for a few positions far off (bf16 on random tokens)."""
     import config
-    target = config.load_target(f"random:{tiny_config_json(tmp_path / 'tiny.json')}", "cpu", torch.float32,
+    target = models.load_target(f"random:{tiny_config_json(tmp_path / 'tiny.json')}", "cpu", torch.float32,
                                 [0, 2], log=lambda m: None)
     layer_class = type(target.model.layers[0])
     eager_forward = layer_class.forward
@@ -1192,8 +1193,8 @@ def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "m")
     code = ("import sys, torch, compiled\n"
             f"compiled.use_compile_cache({str(tmp_path / 'cache')!r})\n"
-            "import config, dflash_model as dm\n"
-            f"t = config.load_target({str(tmp_path / 'm')!r}, 'cpu', torch.float32, [0, 2], log=print, "
+            "import config, models, dflash_model as dm\n"
+            f"t = models.load_target({str(tmp_path / 'm')!r}, 'cpu', torch.float32, [0, 2], log=print, "
             "random_weights=sys.argv[1] == 'random')\n"
             "compiled.compile_target_layers(t)\n"
             "print('rows', compiled.warm_up([], [(2, 64, 8)], None, 7.0, targets=[compiled.GraphedTarget(t, [0, 2], False)], "

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from errors import UserError
+import models
 
 
 REPO = Path(__file__).resolve().parent
@@ -499,11 +500,11 @@ def test_a_hub_target_with_the_hub_unreachable_reads_the_cache_only_and_else_is_
         monkeypatch.setattr(cls, "from_pretrained", not_cached)
     line = "huggingface.co does not answer (Network is unreachable), and the HF cache has no copy of it"
     with pytest.raises(UserError, match=re.escape(f"cannot load the target 'org/model': {line}")):
-        config.load_target_config("org/model")
+        models.load_target_config("org/model")
     with pytest.raises(UserError, match=re.escape(f"cannot load the target 'org/model': {line}")):
-        config.load_model("org/model", "cpu", torch.float32)
+        models.load_model("org/model", "cpu", torch.float32)
     assert asked == [True, True] and len(probes) == 1             # the hub probed once for both loads
-    assert config.hub_offline(str(REPO)) is None and data_dflash.hub_unreachable() is not None
+    assert models.hub_offline(str(REPO)) is None and data_dflash.hub_unreachable() is not None
 
 
 def test_max_length_beyond_the_targets_positions_is_an_early_error():
@@ -511,9 +512,9 @@ def test_max_length_beyond_the_targets_positions_is_an_early_error():
     import config
     tcfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=16, num_hidden_layers=4, vocab_size=64, max_position_embeddings=512)
-    assert config.make_drafter_config(config.parse_args(["--max-length", "512"]), tcfg, None).max_position_embeddings == 512
+    assert models.make_drafter_config(config.parse_args(["--max-length", "512"]), tcfg, None).max_position_embeddings == 512
     with pytest.raises(UserError, match="--max-length 1024 exceeds the target's max_position_embeddings"):
-        config.make_drafter_config(config.parse_args(["--max-length", "1024"]), tcfg, None)
+        models.make_drafter_config(config.parse_args(["--max-length", "1024"]), tcfg, None)
 
 
 # -----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import data_dflash
 import dflash_model as dm
 import environment
 import errors
+import models
 from pipeline import Clock, Run, Stop, Workers, gather_ints, init_distributed, over_ranks
 from records import Logger, Recorder
 from replicas import Replicas, forward_backward
@@ -81,9 +82,9 @@ class Trainer:
         plan.attn = config.resolve_attn(cfg, plan.ddevs)
         if cfg.target and not cfg.data:
             raise errors.UserError("--data is required with --target")
-        self.tpath, files = config.target_and_data(cfg)
-        tcfg, self.tok = config.load_target_config(self.tpath)
-        self.dcfg = config.make_drafter_config(cfg, tcfg, self.tok)
+        self.tpath, files = models.target_and_data(cfg)
+        tcfg, self.tok = models.load_target_config(self.tpath)
+        self.dcfg = models.make_drafter_config(cfg, tcfg, self.tok)
         mask = "-" if self.tok is None else repr(self.tok.convert_ids_to_tokens(self.dcfg.mask_token_id))
         log(f"[model] drafter {self.dcfg}")
         log(f"[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {cfg.gamma}, attention {plan.attn}"
@@ -92,7 +93,7 @@ class Trainer:
                                                                  plan.rank, log)
         # what a resume must find the same (held-out set, target) or is told changed (the training samples)
         self.identity = {"heldout": data_dflash.digest(self.data.get("heldout") or []),
-                         "target": config.target_fingerprint(self.tpath, tcfg),
+                         "target": models.target_fingerprint(self.tpath, tcfg),
                          "samples": len(self.data["input_ids"]), "data": data_dflash.samples_digest(self.data)}
         plan.shapes = config.shape_plan(cfg, self.dcfg, config.batch_memory(self.dcfg, tcfg, plan.tdevs, plan.ddevs))
         self.stream = data_dflash.BatchStream(cfg, [len(x) for x in self.data["input_ids"]], plan.rank, plan.world,
@@ -113,7 +114,7 @@ class Trainer:
 
     def build_models(self):
         plan, tdtype, layers = self.plan, config.param_dtype(self.plan.tdevs[0]), self.dcfg.target_layer_ids
-        targets = [config.load_target(self.tpath, d, tdtype, layers, self.log, whole=self.cfg.teacher)
+        targets = [models.load_target(self.tpath, d, tdtype, layers, self.log, whole=self.cfg.teacher)
                    for d in plan.tdevs]
         if plan.attn == "flex":    # compiled as the drafter is: through the gate, warmed (and graphed) with its shapes
             for t in targets:

@@ -11,15 +11,16 @@ import compiled
 import config
 import errors
 from master_adamw import cast_weights
+import models
 from replicas import forward_backward
 
 def build_drafters(cfg):
     """The drafter replicas and the shape plan train_dflash.py builds for `cfg`, without the target's weights: its
     meta-device model gives the embedding and LM head shapes and whether they are one tensor; empty tensors stand in."""
     from transformers import AutoModelForCausalLM
-    tcfg, tok = config.load_target_config(cfg.target)
+    tcfg, tok = models.load_target_config(cfg.target)
     tdevs, ddevs = config.resolve_devices(cfg)
-    dcfg = config.make_drafter_config(cfg, tcfg, tok)
+    dcfg = models.make_drafter_config(cfg, tcfg, tok)
     tdtype = config.param_dtype(tdevs[0])
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(tcfg, dtype=tdtype)
@@ -27,7 +28,7 @@ def build_drafters(cfg):
     emb = torch.empty(m_emb.shape, dtype=tdtype, device=tdevs[0])
     # tied: a second view, not the same object, as the trainer's two .detach() calls (dynamo guards on it)
     head = emb.detach() if m_head is m_emb else torch.empty(m_head.shape, dtype=tdtype, device=tdevs[0])
-    drafters = [config.new_drafter(dcfg, emb, head, d, cfg.seed) for d in ddevs]
+    drafters = [models.new_drafter(dcfg, emb, head, d, cfg.seed) for d in ddevs]
     for dr, d in zip(drafters, ddevs):
         cast_weights(dr.parameters(), config.param_dtype(d))     # as the trainer's optimiser does
     return dcfg, drafters, config.shape_plan(cfg, dcfg, config.batch_memory(dcfg, tcfg, tdevs, ddevs))
@@ -36,7 +37,7 @@ def build_drafters(cfg):
 def main(argv=None):
     cfg = config.parse_args(sys.argv[1:] if argv is None else argv)
     config.check_outputs(cfg, ("cache_dir", "compile_cache"))
-    cfg.target = config.target_and_data(cfg)[0]      # the embedded default, prepared once
+    cfg.target = models.target_and_data(cfg)[0]      # the embedded default, prepared once
     dcfg, drafters, shapes = build_drafters(cfg)
     attn = config.resolve_attn(cfg, [d.fc.weight.device for d in drafters])
     targets = []
@@ -45,7 +46,7 @@ def main(argv=None):
         for dr in drafters:
             compiled.compile_drafter(dr)
         for d in config.resolve_devices(cfg)[0]:
-            target = config.load_target(cfg.target, d, config.param_dtype(d), dcfg.target_layer_ids,
+            target = models.load_target(cfg.target, d, config.param_dtype(d), dcfg.target_layer_ids,
                                         random_weights=True, whole=cfg.teacher)
             compiled.compile_target_layers(target)
             targets.append(compiled.GraphedTarget(target, dcfg.target_layer_ids, final=cfg.teacher))
