@@ -143,18 +143,22 @@ class Shard:
 
 # ---- workers: one process per device, shards from a queue
 
-def worker(device, jobs, a, shards_dir, n_shards, total, t_run):
-    """Regenerate the shards of the queue `jobs` ((index, conversations); None ends) on `device`. The next shard's
-    turns join the rows while the last ones still decode, so no shard waits for the longest chain of the one before."""
+def load_engine(device, a):
+    """(tokenizer, stop ids, decoding engine) of the target on `device`: as many rows of --max-length as fit."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     tok = models.load_target_config(a.target)[1]
     data_dflash.require_chat_template(tok, a.target)
     model = models.load_model(a.target, device, getattr(torch, a.dtype))
-    stops = decoding.stop_token_ids(tok, model)
     engine = decoding.Engine(model, decoding.Engine.fit(model, a.max_length, most=1024), a.max_length,
                              compile=device.startswith("cuda"))
     print(f"[gen] {device}: {engine.rows} rows of {a.max_length} tokens", flush=True)
+    return tok, decoding.stop_token_ids(tok, model), engine
+
+def worker(device, jobs, a, shards_dir, n_shards, total, t_run):
+    """Regenerate the shards of the queue `jobs` ((index, conversations); None ends) on `device`. The next shard's
+    turns join the rows while the last ones still decode, so no shard waits for the longest chain of the one before."""
+    tok, stops, engine = load_engine(device, a)
     shards, queued, decoded = {}, iter(jobs.get, None), 0   # up to this worker's None: the next one is another's
     t_start = last_line = time.time()
 
