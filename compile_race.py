@@ -48,6 +48,18 @@ def _sites(events):
     return sorted(({"count": sum(ts.values()), "threads": ts, "tracing_frame": k[0], "requested_by": k[1],
                     "user_frame": k[2]} for k, ts in groups.items()), key=lambda g: -g["count"])
 
+def record_fx_rises():
+    """From now on every rise of the FX tracing flag goes into the list returned: (thread name, stack)."""
+    events, trace = [], torch.fx.Tracer.trace   # make_fx's tracer reaches Tracer.trace through super()
+
+    @functools.wraps(trace)
+    def recording_trace(tracer, *args, **kwargs):
+        if not fx_flag():   # up already: a nested trace, not a rise
+            events.append((threading.current_thread().name, traceback.extract_stack()[:-1]))
+        return trace(tracer, *args, **kwargs)
+    torch.fx.Tracer.trace = recording_trace
+    return events
+
 def run_exercise(mode, threads, seconds, device):
     """The threaded exercise in this process: meaningful only in a fresh one with a cold cache (run_child)."""
     import compiled
@@ -83,14 +95,7 @@ def run_exercise(mode, threads, seconds, device):
             time.sleep(0.001)   # the rest of a training step: threads that hammer starve the compiling one
         compiled.sync_device(dev)
 
-    events, trace = [], torch.fx.Tracer.trace   # make_fx's tracer reaches Tracer.trace through super()
-
-    @functools.wraps(trace)
-    def recording_trace(tracer, *args, **kwargs):
-        if not fx_flag():   # up already: a nested trace, not a rise
-            events.append((threading.current_thread().name, traceback.extract_stack()[:-1]))
-        return trace(tracer, *args, **kwargs)
-    torch.fx.Tracer.trace = recording_trace
+    events = record_fx_rises()
     t0, workers = time.time(), [threading.Thread(target=worker, args=item, name=item[0]) for item in inputs.items()]
     for t in workers:
         t.start()
