@@ -98,12 +98,12 @@ def main(argv=None):
     S, A = a.seq or (256 if spec is TINY else 3072), a.anchors or (16 if spec is TINY else 512)
     cfg_path = os.path.join(tmp, "target_config.json")
     data_dflash.write_json(cfg_path, spec)
-    tcfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A, distill=a.distill)
+    run_cfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A, distill=a.distill)
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
            "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
     if a.pipeline_only:
-        return report(a, res | pipeline(a, tcfg, cache, tmp, S, A, dev, log))
+        return report(a, res | pipeline(a, run_cfg, cache, tmp, S, A, dev, log))
     peak = compiled.measure_peak_flops(dev)
     res["peak_tflops"] = peak / 1e12
     log(f"[bench] {res['device']} torch {torch.__version__}: matmul peak {peak / 1e12:.0f} TFLOP/s")
@@ -113,11 +113,11 @@ def main(argv=None):
         res[name], res["spread_ms"][name] = 1e3 * t, [round(1e3 * s, 2) for s in spread]
         return t
     # the models, then the trainer's cold warm-up: the drafter's shapes, and the target's on a GPU
-    target_cfg, _ = models.load_target_config(tcfg.target)
-    dcfg = models.make_drafter_config(tcfg, target_cfg, None)
-    target = models.load_target(tcfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log,
-                                whole=tcfg.teacher)
-    plan = config.shape_plan(tcfg, dcfg, config.batch_memory(dcfg, target_cfg, [dev], [dev]))
+    tcfg, _ = models.load_target_config(run_cfg.target)
+    dcfg = models.make_drafter_config(run_cfg, tcfg, None)
+    target = models.load_target(run_cfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log,
+                                whole=run_cfg.teacher)
+    plan = config.shape_plan(run_cfg, dcfg, config.batch_memory(dcfg, tcfg, [dev], [dev]))
     B = res["B"] = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
     drafter = models.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
                                  target.get_output_embeddings().weight.detach(), dev, 0)
@@ -126,7 +126,7 @@ def main(argv=None):
     if attn == "flex":
         compiled.compile_target_layers(target)
         compiled.compile_drafter(drafter)
-    graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=tcfg.teacher)
+    graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=run_cfg.teacher)
     t0 = time.time()
     rows = compiled.warm_up([drafter], [(B, S, A)], replicas.forward_backward, 7.0, a.distill, log=log,
                             targets=[graphed] if attn == "flex" else ())
@@ -166,7 +166,7 @@ def main(argv=None):
     del target, graphed, drafter, opt, feats
     torch.cuda.empty_cache()       # a no-op where CUDA never started
     if not a.no_pipeline:          # the real train_dflash loop, on the same, now warm, compile cache
-        res.update(pipeline(a, tcfg, cache, tmp, S, A, dev, log))
+        res.update(pipeline(a, run_cfg, cache, tmp, S, A, dev, log))
         res["pipeline_vs_sum_of_parts"] = res["pipeline_tok_s"] / res["sum_of_parts_tok_s"]
         log(f"[bench] pipeline {res['pipeline_tok_s']:,.0f} tok/s vs sum of parts "
             f"{res['sum_of_parts_tok_s']:,.0f} tok/s: {res['pipeline_vs_sum_of_parts']:.1%}")
@@ -178,11 +178,11 @@ def report(a, res):
         data_dflash.write_json(a.json, res)
     return res
 
-def pipeline(a, tcfg, cache, tmp, S, A, dev, log):
+def pipeline(a, run_cfg, cache, tmp, S, A, dev, log):
     """train_dflash.py on synthetic full-length samples: median tokens/s after its first log line, warm-up, busy."""
     devices = {"target": a.target_devices or str(dev), "drafter": a.drafter_devices or str(dev)}
     cmd = [sys.executable, "-u", os.path.join(HERE, "train_dflash.py"),
-           "--target", tcfg.target, "--data", "synthetic:256", "--max-length", str(S), "--num-anchors", str(A),
+           "--target", run_cfg.target, "--data", "synthetic:256", "--max-length", str(S), "--num-anchors", str(A),
            "--buckets", str(S), "--target-devices", devices["target"], "--drafter-devices", devices["drafter"],
            "--log-interval", "5", "--max-steps", str(a.pipeline_steps), "--ckpt-interval", "100000",
            "--compile-cache", cache, "--out-dir", os.path.join(tmp, "pipeline_out")]

@@ -44,14 +44,14 @@ class CompileGate:
         """Set and verify the dynamo settings in the calling thread (idempotent)."""
         if getattr(self.local, "generation", -1) == self.generation:
             return
-        import torch._dynamo.config as dcfg
+        import torch._dynamo.config as dynamo_cfg
         wanted = {"error_on_nested_fx_trace": True,      # never silently run uncompiled
                   "fail_on_recompile_limit_hit": True,   # never silently fall back to eager
                   "recompile_limit": self.recompile_limit,
                   "accumulated_recompile_limit": max(256, 4 * self.recompile_limit)}
         for k, v in wanted.items():
-            setattr(dcfg, k, v)
-        if (got := {k: getattr(dcfg, k) for k in wanted}) != wanted:
+            setattr(dynamo_cfg, k, v)
+        if (got := {k: getattr(dynamo_cfg, k) for k in wanted}) != wanted:
             raise RuntimeError(f"dynamo config did not take in thread {threading.current_thread().name}: "
                                f"wanted {wanted}, got {got}")
         self.local.generation = self.generation
