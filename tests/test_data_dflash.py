@@ -12,16 +12,8 @@ import torch
 
 import data_dflash as D
 from errors import UserError
-from test_train import run_cmd
+from helpers import REPO, _masked_runs, run_cmd, tokenize_conversation
 
-
-def tokenize_conversation(tokenizer, messages, max_length):
-    """(input ids by the chat template, loss mask 1 on assistant replies) of one conversation, as the trainer
-    tokenises it, truncated to max_length."""
-    item = D._encode(tokenizer, [messages], max_length)[0]
-    if isinstance(item, Exception):
-        raise item
-    return item[0], item[1]
 
 # a Qwen2.5-like ChatML template: default system prompt, no {% generation %} markers
 QWEN_TEMPLATE = (
@@ -86,20 +78,6 @@ def smollm(embedded_default):
             "tok": AutoTokenizer.from_pretrained(target_dir)}
 
 
-def _masked_runs(tok, ids, mask):
-    """Decoded text of each contiguous run of loss-masked tokens."""
-    runs, cur = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    return [tok.decode(r, skip_special_tokens=False) for r in runs]
-
-
 def _write_jsonl(path, lines):
     with open(path, "w", encoding="utf-8") as f:
         for line in lines:
@@ -123,6 +101,7 @@ def _sharegpt(conv):
 # -----------------------------------------------------------------------------
 # the embedded default (SmolLM2 GGUF + ShareGPT)
 
+
 def test_prepare_embedded_default(smollm, capsys):
     from transformers import AutoModelForCausalLM
     tok = smollm["tok"]
@@ -145,7 +124,7 @@ def test_processes_preparing_the_embedded_default_at_once_build_it_once(smollm, 
     cache = tmp_path / "cache"
     cache.mkdir()
     os.symlink(smollm["target_dir"], cache / "SmolLM2-135M-Instruct")
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = str(REPO)
     code = f"import data_dflash; print(data_dflash.prepare_embedded_default({str(cache)!r}))"
     with ThreadPoolExecutor(3) as pool:
         procs = list(pool.map(lambda _: run_cmd([sys.executable, "-c", code], timeout=300, cwd=here), range(3)))
@@ -167,6 +146,7 @@ def test_mask_smollm2_template(smollm, conv):
 
 # -----------------------------------------------------------------------------
 # chat-template masks
+
 
 @pytest.mark.parametrize("conv", [CONV, CONV_SYS])
 def test_mask_qwen_style_template(qwen_tok, conv):
@@ -249,6 +229,7 @@ def test_inconsistent_template_is_a_clear_error_or_a_counted_skip(tmp_path):
 
 # -----------------------------------------------------------------------------
 # reading conversations
+
 
 def test_truncated_json_array_recovers_complete_records(tmp_path):
     records = [_sharegpt(CONV), _sharegpt(CONV_SYS), {"id": "3", "conversations": [], "x": [1, {"y": "]"}]}]
@@ -347,6 +328,7 @@ def test_missing_file_is_an_early_error(tmp_path):
 
 # -----------------------------------------------------------------------------
 # build_dataset: skips, cache, held-out split
+
 
 def test_build_dataset_counts_and_cache(qwen_tok, tmp_path):
     short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
@@ -522,6 +504,7 @@ def test_all_lines_bad_is_not_fatal(tmp_path):
 
 # -----------------------------------------------------------------------------
 # buckets, batches, collate
+
 
 def test_buckets():
     assert D.default_buckets(3072) == [256, 512, 1024, 2048, 3072]

@@ -1,59 +1,26 @@
-"""CPU tests of diagnose.py: the environment, what changed, the report and --race-test.
-
-The threaded exercise compiles flex cold in a child process (~30 s on a small CPU): it starts with
-the module and runs while the quick tests do.
-"""
+"""CPU tests of environment.py: what a run records of its environment (env.json) and how two records differ; git,
+variables, nvidia-smi and packages."""
 import json
-import re
 import os
 import subprocess
 import sys
 from types import SimpleNamespace
 
-import pytest
-
-import compile_race
 import diagnose
 import environment
+from helpers import _checkpoint
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+
 MISSING = environment.MISSING
-
-
-def _start(*args):
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "diagnose.py"), *args], cwd=HERE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(proc, timeout=600):
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
-    return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def race_run():
-    # the gate mode only: the flag rises in it as in the others (a compile is a compile), and one cold
-    # child is the slow part of this file
-    proc = _start("--race-test", "--modes", "gate", "--threads", "2", "--seconds", "1", "--device", "cpu", "--json")
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.communicate()
-
-
-def _checkpoint(tmp_path, env, name="step_000010"):
-    ckpt = tmp_path / name
-    ckpt.mkdir()
-    (ckpt / "env.json").write_text(json.dumps(env))
-    return str(ckpt)
 
 
 def _env(cache="/c", **env_vars):
     return {"compile_cache": {"path": cache}, "env_vars": env_vars}
 
 
-# --- collect_env and the report
+# -----------------------------------------------------------------------------
+# collect_env and the report
+
 
 def test_collect_env_never_raises_has_the_keys_and_starts_no_python(tmp_path, monkeypatch):
     commands, run = [], subprocess.run
@@ -95,24 +62,6 @@ def test_env_records_the_python_in_use_not_the_interpreter_its_symlink_points_to
     assert f"{venv}/bin/python  (prefix {venv})" in environment.format_report(env)
 
 
-def test_command_line_report_and_help_work(capsys):
-    assert diagnose.main(["--json"]) == 0
-    env = json.loads(capsys.readouterr().out)["env"]
-    assert env["versions"]["torch"] == environment.torch.__version__
-    assert diagnose.main([]) == 0
-    text = capsys.readouterr().out
-    assert "compile cache " in text and "15 most recently installed" in text
-    with pytest.raises(SystemExit) as e:
-        diagnose.main(["--help"])
-    assert e.value.code == 0 and "--race-test" in capsys.readouterr().out
-    # a mistyped option or mode: one line naming it, as every script answers
-    for argv, needle in ((["--bogus"], "unrecognized arguments: --bogus"), (["--race-test", "--modes", "warm"],
-                                                                             "unknown mode(s) ['warm']: use nogate, gate")):
-        with pytest.raises(SystemExit) as e:
-            diagnose.main(argv)
-        assert str(e.value.code).startswith("error: ") and needle in str(e.value.code) and "\n" not in str(e.value.code)
-
-
 def test_cache_state_counts_the_files_and_their_bytes(tmp_path):
     cache = tmp_path / "cache"
     (cache / "fxgraph").mkdir(parents=True)
@@ -123,43 +72,25 @@ def test_cache_state_counts_the_files_and_their_bytes(tmp_path):
     assert "0.0 MiB in 2 files" in environment.format_report({"compile_cache": c})
 
 
-# --- diff_env and --against
-
-def test_against_reports_exactly_the_changed_fields(tmp_path, capsys):
-    cache = str(tmp_path / "cache")
-    old = environment.collect_env(cache_dir=cache)
-    pkgs = environment.installed_packages()
-    t_old = pkgs[2][2] - 1e-3                                 # just before the 3rd newest package
-    old["versions"]["torch"] = "2.0.0+fake"                   # versions no real machine has
-    old["versions"]["triton"] = "0.0.1-fake"
-    old["time_unix"], old["time"] = t_old, "2020-01-01T00:00:00+00:00"
-    ckpt = _checkpoint(tmp_path, old, "step_000690")
-
-    assert diagnose.main(["--against", ckpt, "--cache-dir", cache, "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    # project.* may move on meanwhile: other people commit and edit in this checkout
-    fields = {d["field"] for d in out["differences"] if not d["field"].startswith("project.")}
-    assert fields == {"versions.torch", "versions.triton"}, out["differences"]
-    by = {d["field"]: d for d in out["differences"]}
-    assert (by["versions.torch"]["old"], by["versions.torch"]["new"]) == ("2.0.0+fake", environment.torch.__version__)
-    newer = {n for n, _, t in pkgs if t > t_old}
-    assert newer and newer <= {p["name"] for p in out["packages_after"]}
-    assert all(p["mtime"] > t_old for p in out["packages_after"])
-
-    assert diagnose.main(["--against", ckpt, "--cache-dir", cache]) == 0
-    text = capsys.readouterr().out
-    assert "versions.torch" in text and "2.0.0+fake" in text and "installed or modified after" in text
+def test_checkpoints_record_the_start_environment_and_the_cache_as_it_is(tmp_path, monkeypatch):
+    """A checkpoint's env.json is the environment the run started in (what --against compares with; the run
+    keeps the code and packages it loaded), with the compile cache as it is at the save."""
+    import config
+    import environment
+    import train_dflash as tr
+    cfg = config.parse_args(["--out-dir", str(tmp_path)])
+    trainer = tr.Trainer(cfg, print, environment.collect_env(str(tmp_path / "compile_cache")))
+    packages = environment.installed_packages
+    monkeypatch.setattr(environment, "installed_packages", lambda: packages() + [("newpkg", "1.0", 0.0)])
+    (tmp_path / "compile_cache").mkdir()
+    (tmp_path / "compile_cache" / "entry").write_text("x")
+    env = environment.with_cache(trainer.env_at_start, cfg.compile_cache)     # what Trainer.checkpoint writes
+    assert "newpkg" not in env["packages"]                             # the start's environment
+    assert env["compile_cache"]["file_count"] == 1                     # the cache as it is now
 
 
-def test_against_clear_errors(tmp_path, capsys):
-    assert diagnose.main(["--against", str(tmp_path / "nope")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-    assert diagnose.main(["--against", str(tmp_path), "--json"]) == 2
-    out, err = capsys.readouterr()
-    assert "has no env.json" in err and "has no env.json" in json.loads(out)["error"]
-    (tmp_path / "env.json").write_text('{"time": "2026-01-01", "time_u')     # cut mid-write
-    assert diagnose.main(["--against", str(tmp_path)]) == 2
-    assert f"error: {tmp_path / 'env.json'} is cut or not JSON" in capsys.readouterr().err
+# -----------------------------------------------------------------------------
+# diff_env
 
 
 def test_diff_ignores_the_time_and_a_growing_cache_and_reports_every_other_field_that_differs():
@@ -178,7 +109,9 @@ def test_diff_ignores_the_time_and_a_growing_cache_and_reports_every_other_field
     assert environment.diff_env(_env(), _env("/other")) == [("compile_cache.path", "/c", "/other")]
 
 
-# --- git, variables, nvidia-smi, packages
+# -----------------------------------------------------------------------------
+# git, variables, nvidia-smi, packages
+
 
 def _git(repo, *args):
     subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
@@ -298,23 +231,3 @@ def test_installed_packages_skip_vendored_copies(monkeypatch, tmp_path):
             SimpleNamespace(metadata={"Name": "numpy"}, version="2.0.0", _path=real)]
     monkeypatch.setattr(environment.importlib.metadata, "distributions", lambda: fake)
     assert [(n, v) for n, v, _ in environment.installed_packages()] == [("numpy", "2.0.0")]
-
-
-# --- the threaded exercise (started by the fixture, at the top)
-
-def test_race_test_gate_keeps_calls_off_compiles_and_names_who_raises_the_flag(race_run):
-    out = json.loads(_finish(race_run))
-    assert out["command"] == "race-test" and [r.get("mode") for r in out["modes"]] == ["gate"], out
-    r = out["modes"][0]
-    assert not r.get("failed"), r["failed"]
-    assert r["device"] == "cpu" and len(r["calls"]) == 2 and r["natural_race_expected"]
-    assert all(n >= 1 for n in r["calls"]), r["calls"]
-    assert r["other_errors"] == 0, r["error_samples"]
-    assert r["fx_errors"] == 0                                           # no call ever overlaps a compile
-    assert r["flag_raises"] >= 2 and r["flag_up_after_run"] is False
-    text = compile_race.format_race_table([r])
-    assert text.splitlines()[2].split()[:3] == ["gate", "0", "0"], text
-    sites = re.findall(r"^  \d+x in worker-.*: traced at (\S+).*, for (\S+).*, called from (\S+)", text, re.M)
-    assert sites and all(s[0].startswith("torch/fx/") for s in sites), text
-    # AOTAutograd's graph capture, asked for by the exercise's compiled call through the gate
-    assert any(s[1].startswith("torch/_functorch/") and s[2].startswith("compiled.py") for s in sites), text

