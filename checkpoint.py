@@ -89,7 +89,7 @@ class Checkpointer:
         self.run, self.out_dir, self.keep_last, self.log = run, out_dir, keep_last, log
         self.pool, self.writer, self.writing = HostPool(), None, None   # writing: the step the writer writes
 
-    def save(self, step, state, drafter, env_fn):
+    def save(self, step, state, drafter, env_fn, card=None):
         busy, t0 = self.writer is not None and self.writer.is_alive(), time.time()
         self.wait()
         self.run.check()               # no new snapshot once the run is stopping
@@ -101,17 +101,18 @@ class Checkpointer:
         self.pool.start()              # the last write is done: its buffers are free
         state, serving = to_host(state, {}, self.pool), to_host(drafter.state_dict(), {}, self.pool)
         self.pool.finish()             # the asynchronous device -> host copies have landed
-        self.writer = self.run.start_thread("checkpoint-writer", self._write, step, state, serving, drafter, env_fn)
+        self.writer = self.run.start_thread("checkpoint-writer", self._write, step, state, serving, drafter, env_fn,
+                                            card)
         self.writing = step
         return time.time() - t0
 
-    def _write(self, step, state, serving, drafter, env_fn):
+    def _write(self, step, state, serving, drafter, env_fn, card):
         t0, final = time.time(), os.path.join(self.out_dir, f"step_{step:06d}")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             os.makedirs(tmp)
-            dm.save_drafter(drafter, os.path.join(tmp, "drafter"), state=serving)
+            dm.save_drafter(drafter, os.path.join(tmp, "drafter"), state=serving, card=card)
             torch.save(state, os.path.join(tmp, "state.pt"))
             with open(os.path.join(tmp, "env.json"), "w") as f:
                 json.dump(env_fn(), f, indent=1, default=str)

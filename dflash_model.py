@@ -48,6 +48,8 @@ class DFlashConfig:
     block_size: int = 16
     mask_token_id: int = 0
     target_layer_ids: list = field(default_factory=list)
+    mask_token: str = ""        # the mask token's text: serving engines that look it up by name
+    target: dict = field(default_factory=dict)   # the target it drafts for (models.target_identity)
 
     def __post_init__(self):
         if not self.target_layer_ids:
@@ -475,8 +477,10 @@ def target_forward(target, input_ids, layer_ids, final=False):
 HF_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
            "num_target_layers", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")
 
-def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
-    """config.json + model.safetensors (trainable weights) in `path`; `state`: a host copy of the state_dict."""
+def save_drafter(drafter, path, dtype=torch.bfloat16, state=None, card=None):
+    """config.json + model.safetensors (trainable weights) in `path`, as vLLM and SGLang load a DFlash drafter (the
+    target's embedding and LM head are the target's), and README.md: `card` (model_card). `state`: a host copy of the
+    state_dict."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     state = drafter.state_dict() if state is None else state
@@ -490,10 +494,37 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, state=None):
     hf = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **{k: getattr(cfg, k) for k in HF_KEYS},
           "num_hidden_layers": cfg.num_draft_layers, "hidden_act": "silu", "attention_bias": False,
           "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", ""), "block_size": cfg.block_size,
+          "layer_types": ["full_attention"] * cfg.num_draft_layers,    # the block attends both ways: not causal
           "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size,
-                            "mask_token_id": cfg.mask_token_id}}
+                            "mask_token_id": cfg.mask_token_id, **({"mask_token": cfg.mask_token} if cfg.mask_token
+                                                                  else {}), **({"target": cfg.target} if cfg.target
+                                                                               else {})}}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    if card:
+        with open(os.path.join(path, "README.md"), "w") as f:
+            f.write(card)
+
+def model_card(cfg, folder, recipe, results=None):
+    """README.md of the drafter folder `folder`: the target it drafts for, its shape, how it was trained (`recipe`:
+    {option: value}), what it measured (`results`: {figure: value}; None: not yet) and how vLLM and SGLang serve it."""
+    target = cfg.target.get("name", "TARGET")
+    spec = json.dumps({"method": "dflash", "model": folder, "num_speculative_tokens": cfg.block_size - 1})
+    lines = [f"# DFlash drafter for {target}", "",
+             f"A block-diffusion drafter: it drafts {cfg.block_size - 1} tokens after each accepted one in a single "
+             f"forward pass, from the target's hidden states of layers {list(cfg.target_layer_ids)}; the target "
+             "verifies the block in one pass (lossless: the output is the target's own).", "",
+             "| | |", "| --- | --- |", f"| target | `{target}` |",
+             f"| drafter | {cfg.num_draft_layers} layers, hidden {cfg.hidden_size}, block size {cfg.block_size}, mask "
+             f"token {cfg.mask_token_id}" + (f" (`{cfg.mask_token}`)" if cfg.mask_token else "") + " |",
+             *(f"| {k} | {v} |" for k, v in recipe.items()),
+             *(f"| {k} | {v} |" for k, v in (results or {"measured": "not yet: run eval_dflash.py"}).items()), "",
+             "## Serve it", "", "vLLM (method dflash; the anchor is the bonus token, so one token fewer than the block):",
+             "", "```", f"vllm serve {target} --speculative-config '{spec}'", "```", "",
+             "SGLang (draft tokens: the whole block):", "", "```",
+             f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+             f"--speculative-draft-model-path {folder} --speculative-num-draft-tokens {cfg.block_size}", "```", ""]
+    return "\n".join(lines)
 
 def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
     """A saved drafter with `target`'s frozen embedding and LM head; else a one-line error naming the file."""
@@ -507,7 +538,8 @@ def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
             hf = json.load(f)
         d = hf["dflash_config"]
         cfg = DFlashConfig(**{k: hf[k] for k in HF_KEYS}, num_draft_layers=hf["num_hidden_layers"],
-                           **{k: d[k] for k in ("block_size", "mask_token_id", "target_layer_ids")})
+                           **{k: d[k] for k in ("block_size", "mask_token_id", "target_layer_ids")},
+                           mask_token=d.get("mask_token", ""), target=d.get("target", {}))
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{cfg_path} is not a DFlash drafter's config ({type(e).__name__}: {e})") from None
     drafter = DFlashDrafter(cfg)

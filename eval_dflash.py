@@ -100,10 +100,13 @@ def decode(target, drafters, prompts, n, stops, bs, device, rows=None, compile=F
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     torch.backends.cuda.matmul.allow_tf32 = False
-    t_start, tok, dtype = time.time(), models.load_target_config(a.target)[1], getattr(torch, a.dtype)
+    (tcfg, tok), t_start, dtype = models.load_target_config(a.target), time.time(), getattr(torch, a.dtype)
     data_dflash.require_chat_template(tok, a.target)
     target = models.load_model(a.target, a.device, dtype)
     drafters = {lb: dm.load_drafter(p, target, device=a.device, dtype=dtype).eval() for lb, p in a.drafters.items()}
+    identity = models.target_identity(a.target, tcfg)
+    for lb, p in a.drafters.items():     # before any decoding: a wrong pairing wastes the whole eval
+        models.check_drafter_target(p, drafters[lb].config.target, identity)
     sizes = {lb: d.config.block_size for lb, d in drafters.items()}
     if len(set(sizes.values())) > 1:      # the report and its JSON name one drafter block size
         raise SystemExit(f"error: the drafters' block sizes differ ({sizes}): compare drafters of one block size")

@@ -67,6 +67,27 @@ def target_fingerprint(path, tcfg):
             h.update(f"{name} {size}".encode() + head + f.read())
     return h.hexdigest()[:16]
 
+def target_identity(path, tcfg):
+    """What a drafter folder records of its target: the name it was given, a digest of its config (names aside) and,
+    for a folder, target_fingerprint's of its weights (None for a hub name or random weights: not readable here)."""
+    skip = ("_name_or_path", "transformers_version", "_commit_hash")
+    config = json.dumps({k: v for k, v in tcfg.to_dict().items() if k not in skip}, sort_keys=True, default=str)
+    return {"name": path, "config": hashlib.sha256(config.encode()).hexdigest()[:16],
+            "weights": target_fingerprint(path, tcfg) if os.path.isdir(os.path.expanduser(path)) else None}
+
+def check_drafter_target(drafter_path, trained_for, target):
+    """A drafter drafts for the target it was trained for: the same config and, where both were folders, the same
+    weights (a copy elsewhere is the same target; a hub name and a folder compare by config). trained_for, target:
+    target_identity's (a drafter saved without it: {})."""
+    if not trained_for:
+        return
+    what = ("config" if trained_for["config"] != target["config"] else "weights"
+            if None not in (trained_for["weights"], target["weights"]) and trained_for["weights"] != target["weights"]
+            else None)
+    if what:
+        raise UserError(f"the drafter at {drafter_path} was trained for the target {trained_for['name']!r}, and "
+                        f"--target {target['name']!r} has other {what}: pass the target it drafts for")
+
 def choose_mask_token_id(tokenizer, vocab_size):
     """The mask token: an existing <|MASK|>, else a spare embedding row (Qwen3's), else an unused special token."""
     vocab = tokenizer.get_vocab()
@@ -80,14 +101,19 @@ def choose_mask_token_id(tokenizer, vocab_size):
             return vocab[tok]
     raise ValueError("no spare or unused special token to use as the mask token; pass --mask-token-id")
 
-def make_drafter_config(cfg, tcfg, tok):
-    """The drafter's DFlashConfig for this target (tok None: a random target; its last row is the mask token)."""
+def make_drafter_config(cfg, tcfg, tok, target=None):
+    """The drafter's DFlashConfig for this target (tok None: a random target; its last row is the mask token);
+    target: target_identity's, recorded in the drafter's folder."""
     vocab = getattr(tcfg, "text_config", tcfg).vocab_size
     try:    # layer ids or a mask token this target does not have
         mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else (
             vocab - 1 if tok is None else choose_mask_token_id(tok, vocab))
         ids = [int(x) for x in cfg.target_layer_ids.split(",")] if cfg.target_layer_ids else None
         dcfg = dm.DFlashConfig.from_target_config(tcfg, cfg.num_draft_layers, cfg.block_size, mask_id, ids)
+        # a spare embedding row has no text: engines that look the mask up by name add <|MASK|> as the next id
+        dcfg.mask_token = "" if tok is None else "<|MASK|>" if mask_id >= len(tok) else tok.convert_ids_to_tokens(
+            mask_id)
+        dcfg.target = target or {}
     except ValueError as e:
         raise UserError(f"--target-layer-ids {cfg.target_layer_ids!r}, --mask-token-id {cfg.mask_token_id} "
                          f"for this target: {e}") from None

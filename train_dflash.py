@@ -84,7 +84,7 @@ class Trainer:
             raise errors.UserError("--data is required with --target")
         self.tpath, files = models.target_and_data(cfg)
         tcfg, self.tok = models.load_target_config(self.tpath)
-        self.dcfg = models.make_drafter_config(cfg, tcfg, self.tok)
+        self.dcfg = models.make_drafter_config(cfg, tcfg, self.tok, models.target_identity(self.tpath, tcfg))
         mask = "-" if self.tok is None else repr(self.tok.convert_ids_to_tokens(self.dcfg.mask_token_id))
         log(f"[model] drafter {self.dcfg}")
         log(f"[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {cfg.gamma}, attention {plan.attn}"
@@ -230,7 +230,11 @@ class Trainer:
                  "identity": self.identity, "total_steps": plan.total_steps, **self.replicas.checkpoint_state()}
         # env.json: the environment the run STARTED in (its code and packages were loaded then), the cache as now
         env = functools.partial(environment.with_cache, self.env_at_start, cfg.compile_cache)
-        self.rec.add(pause=self.ckpt.save(step, state, self.replicas.drafters[0], env))
+        folder = os.path.abspath(os.path.join(cfg.out_dir, f"step_{step:06d}", "drafter"))
+        recipe = {"data": ", ".join(cfg.data) or "the embedded default (ShareGPT V3)", "steps": step,
+                  **{k: getattr(cfg, k) for k in ("max_length", "num_anchors", "gamma", "distill", "lr")}}
+        card = dm.model_card(self.dcfg, folder, recipe)
+        self.rec.add(pause=self.ckpt.save(step, state, self.replicas.drafters[0], env, card))
 
     # --- the end -------------------------------------------------------------------------------------
     def finish(self, threads):

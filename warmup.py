@@ -20,7 +20,7 @@ def build_drafters(cfg):
     from transformers import AutoModelForCausalLM
     tcfg, tok = models.load_target_config(cfg.target)
     tdevs, ddevs = config.resolve_devices(cfg)
-    dcfg = models.make_drafter_config(cfg, tcfg, tok)
+    dcfg = models.make_drafter_config(cfg, tcfg, tok, models.target_identity(cfg.target, tcfg))
     tdtype = config.param_dtype(tdevs[0])
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(tcfg, dtype=tdtype)

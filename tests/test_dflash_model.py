@@ -422,6 +422,31 @@ def test_save_load_roundtrip_and_format(targets, tmp_path):
         assert torch.equal(loaded16.state_dict()[k], v.to(torch.bfloat16).float()), k
 
 
+def test_a_saved_drafter_folder_holds_what_vllm_and_sglang_read_and_a_model_card(tmp_path):
+    """config.json: the mask token by id and by text (SGLang can look it up by name), the target it drafts for,
+    full-attention layer types (the block attends both ways), block_size at the top and in dflash_config; weights
+    under bare names (vLLM prefixes model.). README.md: the target, and vLLM's command with block_size - 1
+    speculative tokens (the anchor is its bonus token), SGLang's with block_size draft tokens."""
+    target = {"name": "org/target", "config": "c" * 16, "weights": None}
+    cfg = small_config(block_size=8, mask_token="<|MASK|>", target=target)
+    folder = str(tmp_path / "drafter")
+    card = dm.model_card(cfg, folder, {"steps": 12}, {"tau": 3.1})
+    dm.save_drafter(drafter_with_heads(cfg), folder, card=card)
+    hf = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert hf["dflash_config"] == {"target_layer_ids": cfg.target_layer_ids, "block_size": 8, "mask_token_id": 255,
+                                   "mask_token": "<|MASK|>", "target": target}
+    assert hf["block_size"] == 8 and hf["layer_types"] == ["full_attention"] * 2
+    assert set(load_file(str(tmp_path / "drafter" / "model.safetensors"))) == _expected_weight_names(2)
+    loaded = dm.load_drafter(folder)
+    assert (loaded.config.mask_token, loaded.config.target) == ("<|MASK|>", target)
+    readme = (tmp_path / "drafter" / "README.md").read_text()
+    spec = json.dumps({"method": "dflash", "model": folder, "num_speculative_tokens": 7})
+    assert f"vllm serve org/target --speculative-config '{spec}'" in readme
+    assert (f"python -m sglang.launch_server --model-path org/target --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {folder} --speculative-num-draft-tokens 8") in readme
+    assert "| steps | 12 |" in readme and "| tau | 3.1 |" in readme
+
+
 # -----------------------------------------------------------------------------
 # rope table, GQA, the target's features, FLOPs
 

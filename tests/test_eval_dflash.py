@@ -96,3 +96,21 @@ def test_eval_cli_reports_tau_histogram_speedup_and_losslessness(llama, tmp_path
         assert [q["tau"][label] for q in alone["per_prompt"]] == [q["tau"][label] for q in res["per_prompt"]]
     p = here("eval_dflash", *base[2:], drafters["step_000003"])
     assert p.rc != 0 and "block sizes differ" in p.out and "'step_000003': 8" in p.out, p.tail()
+
+
+def test_eval_refuses_a_drafter_of_another_target_before_decoding(llama, tmp_path):
+    """A drafter whose folder records another target: one line naming both, exit status 1, nothing measured."""
+    import dflash_model as dm
+    from transformers import AutoConfig
+    cfg = dm.DFlashConfig.from_target_config(AutoConfig.from_pretrained(llama), num_draft_layers=1, block_size=4,
+                                             mask_token_id=0)
+    cfg.target = {"name": "org/other", "config": "0" * 16, "weights": None}
+    dm.save_drafter(dm.DFlashDrafter(cfg), str(tmp_path / "drafter"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    p = here("eval_dflash", "--target", llama, "--drafter", tmp_path / "drafter", "--prompts", prompts,
+             "--device", "cpu", "--json", tmp_path / "res.json")
+    assert p.rc == 1 and not (tmp_path / "res.json").exists()
+    assert p.out.strip().splitlines()[-1] == (f"error: the drafter at {tmp_path / 'drafter'} was trained for the "
+                                              f"target 'org/other', and --target '{llama}' has other config: pass "
+                                              "the target it drafts for")

@@ -95,3 +95,44 @@ def test_max_length_beyond_the_targets_positions_is_an_early_error():
     assert models.make_drafter_config(config.parse_args(["--max-length", "512"]), tcfg, None).max_position_embeddings == 512
     with pytest.raises(UserError, match="--max-length 1024 exceeds the target's max_position_embeddings"):
         models.make_drafter_config(config.parse_args(["--max-length", "1024"]), tcfg, None)
+
+
+def test_the_mask_tokens_text_is_the_tokens_own_or_masks_for_a_spare_row(tok):
+    """A special token picked as the mask keeps its text; a spare embedding row (no text in the tokenizer) is
+    <|MASK|>, the name SGLang adds as the next id, which is that row; a tokenizer-less (random) target has none."""
+    import config
+    from transformers import AutoConfig
+    tcfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=4096)
+    special = models.make_drafter_config(config.parse_args([]), tcfg, tok)
+    assert special.mask_token == tok.convert_ids_to_tokens(special.mask_token_id) and special.mask_token_id < len(tok)
+    tcfg.vocab_size = len(tok) + 64                     # a padded embedding: spare rows after the tokenizer's ids
+    spare = models.make_drafter_config(config.parse_args([]), tcfg, tok)
+    assert (spare.mask_token_id, spare.mask_token) == (len(tok), "<|MASK|>")
+    assert models.make_drafter_config(config.parse_args([]), tcfg, None).mask_token == ""
+
+
+def test_a_drafter_serves_only_the_target_it_was_trained_for(llama, tmp_path):
+    """The identity compares configs and, where both are folders, weights: a copy of the target elsewhere is the
+    same target; other weights of the same shape, or another config, are a one-line error naming both."""
+    import shutil
+    from transformers import AutoConfig
+    tcfg = AutoConfig.from_pretrained(llama)
+    trained_for = models.target_identity(llama, tcfg)
+    copy = shutil.copytree(llama, tmp_path / "copy")
+    models.check_drafter_target("d", trained_for, models.target_identity(str(copy), tcfg))
+    models.check_drafter_target("d", trained_for, {**trained_for, "name": "org/hub-name", "weights": None})
+    models.check_drafter_target("d", {}, models.target_identity(str(copy), tcfg))     # saved before the record
+    other = tmp_path / "other"
+    shutil.copytree(llama, other)
+    weights = next(other.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF                                     # the last MiB: other weights, the same config
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=rf"^the drafter at d was trained for the target '{re.escape(llama)}', and "
+                                        rf"--target '{re.escape(str(other))}' has other weights: pass the target"):
+        models.check_drafter_target("d", trained_for, models.target_identity(str(other), tcfg))
+    tcfg.rope_theta = 1234.0
+    with pytest.raises(UserError, match="has other config"):
+        models.check_drafter_target("d", trained_for, models.target_identity(str(copy), tcfg))
