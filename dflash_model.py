@@ -507,7 +507,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, state=None, card=None):
 
 def model_card(cfg, folder, recipe, results=None):
     """README.md of the drafter folder `folder`: the target it drafts for, its shape, how it was trained (`recipe`:
-    {option: value}), what it measured (`results`: {figure: value}; None: not yet) and how vLLM and SGLang serve it."""
+    {option: value}), how vLLM and SGLang serve it, and what it measured (`results`: see measured_section)."""
     target = cfg.target.get("name", "TARGET")
     spec = json.dumps({"method": "dflash", "model": folder, "num_speculative_tokens": cfg.block_size - 1})
     lines = [f"# DFlash drafter for {target}", "",
@@ -517,14 +517,28 @@ def model_card(cfg, folder, recipe, results=None):
              "| | |", "| --- | --- |", f"| target | `{target}` |",
              f"| drafter | {cfg.num_draft_layers} layers, hidden {cfg.hidden_size}, block size {cfg.block_size}, mask "
              f"token {cfg.mask_token_id}" + (f" (`{cfg.mask_token}`)" if cfg.mask_token else "") + " |",
-             *(f"| {k} | {v} |" for k, v in recipe.items()),
-             *(f"| {k} | {v} |" for k, v in (results or {"measured": "not yet: run eval_dflash.py"}).items()), "",
+             *(f"| {k} | {v} |" for k, v in recipe.items()), "",
              "## Serve it", "", "vLLM (method dflash; the anchor is the bonus token, so one token fewer than the block):",
              "", "```", f"vllm serve {target} --speculative-config '{spec}'", "```", "",
              "SGLang (draft tokens: the whole block):", "", "```",
              f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
              f"--speculative-draft-model-path {folder} --speculative-num-draft-tokens {cfg.block_size}", "```", ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n" + measured_section(results)
+
+def measured_section(results):
+    """The card's last section: {figure: value} as eval_dflash.py measured them, or how to measure them."""
+    rows = results or {"measured": "not yet: `python eval_dflash.py --target <target> --drafter <this folder> "
+                                   "--prompts <held-out conversations>` writes its figures here"}
+    return "\n".join(["## Measured", "", "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows.items()), ""])
+
+def write_measured(folder, results):
+    """Put `results` in the card of the drafter folder `folder` (its README.md, if it has one), in place of the last."""
+    path = os.path.join(folder, "README.md")
+    if os.path.isfile(path):
+        with open(path) as f:
+            head = f.read().split("## Measured\n")[0]
+        with open(path, "w") as f:
+            f.write(head + measured_section(results))
 
 def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
     """A saved drafter with `target`'s frozen embedding and LM head; else a one-line error naming the file."""

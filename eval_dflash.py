@@ -148,7 +148,23 @@ def main(argv=None):
                         "methods": {name: {"tokens": t, "seconds": s, "tok_s": t / s, "speedup": t / s / greedy_rate}
                                     for name, (t, s) in times.items()}}
     res["seconds"] = time.time() - t_start
+    for label, folder in a.drafters.items():     # each drafter's card carries what it measured
+        dm.write_measured(folder, measured(res, label))
     return report(res, a.json)
+
+def measured(res, label):
+    """A drafter's figures for its card: acceptance, losslessness, the batch-1 speed-up, n-gram lookup's beside."""
+    m, ng, sp, n = res["methods"][label], res["methods"]["n-gram lookup"], res.get("speed"), res["prompts"]
+    out = {"prompts": f"{n} of {', '.join(res['prompt_files'])}, up to {res['max_new_tokens']} new tokens, "
+                      f"{res['dtype']}",
+           "tau (acceptance length)": f"{m['mean_tau']:.2f} (n-gram lookup {ng['mean_tau']:.2f})",
+           "lossless": f"{m['lossless']}/{n}"}
+    if sp:
+        s = sp["methods"]
+        out["batch-1 speed-up"] = (f"{s[label]['speedup']:.2f}x over the target alone (n-gram lookup "
+                                   f"{s['n-gram lookup']['speedup']:.2f}x): {sp['prompts']} prompts, {sp['dtype']}, "
+                                   f"{sp['loop']}")
+    return out
 
 def first_difference(target, prompt, ref, out):
     """Where an output first differs, and the target's logit margin there (tiny: a rounding near-tie; large: a bug)."""

@@ -114,3 +114,32 @@ def test_eval_refuses_a_drafter_of_another_target_before_decoding(llama, tmp_pat
     assert p.out.strip().splitlines()[-1] == (f"error: the drafter at {tmp_path / 'drafter'} was trained for the "
                                               f"target 'org/other', and --target '{llama}' has other config: pass "
                                               "the target it drafts for")
+
+
+def test_eval_writes_what_it_measured_into_the_drafters_card(llama, tmp_path):
+    """The card's Measured section, replaced by eval_dflash.py: tau and n-gram lookup's, lossless n/n, the batch-1
+    speed-up, as its JSON has them; the rest of the card stays."""
+    import dflash_model as dm
+    import models
+    from transformers import AutoConfig
+    tcfg = AutoConfig.from_pretrained(llama)
+    cfg = dm.DFlashConfig.from_target_config(tcfg, num_draft_layers=1, block_size=4, mask_token_id=0)
+    cfg.target = models.target_identity(llama, tcfg)
+    folder = str(tmp_path / "drafter")
+    dm.save_drafter(dm.DFlashDrafter(cfg), folder, card=dm.model_card(cfg, folder, {"steps": 5}))
+    before = (tmp_path / "drafter" / "README.md").read_text()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count to {i}."},
+                                                        {"role": "assistant", "content": "One."}]}) + "\n"
+                               for i in range(2)))
+    p = here("eval_dflash", "--target", llama, "--drafter", folder, "--prompts", prompts, "--device", "cpu",
+             "--max-new-tokens", 8, "--json", tmp_path / "res.json")
+    assert_ok(p)
+    res = json.loads((tmp_path / "res.json").read_text())
+    label = next(iter(res["drafters"]))
+    m, s = res["methods"][label], res["speed"]["methods"]
+    card = (tmp_path / "drafter" / "README.md").read_text()
+    assert card.split("## Measured")[0] == before.split("## Measured")[0]
+    assert f"| tau (acceptance length) | {m['mean_tau']:.2f} (n-gram lookup " in card
+    assert f"| lossless | {m['lossless']}/2 |" in card and m["lossless"] == 2
+    assert f"| batch-1 speed-up | {s[label]['speedup']:.2f}x over the target alone" in card
