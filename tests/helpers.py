@@ -451,3 +451,82 @@ def toy_config(**kw):
     vocabulary, a 4-layer target, 1 draft layer; `kw` sets any field."""
     return dm.DFlashConfig(**{**dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                                      head_dim=16, vocab_size=64, num_target_layers=4, num_draft_layers=1), **kw})
+
+
+# -----------------------------------------------------------------------------
+# what a run's functions were called with and returned
+
+
+def traced(script, args, trace, calls, fault=None):
+    """The command that runs `script` with `args` (the fault `kind:N` injected where given: break_) as `broken` does,
+    each function of `calls` traced into `trace` (trace_calls)."""
+    return [sys.executable, "-c", tracing_code(script, trace, calls, fault), *map(str, args)]
+
+
+def tracing_code(script, trace, calls, fault=None):
+    """Python code that runs `script`.main on its argv, each function of `calls` traced (trace_calls): for `-c`, or
+    written to a file for a launcher that takes a script (torchrun)."""
+    kind, n = fault.split(":") if fault else (None, 0)
+    return (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(TESTS)!r}]; import helpers, {script}; "
+            + (f"helpers.break_({kind!r}, {int(n)}); " if fault else "")
+            + f"helpers.trace_calls({str(trace)!r}, {list(calls)!r}); sys.exit({script}.main(sys.argv[1:]))")
+
+
+def trace_calls(trace, calls):
+    """Wrap each function of `calls` ("module:name" or "module:Class.name") to append a JSON line to the file `trace`
+    ("{rank}" in it: the process's RANK) as it is called and as it returns, in the order that happens across threads:
+    {"fn", "at": "call" | "return", "thread", "args", "kwargs", "out"} with each value as `described`."""
+    import importlib
+    path, lock = trace.replace("{rank}", os.environ.get("RANK", "0")), threading.Lock()
+
+    def emit(**event):
+        with lock, open(path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def wrap(name, owner, attr):
+        orig = getattr(owner, attr)
+
+        @functools.wraps(orig)
+        def wrapped(*a, **kw):
+            where = dict(fn=name, thread=threading.current_thread().name, args=[described(x) for x in a],
+                         kwargs={k: described(v) for k, v in kw.items()})
+            emit(at="call", **where)
+            out = orig(*a, **kw)
+            emit(at="return", out=described(out), **where)
+            return out
+        setattr(owner, attr, wrapped)
+
+    for name in calls:
+        module, attrs = name.split(":")
+        owner = importlib.import_module(module)
+        *outer, attr = attrs.split(".")
+        for a in outer:
+            owner = getattr(owner, a)
+        wrap(name, owner, attr)
+
+
+def described(x, depth=0):
+    """A value as JSON: numbers, strings and short lists and dicts as they are; a tensor as its dtype, shape and the
+    numel of the tensor it views (None: not a view); a module as its class and parameter count; an object with a shape
+    as its type and shape; anything else as its type's name."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, torch.Tensor):
+        return {"tensor": str(x.dtype), "shape": list(x.shape), "base": None if x._base is None else x._base.numel()}
+    if isinstance(x, torch.nn.Module):
+        return {"module": type(x).__name__, "params": sum(p.numel() for p in x.parameters())}
+    if isinstance(getattr(x, "shape", None), tuple):
+        return {"type": type(x).__name__, "shape": list(x.shape)}
+    if isinstance(x, (list, tuple)) and len(x) <= 64 and depth < 3:
+        return [described(v, depth + 1) for v in x]
+    if isinstance(x, dict) and len(x) <= 64 and depth < 3:
+        return {str(k): described(v, depth + 1) for k, v in x.items()}
+    return f"<{type(x).__name__}>"
+
+
+def read_trace(trace):
+    """trace_calls' events, in order."""
+    with open(trace) as f:
+        return [json.loads(line) for line in f]

@@ -19,8 +19,32 @@ import pytest
 import torch
 
 from errors import UserError
-from helpers import (TINY, TRAIN, assert_ok, checkpoints, free_port, here, load_state, metrics, run_cmd, short_chats,
-                     small_config, tb_scalars, train)
+from helpers import (TINY, assert_ok, checkpoints, free_port, here, load_state, metrics, read_trace, run_cmd,
+                     short_chats, small_config, tb_scalars, traced, tracing_code, train)
+
+
+def _at(events, fn, at, pred=lambda args: True):
+    """Where in a trace (helpers.trace_calls) the first `at` ("call" or "return") of `fn` is whose args satisfy pred."""
+    return next(i for i, e in enumerate(events) if e["fn"] == fn and e["at"] == at and pred(e["args"]))
+
+
+def _calls(events, fn, at="call"):
+    return [e for e in events if e["fn"] == fn and e["at"] == at]
+
+
+def _grad_buffers(events):
+    """The gradient buffers the run's replicas add their backward's gradients into (replicas.add_into): described."""
+    return [e["args"][0] for e in _calls(events, "replicas:add_into")]
+
+
+def _lines(out_dir):
+    """metrics.jsonl as written, a line a step (their time stamps tell a kept record from one written again)."""
+    return (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+
+
+def _files(folder):
+    """{path: bytes} of every file under `folder`: what a run that does nothing must leave as it was."""
+    return {f: f.read_bytes() for f in sorted(Path(folder).rglob("*")) if f.is_file()}
 
 
 # -----------------------------------------------------------------------------
@@ -39,32 +63,50 @@ def test_sigkill_after_or_in_a_checkpoint_write_then_resume_is_bit_equal_and_a_d
 
     # ckpt_lag:3: checkpoint 3 is written in the background only once step 6 has run - it must hold step
     # 3's state all the same (the snapshot is a copy; compared with the cut run's below), and the save
-    # at step 6 waits for it, which the log says
-    p = train(*common, "--out-dir", straight, fault="ckpt_lag:3")
+    # at step 6 waits for it: the trace says in which order the run's functions ran
+    trace = tmp_path / "trace.jsonl"
+    p = run_cmd(traced("train_dflash", [*common, "--out-dir", straight], trace,
+                       ["records:Recorder.record", "checkpoint:Checkpointer.save", "checkpoint:Checkpointer._write",
+                        "dflash_model:save_drafter", "replicas:add_into"], fault="ckpt_lag:3"))
     assert_ok(p)
-    assert p.out.index("step_000003 (written in") > p.out.index("step 6/6"), p.tail()
-    assert re.search(r"\[ckpt\] step 6: waited [\d.]+s for the write of checkpoint 3 \(one write at a time", p.out)
-    assert "grads: one flat fp32 buffer per replica" in p.out     # micro-batches are added in fp32
-    m = re.search(r"\[data\] \d+ samples on this node, (\d+) batches/epoch", p.out)
-    assert m and int(m.group(1)) < 12, "the run should cross an epoch boundary"
+    events = read_trace(trace)
+    record6 = _at(events, "records:Recorder.record", "call", lambda a: a[1] == 6)
+    assert _at(events, "dflash_model:save_drafter", "call", lambda a: "step_000003.tmp" in a[1]) > record6
+    save6 = [_at(events, "checkpoint:Checkpointer.save", at, lambda a: a[1] == 6) for at in ("call", "return")]
+    assert save6[0] < _at(events, "checkpoint:Checkpointer._write", "return", lambda a: a[1] == 3) < save6[1]
+    # micro-batches are added in fp32: every parameter's gradient is a view of one flat fp32 buffer (one replica)
+    grads = _grad_buffers(events)
+    assert grads and all(g["tensor"] == "torch.float32" and g["base"] == grads[0]["base"] for g in grads), grads
+    assert sum(math.prod(g["shape"]) for g in grads) == grads[0]["base"]
+    # the run crosses an epoch boundary: 6 steps x grad_accum 2 = 12 batches, more than an epoch has
+    st6 = load_state(straight / "step_000006")
+    assert st6["cursor"] == 12 and st6["batches_per_epoch_by_rank"][0] < 12, st6["batches_per_epoch_by_rank"]
 
     killed = train(*common, "--out-dir", cut, fault="kill:3")
     assert killed.rc == -signal.SIGKILL, f"expected SIGKILL, got {killed.rc}\n{killed.tail()}"
-    assert "[test] SIGKILL after step 3" in killed.out
     assert checkpoints(cut) == ["step_000003"] and [r["step"] for r in metrics(cut)] == [1, 2, 3]
+    assert load_state(cut / "step_000003")["cursor"] == 6
+    kept, state3 = _lines(cut), (cut / "step_000003" / "state.pt").read_bytes()
 
+    # the resume goes on from checkpoint 3 (not from scratch): steps 1-3's records stand as the killed run wrote
+    # them (time stamps included) and checkpoint 3 is not written again
     resumed = train(*common, "--out-dir", cut, "--resume")
     assert_ok(resumed)
-    assert re.search(r"\[resume\] .*step_000003: step 3, batch cursor 6", resumed.out), resumed.tail()
+    assert _lines(cut)[:3] == kept and (cut / "step_000003" / "state.pt").read_bytes() == state3
 
-    # killed in the middle of checkpoint 6's write: its folder stays a .tmp, never taken; the resume goes on from 3
+    # killed in the middle of checkpoint 6's write (its drafter folder written, its state not): the folder stays a
+    # .tmp, never taken; the resume goes on from 3
     mid = tmp_path / "mid_write"
     killed = train(*common, "--out-dir", mid, fault="kill_write:6")
-    assert killed.rc == -signal.SIGKILL and "[test] SIGKILL while checkpoint 6 is written" in killed.out, killed.tail()
-    assert checkpoints(mid) == ["step_000003"] and (mid / "step_000006.tmp" / "drafter").is_dir()
+    assert killed.rc == -signal.SIGKILL, killed.tail()
+    tmp6 = mid / "step_000006.tmp"
+    assert checkpoints(mid) == ["step_000003"] and (tmp6 / "drafter").is_dir()
+    assert not (tmp6 / "state.pt").exists() and not (tmp6 / "DONE").exists()
+    assert [r["step"] for r in metrics(mid)] == [1, 2, 3, 4, 5, 6]
+    kept, state3 = _lines(mid), (mid / "step_000003" / "state.pt").read_bytes()
     resumed = train(*common, "--out-dir", mid, "--resume")
     assert_ok(resumed)
-    assert re.search(r"\[resume\] .*step_000003: step 3, batch cursor 6", resumed.out), resumed.tail()
+    assert _lines(mid)[:3] == kept[:3] and (mid / "step_000003" / "state.pt").read_bytes() == state3
     assert checkpoints(mid) == ["step_000003", "step_000006"] and not (mid / "step_000006.tmp").exists()
 
     # both continue bit for bit as the straight run: every record, every checkpoint (the last too)
@@ -82,16 +124,16 @@ def test_sigkill_after_or_in_a_checkpoint_write_then_resume_is_bit_equal_and_a_d
     mode = lambda f: os.stat(f).st_mode & 0o777
     assert mode(straight / "step_000006" / "drafter" / "model.safetensors") == mode(straight / "step_000006" / "state.pt")
 
-    # damaged newest checkpoints: each is named, and the newest intact one is taken
+    # damaged newest checkpoints: each is passed over (once), and the newest intact one is taken
     def damaged(name, edit):
         out = tmp_path / name
         shutil.copytree(straight, out)
         edit(out / "step_000006")
-        logged = []
-        path, state = ck.load_newest(str(out), logged.append)
-        assert path == str(out / "step_000003") and state["step"] == 3, logged
-        assert len(logged) == 1 and f"{out / 'step_000006'} is damaged: " in logged[0], logged
-        return logged[0]
+        warned = []
+        path, state = ck.load_newest(str(out), warned.append)
+        assert path == str(out / "step_000003") and state["step"] == 3, warned
+        assert len(warned) == 1, warned
+        return str(out / "step_000006")
 
     def cut_file(rel):
         def edit(d):
@@ -99,8 +141,11 @@ def test_sigkill_after_or_in_a_checkpoint_write_then_resume_is_bit_equal_and_a_d
                 f.truncate(os.path.getsize(d / rel) // 2)
         return edit
 
-    assert "state.pt has" in damaged("cut_state", cut_file("state.pt"))
-    assert "drafter/model.safetensors has" in damaged("cut_weights", cut_file("drafter/model.safetensors"))
+    # a cut file is caught by its size against DONE's record (cut weights: state.pt still loads and its digest matches)
+    assert ck.damage(damaged("cut_state", cut_file("state.pt"))) is not None
+    cut_weights = damaged("cut_weights", cut_file("drafter/model.safetensors"))
+    assert ck.damage(cut_weights) is not None
+    assert ck.optimizer_digest(load_state(cut_weights)["optimizer"]) == load_state(cut_weights)["resume_fingerprint"]
 
     def nudge(d):                  # one value of a moment, one ulp up: loads fine, is not what was saved
         st = load_state(d)
@@ -110,7 +155,10 @@ def test_sigkill_after_or_in_a_checkpoint_write_then_resume_is_bit_equal_and_a_d
         files = json.loads((d / "DONE").read_text())
         files["files"]["state.pt"] = os.path.getsize(d / "state.pt")
         (d / "DONE").write_text(json.dumps(files))
-    assert "does not match the digest saved with it" in damaged("nudged", nudge)
+    # a nudged moment: every file has its recorded size, so the optimiser state's digest is what catches it
+    nudged = damaged("nudged", nudge)
+    assert ck.damage(nudged) is None
+    assert ck.optimizer_digest(load_state(nudged)["optimizer"]) != load_state(nudged)["resume_fingerprint"]
     out = tmp_path / "all_bad"
     shutil.copytree(straight, out)
     for d in ("step_000003", "step_000006"):
@@ -125,17 +173,24 @@ def test_sigterm_checkpoints_the_step_under_way_and_stops_then_resume_goes_on(ll
     rest."""
     common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 12,
               "--heldout", 0, "--max-steps", 6, "--ckpt-interval", 100, "--out-dir", tmp_path / "out"]
+    out = tmp_path / "out"
     p = train(*common, fault="term:2")
     assert p.rc == 128 + signal.SIGTERM, p.tail()
-    m = re.search(r"\[run\] SIGTERM: step (\d) is the last, checkpointed; run again with --resume", p.out)
-    assert m and int(m.group(1)) in (2, 3), p.tail()
-    stop = int(m.group(1))
-    assert checkpoints(tmp_path / "out") == [f"step_{stop:06d}"] and "summary" in p.out
-    assert [r["step"] for r in metrics(tmp_path / "out")] == list(range(1, stop + 1))
+    stop = p.records[-1]["step"]            # the step under way as the signal came, or the next
+    assert stop in (2, 3) and [r["step"] for r in p.records] == list(range(1, stop + 1)), p.records
+    assert p.checkpoints == [f"step_{stop:06d}"]       # --ckpt-interval 100: the signal's checkpoint
+    state = load_state(out / f"step_{stop:06d}")
+    assert state["step"] == stop and state["cursor"] == stop and state["total_steps"] == 6
+    assert "summary" in p.out, p.tail()                 # the end-of-run summary block, as on any other end
+    # and says how to go on: the signal's line names --resume
+    assert any("SIGTERM" in line and "--resume" in line for line in p.out.splitlines()), p.tail()
+    kept = _lines(out)
     resumed = train(*common, "--resume")
     assert_ok(resumed)
-    assert f"steps          6 (this run: from {stop})" in resumed.out, resumed.tail()
-    assert [r["step"] for r in metrics(tmp_path / "out")] == [1, 2, 3, 4, 5, 6]
+    # the rest trained from the signal's checkpoint: its steps' records kept as written, steps stop+1..6 added
+    assert _lines(out)[:stop] == kept and [r["step"] for r in resumed.records] == [1, 2, 3, 4, 5, 6]
+    assert resumed.checkpoints == [f"step_{stop:06d}", "step_000006"]
+    assert load_state(out / "step_000006")["step"] == 6 and load_state(out / "step_000006")["cursor"] == 6
 
 
 def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_run(llama, sharegpt, cache_dir,
@@ -146,7 +201,8 @@ def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_
     apart from the rates."""
     out = tmp_path / "out"
     p = train(*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 60,
-              "--max-steps", 40, "--ckpt-interval", 2, "--out-dir", out, fault="ckpt:4")
+              "--max-steps", 40, "--ckpt-interval", 2, "--out-dir", out, "--tensorboard", tmp_path / "tb",
+              fault="ckpt:4")
     assert p.rc not in (0, None) and p.rc > 0, f"exit code {p.rc}\n{p.tail()}"
     # one line: which checkpoint, where, and the system's reason (a full disk), not a traceback
     assert re.search(r"\[FATAL\] thread checkpoint-writer failed: checkpoint 4 could not be written to \S+"
@@ -154,13 +210,16 @@ def test_checkpoints_are_written_in_the_background_and_a_failed_write_stops_the_
     assert "Traceback" not in p.out, p.tail()
     assert re.search(r"\[FATAL\] run stopped\. Last intact checkpoint: \S+step_000002", p.out), p.tail()
     assert sorted(x.name for x in out.glob("step_*")) == ["step_000002"], "the failed write's folder is left"
-    assert "[ckpt] the write of checkpoint 4 failed" in p.out and "its partial folder was removed" in p.out, p.tail()
-    assert "step 40/40" not in p.out
+    assert not (out / "step_000004.tmp").exists()          # its partial folder removed
+    # the run stops at the failure, not after training on: at the latest at step 6's save, which waits for write 4
+    trained = [r["step"] for r in p.records]
+    assert trained == list(range(1, len(trained) + 1)) and 4 <= len(trained) <= 6, trained
     state = load_state(out / "step_000002")    # the masters by name are the optimiser's, stored once
     shared = {t.untyped_storage().data_ptr() for t in state["master_weights"].values()}
     assert all(m.untyped_storage().data_ptr() in shared for m in state["optimizer"]["master"])
-    # checkpoint 2 is snapshotted after step 2's line: its pause is in step 3's
-    assert re.search(r"step 3/40 .*\| checkpoint pause \d+\.\d\ds \(not in the rates\)", p.out), p.tail()
+    # checkpoint 2 is snapshotted after step 2's figures: its pause is in step 3's, reported apart from the rates
+    pause = dict(tb_scalars(tmp_path / "tb")["ckpt_pause_s"])
+    assert pause[1] == pause[2] == 0 and pause[3] > 0, pause
 
 
 def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, sharegpt, cache_dir, tmp_path):
@@ -173,26 +232,38 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     out = tmp_path / "out"
     common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 30,
               "--heldout", 0, "--log-interval", 5, "--ckpt-interval", 1000, "--out-dir", out]
-    p = train(*common, "--max-minutes", 0.1)
+    tb = tmp_path / "tb"
+    p = train(*common, "--max-minutes", 0.1, "--tensorboard", tb)
     assert_ok(p)
-    m = re.search(r"\[run\] time budget of 0.1 min: step (\d+) is the last that ends within it", p.out)
-    assert m, p.tail()
-    last = int(m.group(1))
-    assert re.search(rf"step {last} \(\d+% of 0.1 min\) \|", p.out), p.tail()   # progress: the budget's share
-    assert checkpoints(out) == [f"step_{last:06d}"] and [r["step"] for r in metrics(out)][-1] == last
+    steps = [r["step"] for r in p.records]
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)) and p.checkpoints == [f"step_{last:06d}"], (steps, p.checkpoints)
     state = load_state(out / f"step_{last:06d}")
-    assert state["next_step_ends_s"] >= 6, state      # why it stopped; the resume below applies the same rule to it
+    # why it stopped: the budget, not the step count - the next step was predicted to end past it (the resume below
+    # applies the same rule to it), and steps were still planned
+    assert state["step"] == last and state["next_step_ends_s"] >= 6 and last < state["total_steps"], state
     assert state["batches_per_epoch_by_rank"] == [m_ := state["batches_per_epoch_by_rank"][0]] and m_ > 0
+    # progress: the budget's share used, at every logged step (every 5th and the last), growing, and at the last
+    # step no more than the training time the checkpoint records
+    used = tb_scalars(tb)["budget_used"]
+    assert [s for s, _ in used] == [s for s in steps if s % 5 == 0 or s == last], used
+    assert all(0 < a < b for (_, a), (_, b) in zip(used, used[1:])) and used[0][1] > 0, used
+    assert used[-1][1] * 6 <= state["train_seconds"] * (1 + 1e-6), (used[-1], state["train_seconds"])
 
+    # a spent budget: nothing to do - no step, no record, no checkpoint written
+    before = _files(out)
     p = here("train_dflash", *common, "--max-minutes", 0.1, "--resume")
     assert_ok(p)
-    assert f"budget (--max-minutes, resumes included) was used up by step {last}: nothing to do" in p.out, p.tail()
-    # and says again how to measure the result: no held-out file here (--heldout 0)
-    assert f"[run] measure its acceptance: python eval_dflash.py --target {llama} --drafter {out}/step_{last:06d}/drafter" \
+    assert {f: b for f, b in _files(out).items() if f.name != "train.log"} == \
+        {f: b for f, b in before.items() if f.name != "train.log"}
+    # and says again how to measure the result (the command a user runs): no held-out file here (--heldout 0)
+    assert f"python eval_dflash.py --target {llama} --drafter {out}/step_{last:06d}/drafter" \
         " --prompts YOUR_PROMPTS.jsonl" in p.out, p.tail()
+    assert (out / f"step_{last:06d}" / "drafter").is_dir() and not (out / "heldout.jsonl").exists()
+    before = _files(out)
     p = here("train_dflash", *common, "--max-steps", last + 2)
     assert p.rc != 0 and "holds checkpoints of an earlier run" in p.out and "--resume" in p.out, p.tail()
-    assert "[data]" not in p.out                          # refused before the data or the models
+    assert _files(out) == before                          # refused before any work: not a line of train.log
     p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--lr", 1e-5)
     assert p.rc != 0 and "--lr 1e-05 (checkpoint: 0.0006)" in p.out, p.tail()
     p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--distill", 0.5, "--gamma", 2)
@@ -238,9 +309,15 @@ def test_distillation_runs_the_whole_target_and_trains(llama, sharegpt, cache_di
               "--heldout", 0, "--out-dir", tmp_path / "out"]
     p = here("train_dflash", *common, "--distill", 1.5)
     assert p.rc != 0 and "--distill must lie in [0, 1], got 1.5" in p.out, p.tail()
-    p = train(*common, "--distill", 0.5, "--max-steps", 3)
+    trace = tmp_path / "trace.jsonl"
+    p = run_cmd(traced("train_dflash", [*common, "--distill", 0.5, "--max-steps", 3], trace, ["models:load_target"]))
     assert_ok(p)
-    assert "kept 4/4 layers and the final norm, no LM head" in p.out, p.tail()
+    # the target the run trains against is whole: all its layers and its final norm (a cut one has fewer parameters)
+    from transformers import AutoModelForCausalLM
+    whole = sum(x.numel() for x in AutoModelForCausalLM.from_pretrained(llama).parameters())
+    loaded = [e["out"] for e in _calls(read_trace(trace), "models:load_target", "return")]
+    assert loaded and all(t["params"] == whole for t in loaded), (loaded, whole)
+    assert load_state(tmp_path / "out" / "step_000003")["config"]["distill"] == 0.5
     losses = [r["loss"] for r in metrics(tmp_path / "out")]
     assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses), losses
 
@@ -261,16 +338,35 @@ def test_two_replicas_equal_one_replica_on_the_concatenated_batch(qwen3, cache_d
     common = [*TINY, "--target", qwen3, "--data", data, "--cache-dir", cache_dir, "--buckets", "256",
               "--heldout", 0, "--max-steps", 3, "--ckpt-interval", 1, "--keep-last", 3]
     two, one = tmp_path / "two", tmp_path / "one"
-    p2 = train(*common, "--out-dir", two, "--drafter-devices", "cpu,cpu", "--target-devices", "cpu,cpu",
-               "--tokens-per-batch", 512)
+    calls = ["pipeline:Run.start_thread", "train_dflash:load_batch", "replicas:add_into", "replicas:Replicas.check"]
+    p2 = run_cmd(traced("train_dflash", [*common, "--out-dir", two, "--drafter-devices", "cpu,cpu", "--target-devices",
+                                         "cpu,cpu", "--tokens-per-batch", 512], tmp_path / "two.jsonl", calls))
     assert_ok(p2)
-    p1 = train(*common, "--out-dir", one, "--drafter-devices", "cpu", "--tokens-per-batch", 1024)
+    p1 = run_cmd(traced("train_dflash", [*common, "--out-dir", one, "--drafter-devices", "cpu", "--tokens-per-batch",
+                                         1024], tmp_path / "one.jsonl", calls))
     assert_ok(p1)
-    assert "[data] 4 samples on this node, 2 batches/epoch, buckets [256], shapes (B,S,A) [(2, 256, 32)]" in p2.out
-    assert "[data] 4 samples on this node, 1 batches/epoch, buckets [256], shapes (B,S,A) [(4, 256, 32)]" in p1.out
-    assert "2 drafter replica(s)" in p2.out and "2 target + 2 drafter threads started" in p2.out
-    assert "grads: one flat fp32 buffer per replica" in p2.out and "grads: handed over by each backward" in p1.out
-    assert "[replicas] 2 replica(s) x 1 rank(s) bit-identical after step 3" in p2.out, p2.tail()
+    ev2, ev1 = read_trace(tmp_path / "two.jsonl"), read_trace(tmp_path / "one.jsonl")
+    # the same 4 samples: 2 batches of (B,S,A) (2, 256, 32) an epoch for 2 replicas, 1 of (4, 256, 32) for one -
+    # a step is an epoch in both
+    s2, s1 = load_state(two / "step_000003"), load_state(one / "step_000003")
+    assert s2["identity"]["samples"] == s1["identity"]["samples"] == 4
+    assert s2["batches_per_epoch_by_rank"] == [2] and s1["batches_per_epoch_by_rank"] == [1]
+    assert s2["cursor"] == 6 and s1["cursor"] == 3
+    shapes = lambda ev: {tuple(e["out"]["batch"]["shape"]) for e in _calls(ev, "train_dflash:load_batch", "return")}
+    assert shapes(ev2) == {(2, 256, 32)} and shapes(ev1) == {(4, 256, 32)}, (shapes(ev2), shapes(ev1))
+    # 2 drafter replicas, each with its thread, and 2 target threads
+    threads = lambda ev: sorted(e["args"][1] for e in _calls(ev, "pipeline:Run.start_thread")
+                                if e["args"][1] != "checkpoint-writer")
+    assert threads(ev2) == ["drafter-0:cpu", "drafter-1:cpu", "loader", "target-0:cpu", "target-1:cpu"], threads(ev2)
+    assert threads(ev1) == ["drafter-0:cpu", "loader", "target-0:cpu"], threads(ev1)
+    # grads: one flat fp32 buffer per replica summed across replicas; a lone replica takes each backward's own
+    grads = _grad_buffers(ev2)
+    assert grads and all(g["tensor"] == "torch.float32" and g["base"] == grads[0]["base"] for g in grads), grads
+    assert sum(math.prod(g["shape"]) for g in grads) == 2 * grads[0]["base"]
+    assert _grad_buffers(ev1) == []
+    # the replicas were compared bit for bit at every logged step and at the end (with the log), and agreed
+    checked = [e["args"][1:] for e in _calls(ev2, "replicas:Replicas.check", "return")]
+    assert [a[0] for a in checked] == [1, 2, 3, 3] and len(checked[-1]) == 2, checked
 
     m2, m1 = metrics(two), metrics(one)
     assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
@@ -320,20 +416,23 @@ def test_exception_in_a_thread_stops_the_run_at_once_with_traceback_and_intact_c
               "--max-steps", 40, "--ckpt-interval", 2, "--queue-depth", 1, "--out-dir", out,
               "--tensorboard", tmp_path / "tb", fault=fail)
     assert p.rc not in (0, None) and p.rc > 0, f"exit code {p.rc}\n{p.tail()}"
-    assert "injected failure" in p.out and "Traceback" in p.out, p.tail()
-    assert re.search(rf"\[FATAL\] thread {where}-0:cpu failed", p.out), p.tail()
-    assert "[FATAL] run stopped" in p.out
+    # the failed thread's line, followed by its traceback down to the failure
+    assert re.search(rf"\[FATAL\] thread {where}-0:cpu failed:\nTraceback \(most recent call last\):\n.*"
+                     rf"RuntimeError: injected failure in {where} at", p.out, re.S), p.tail()
+    fatal = re.search(r"\[FATAL\] run stopped\. Last intact checkpoint: (\S+)", p.out)
+    assert fatal, p.tail()
     # it stops at the failure (by itself: rc > 0, not the test's timeout), not after training on: the target's
     # 7th batch is at most step 7's, the drafter's step 4 never ends
     trained = [r["step"] for r in metrics(out)]
     assert trained == list(range(1, len(trained) + 1)) and len(trained) < 7, trained
     if where == "drafter":
-        assert trained == [1, 2, 3] and "step 4/40" not in p.out
+        assert trained == [1, 2, 3]
         assert [s for s, _ in tb_scalars(tmp_path / "tb")["loss"]] == [1, 2, 3]     # the events up to the failure
-    log = (out / "train.log").read_text()
-    assert "injected failure" in log and "[FATAL]" in log
-    last = re.search(r"\[FATAL\] run stopped\. Last intact checkpoint: (\S+)", p.out).group(1)
+    logged = (out / "train.log").read_text()          # kept in train.log too, where a user greps for it
+    assert re.search(rf"\[FATAL\] thread {where}-0:cpu failed:\n(.*\n)*RuntimeError: injected failure", logged)
+    last = fatal.group(1)
     step = int(Path(last).name.split("_")[1])
+    assert Path(last).name == checkpoints(out)[-1] and load_state(last)["step"] == step
     assert step >= 2 and step % 2 == 0 and (step == 2 if where == "drafter" else True)
     drafter = dm.load_drafter(str(Path(last) / "drafter"))
     master = load_state(last)["master_weights"]
@@ -349,23 +448,17 @@ def test_a_nan_gradient_stops_the_run_before_stepping_and_keeps_the_checkpoints(
               "--max-steps", 5, "--ckpt-interval", 1, "--keep-last", 1, "--warmup-frac", 0, "--lr", 1e30,
               "--out-dir", out)
     assert p.rc != 0
-    assert re.search(r"FloatingPointError: step 2: the gradient norm is (nan|inf)", p.out), p.tail()
-    assert "stopped without stepping" in p.out
+    # the error names the step and says nothing was stepped (the [FATAL] line of the step loop, then its reason)
+    assert re.search(r"\[FATAL\] thread step loop failed:\n(.*\n)*FloatingPointError: step 2: the gradient norm is "
+                     r"(nan|inf) .*stopped without stepping", p.out), p.tail()
     assert checkpoints(out) == ["step_000001"] and [r["step"] for r in metrics(out)] == [1]
     assert all(torch.isfinite(w).all() for w in load_state(out / "step_000001")["master_weights"].values())
 
 
-def _skips(text):
-    m = re.search(r"\| skipped: (.*)", text)
-    assert m, text
-    return {} if m.group(1).strip() == "none" else {
-        k: int(v) for k, v in (kv.split("=") for kv in m.group(1).strip().split(", "))}
-
-
 def test_malformed_lines_are_counted_not_fatal_and_every_batch_has_its_buckets_warmed_shape(llama, embedded, tok,
                                                                                             tmp_path):
-    """Malformed JSONL lines and short samples are counted in the log and skipped; with 4 rows per
-    batch the short last batch of each bucket is filled up to the warmed shape (a ragged batch would
+    """Malformed JSONL lines and short samples are counted (the skip counts the log prints) and skipped; with 4
+    rows per batch the short last batch of each bucket is filled up to the warmed shape (a ragged batch would
     be a shape the warm-up never compiled)."""
     import data_dflash
     clean, dirty = tmp_path / "clean.jsonl", tmp_path / "dirty.jsonl"
@@ -387,12 +480,26 @@ def test_malformed_lines_are_counted_not_fatal_and_every_batch_has_its_buckets_w
     for k, n in {"malformed record": 5, "too few supervised tokens": 1, "no assistant turn": 1,
                  "unknown role": 1}.items():
         expect[k] = expect.get(k, 0) + n
-    out = tmp_path / "out"
-    p = train(*TINY, "--target", llama, "--data", dirty, "--cache-dir", tmp_path / "c1", "--heldout", 0,
-              "--tokens-per-batch", 1024, "--epochs", 2, "--out-dir", out)
+    out, trace = tmp_path / "out", tmp_path / "trace.jsonl"
+    p = run_cmd(traced("train_dflash", [*TINY, "--target", llama, "--data", dirty, "--cache-dir", tmp_path / "c1",
+                                        "--heldout", 0, "--tokens-per-batch", 1024, "--epochs", 2, "--out-dir", out],
+                       trace, ["train_dflash:load_batch"]))
     assert_ok(p)
-    assert _skips(p.out) == expect, p.out
-    assert "shapes (B,S,A) [(4, 64, 32), (4, 128, 32), (4, 256, 32)]" in p.out, p.tail()
+    # the skips as the run counted them: the tokenised cache it wrote, read back with its own settings (no new file)
+    from transformers import AutoTokenizer
+    state = load_state(out / checkpoints(out)[-1])
+    cfg, cached = state["config"], sorted((tmp_path / "c1").rglob("*"))
+    stats = data_dflash.build_dataset(AutoTokenizer.from_pretrained(cfg["target"]), [str(dirty)], cfg["max_length"],
+                                      cfg["block_size"], cfg["cache_dir"], min_supervised=cfg["min_supervised"],
+                                      log=lambda *_: None, max_conversations=cfg["max_samples"],
+                                      heldout=cfg["heldout"])["stats"]
+    assert sorted((tmp_path / "c1").rglob("*")) == cached, "not the run's cache"
+    assert stats["skipped"] == expect and stats["samples"] == state["identity"]["samples"], (stats, expect)
+    # every batch the loader made has its bucket's warmed shape (B,S,A) (4, S, 32), S one of the buckets 64, 128, 256:
+    # 4 rows, the short last batch of each bucket filled up (an epoch's batches hold more rows than there are samples)
+    shapes = {tuple(e["out"]["batch"]["shape"]) for e in _calls(read_trace(trace), "train_dflash:load_batch", "return")}
+    assert len(shapes) >= 2 and shapes <= {(4, 64, 32), (4, 128, 32), (4, 256, 32)}, shapes
+    assert 4 * state["batches_per_epoch_by_rank"][0] > stats["samples"], (state["batches_per_epoch_by_rank"], stats)
     assert all(math.isfinite(r["loss"]) for r in metrics(out)) and len(metrics(out)) >= 2
 
 
@@ -405,21 +512,27 @@ def test_torchrun_two_processes_keep_identical_replicas_and_resume_on_their_own_
     # they would plan 9 and 6 steps: the ranks must agree (min: 6), or their lr schedules differ and
     # rank 0 waits forever in the all-reduce of step 7.
     data = short_chats(tmp_path / "chats5.jsonl", 5)
-    out = tmp_path / "out"
+    out, script = tmp_path / "out", tmp_path / "train_traced.py"       # train_dflash.py, traced on each rank
+    script.write_text(tracing_code("train_dflash", str(tmp_path / "trace.{rank}.jsonl"),
+                                   ["torch.distributed:init_process_group", "replicas:Replicas.check"]))
     cmd = [str(c) for c in [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                            free_port(), TRAIN, *TINY, "--target", llama, "--data", data, "--cache-dir", cache_dir,
+                            free_port(), script, *TINY, "--target", llama, "--data", data, "--cache-dir", cache_dir,
                             "--heldout", 0, "--buckets", 256, "--tokens-per-batch", 256, "--epochs", 3,
                             "--ckpt-interval", 3, "--tensorboard", tmp_path / "tb", "--out-dir", out]]
     p = run_cmd(cmd, timeout=180)
     assert_ok(p)
-    rank1 = (out / "train.rank1.log").read_text()        # rank > 0 logs to its own file, not stdout
-    assert "[dist] rank 0/2 backend gloo" in p.out and "[dist] rank 1/2 backend gloo" in rank1
-    assert "[dist] rank 1/2" not in p.out
-    assert re.search(r"\[data\] 3 samples on this node, 3 batches/epoch.*, 6 steps planned", p.out), p.out
-    assert re.search(r"\[data\] 2 samples on this node, 2 batches/epoch.*, 6 steps planned", rank1), rank1
-    m = re.search(r"\[replicas\] 1 replica\(s\) x 2 rank\(s\) bit-identical after step 6 .*fingerprint (\w+)\)", p.out)
-    assert m, p.tail()
-    assert m.group(1) == load_state(out / "step_000006")["fingerprint"]   # the saved final weights
+    ranks = [read_trace(tmp_path / f"trace.{r}.jsonl") for r in (0, 1)]
+    # both ranks joined one gloo group, and compared their replicas bit for bit at the end (with the log): equal
+    for ev in ranks:
+        assert [e["args"][:1] for e in _calls(ev, "torch.distributed:init_process_group")] == [["gloo"]], ev
+        checked = [e["args"][1:] for e in _calls(ev, "replicas:Replicas.check", "return")]
+        assert checked and checked[-1][0] == 6 and len(checked[-1]) == 2, checked
+    # rank > 0 logs to its own file, not stdout: none of the lines only rank 1 logged is printed
+    own = set((out / "train.rank1.log").read_text().splitlines()) - set((out / "train.log").read_text().splitlines())
+    assert own and not own & set(p.out.splitlines()), own
+    # each rank's shard: rank 0 has 3 samples (3 batches of 1 an epoch), rank 1 2; both plan the smaller 6 steps
+    state = load_state(out / "step_000006")
+    assert state["batches_per_epoch_by_rank"] == [3, 2] and state["total_steps"] == 6 and state["step"] == 6
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]       # rank 0 only writes metrics
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1   # and TensorBoard events
     loss = tb_scalars(tmp_path / "tb")["loss"]
@@ -430,14 +543,16 @@ def test_torchrun_two_processes_keep_identical_replicas_and_resume_on_their_own_
     # batches/epoch, rank 0 3), so the resumed run ends on the straight run's weights
     again = tmp_path / "again"
     shutil.copytree(out, again, ignore=shutil.ignore_patterns("step_000006"))
+    kept = _lines(again)[:3]
     p2 = run_cmd(cmd[:-1] + [str(again), "--resume"], timeout=180)
     assert_ok(p2)
-    rank1 = (again / "train.rank1.log").read_text()
-    assert "step_000003: step 3, batch cursor 3" in p2.out and "step_000003: step 3, batch cursor 3" in rank1, rank1
-    assert "NOTICE" not in p2.out + rank1
-    m2 = re.search(r"bit-identical after step 6 .*fingerprint (\w+)\)", p2.out)
-    assert m2 and m2.group(1) == m.group(1), p2.tail()
-    assert [r["step"] for r in metrics(again)] == [1, 2, 3, 4, 5, 6]
+    assert "NOTICE" not in p2.out + (again / "train.rank1.log").read_text()    # no [resume] NOTICE on either rank
+    # from checkpoint 3 (steps 1-3's records kept as written), to the straight run's final weights and moments
+    assert _lines(again)[:3] == kept and [r["step"] for r in metrics(again)] == [1, 2, 3, 4, 5, 6]
+    resumed = load_state(again / "step_000006")
+    assert resumed["step"] == 6 and resumed["cursor"] == state["cursor"] == 6
+    assert [resumed[k] for k in ("fingerprint", "resume_fingerprint")] == [state[k] for k in ("fingerprint",
+                                                                                           "resume_fingerprint")]
     # the events of steps 4-6 from before the resume are hidden by those trained again: each step once
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2
     assert [s for s, _ in tb_scalars(tmp_path / "tb")["loss"]] == [1, 2, 3, 4, 5, 6]
