@@ -5,6 +5,7 @@ import errno
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,12 +86,20 @@ def _write_jsonl(path, lines):
     return str(path)
 
 
-def _built(logs):
-    """Did this build_dataset call tokenise (True) or reuse the cache (False)? Exactly one of the two."""
-    built = sum(line.startswith("data: tokenised in") for line in logs)
-    reused = sum(line.startswith("data: reusing tokenised cache") for line in logs)
-    assert built + reused == 1, logs
-    return bool(built)
+def _arrow_files(cache_dir):
+    """{cache file: mtime_ns} of the tokenised data `datasets` keeps under cache_dir."""
+    return {str(p): p.stat().st_mtime_ns for p in Path(cache_dir).rglob("*.arrow")}
+
+
+def _build(tok, files, cache_dir, **kw):
+    """build_dataset(tok, files, cache_dir=cache_dir, **kw) and whether it tokenised: True when it wrote a cache file
+    (a new one: no earlier one is touched), False when it wrote none and read the cache it found."""
+    before = _arrow_files(cache_dir)
+    data = D.build_dataset(tok, files, cache_dir=cache_dir, **{"log": lambda m: None, **kw})
+    after = _arrow_files(cache_dir)
+    written = {f for f, t in after.items() if before.get(f) != t}
+    assert before.keys() <= after.keys() and not written & before.keys(), (before, after)
+    return data, bool(written)
 
 
 def _sharegpt(conv):
@@ -102,7 +111,13 @@ def _sharegpt(conv):
 # the embedded default (SmolLM2 GGUF + ShareGPT)
 
 
-def test_prepare_embedded_default(smollm, capsys):
+def _stamps(*paths):
+    """(inode, mtime_ns) of each path and, for a folder, of each file in it: a file renamed into place changes them."""
+    files = [os.path.join(r, n) for p in paths if os.path.isdir(p) for r, _, names in os.walk(p) for n in names]
+    return {f: (os.stat(f).st_ino, os.stat(f).st_mtime_ns) for f in [*paths, *files]}
+
+
+def test_prepare_embedded_default(smollm):
     from transformers import AutoModelForCausalLM
     tok = smollm["tok"]
     assert tok.eos_token == "<|im_end|>"  # the GGUF converter says <|im_start|>; we fix it
@@ -113,9 +128,10 @@ def test_prepare_embedded_default(smollm, capsys):
     with open(smollm["data_jsonl"], encoding="utf-8") as f:
         n = sum(1 for _ in f)
     assert 17000 < n < 18500  # every complete record of the cut-off ShareGPT V3 file
-    # second call reuses both
+    # second call reuses both: the same paths, and neither the model folder nor the JSONL is written again
+    before = _stamps(smollm["target_dir"], smollm["data_jsonl"])
     assert D.prepare_embedded_default(smollm["cache"]) == (smollm["target_dir"], smollm["data_jsonl"])
-    assert capsys.readouterr().out.count("reusing") == 2
+    assert _stamps(smollm["target_dir"], smollm["data_jsonl"]) == before
 
 
 def test_processes_preparing_the_embedded_default_at_once_build_it_once(smollm, tmp_path):
@@ -125,13 +141,21 @@ def test_processes_preparing_the_embedded_default_at_once_build_it_once(smollm, 
     cache.mkdir()
     os.symlink(smollm["target_dir"], cache / "SmolLM2-135M-Instruct")
     here = str(REPO)
-    code = f"import data_dflash; print(data_dflash.prepare_embedded_default({str(cache)!r}))"
+    # each process records what prepare_embedded_default returned and the JSONL files it wrote (_write_jsonl's calls)
+    code = ("import json, sys, data_dflash as D\n"
+            "wrote, write = [], D._write_jsonl\n"
+            "D._write_jsonl = lambda path, records: wrote.append(path) or write(path, records)\n"
+            f"result = D.prepare_embedded_default({str(cache)!r})\n"
+            "with open(sys.argv[1], 'w') as f:\n"
+            "    json.dump({'result': list(result), 'wrote': wrote}, f)\n")
     with ThreadPoolExecutor(3) as pool:
-        procs = list(pool.map(lambda _: run_cmd([sys.executable, "-c", code], timeout=300, cwd=here), range(3)))
-    outs = [p.out for p in procs]
-    assert [p.rc for p in procs] == [0, 0, 0], outs
-    assert sum(o.count("prepare: ShareGPT V3 ->") for o in outs) == 1, outs
-    assert len({o.strip().splitlines()[-1] for o in outs}) == 1, outs
+        procs = list(pool.map(lambda i: run_cmd([sys.executable, "-c", code, tmp_path / f"result_{i}.json"],
+                                                timeout=300, cwd=here), range(3)))
+    assert [p.rc for p in procs] == [0, 0, 0], [p.tail() for p in procs]
+    results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(3)]
+    want = [str(cache / "SmolLM2-135M-Instruct"), str(cache / "sharegpt_v3.jsonl")]
+    assert [r["result"] for r in results] == [want] * 3, results
+    assert sorted(w for r in results for w in r["wrote"]) == [str(cache / "sharegpt_v3.jsonl")], results  # one wrote
     assert (cache / "sharegpt_v3.jsonl").read_text() == open(smollm["data_jsonl"], encoding="utf-8").read()
 
 
@@ -224,7 +248,8 @@ def test_inconsistent_template_is_a_clear_error_or_a_counted_skip(tmp_path):
     logs = []
     data = D.build_dataset(tok, [path], 128, 4, str(tmp_path / "cache"), log=logs.append)
     assert data["stats"]["samples"] == 0 and data["stats"]["skipped"] == {"chat template not prefix-consistent": 3}
-    assert sum("not prefix-consistent: the render of" in line for line in logs) == 1, logs   # the first, in full
+    # the first failure's reason, in full, once: only the log says it (the stats keep the counts, not the reasons)
+    assert sum("not prefix-consistent: the render of" in line for line in logs) == 1, logs
 
 
 # -----------------------------------------------------------------------------
@@ -335,20 +360,22 @@ def test_build_dataset_counts_and_cache(qwen_tok, tmp_path):
     long = CONV + [{"role": "user", "content": "more?"}, {"role": "assistant", "content": "the quick brown fox " * 8}]
     path = _write_jsonl(tmp_path / "d.jsonl", [_sharegpt(long), _sharegpt(short), "{bad", _sharegpt(CONV)])
     logs = []
-    kw = dict(max_length=128, block_size=8, cache_dir=str(tmp_path / "cache"), min_supervised=20, log=logs.append)
-    data = D.build_dataset(qwen_tok, [path], **kw)
+    kw = dict(max_length=128, block_size=8, min_supervised=20, log=logs.append)
+    data, built = _build(qwen_tok, [path], str(tmp_path / "cache"), **kw)
     stats = data["stats"]
+    assert built
     assert stats["samples"] == len(data["input_ids"]) == len(data["loss_mask"]) == 2
     assert stats["skipped"] == {"malformed record": 1, "too few supervised tokens": 1}
     assert stats["conversations"] == 4 and stats["truncated"] >= 1
     assert all(len(x) <= 128 and x.dtype == np.int32 for x in data["input_ids"])
     assert all(m.dtype == np.uint8 and m.sum() >= 20 for m in data["loss_mask"])
-    assert _built(logs)
-    assert sum(line.startswith("data: 4 conversations -> 2 samples") for line in logs) == 1
+    # README: what is skipped is counted, skipped and reported in one log line (the user's view of the counts above)
+    report = [line for line in logs if "| skipped:" in line]
+    assert len(report) == 1 and report[0].startswith("data: 4 conversations -> 2 samples"), logs
+    assert report[0].endswith("| skipped: malformed record=1, too few supervised tokens=1"), report
 
-    logs.clear()
-    again = D.build_dataset(qwen_tok, [path], **kw)
-    assert not _built(logs)
+    again, built = _build(qwen_tok, [path], str(tmp_path / "cache"), **kw)
+    assert not built
     assert again["stats"] == stats and again["heldout"] == data["heldout"] == []
     assert len(again["input_ids"]) == 2
     assert all(np.array_equal(a, b) for a, b in zip(again["input_ids"], data["input_ids"]))
@@ -357,12 +384,10 @@ def test_build_dataset_counts_and_cache(qwen_tok, tmp_path):
 
 def test_cache_is_rebuilt_when_the_file_the_max_length_or_the_chat_template_changes(qwen_tok, tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [_sharegpt(CONV), _sharegpt(CONV_SYS)])
-    kw = dict(max_length=128, block_size=4, cache_dir=str(tmp_path / "cache"))
+    kw = dict(max_length=128, block_size=4)
 
     def build(tok=qwen_tok, **change):
-        logs = []
-        data = D.build_dataset(tok, [path], **{**kw, **change}, log=logs.append)
-        return data, _built(logs)
+        return _build(tok, [path], str(tmp_path / "cache"), **{**kw, **change})
 
     assert build()[1] and not build()[1]
     assert build(max_length=96)[1]
@@ -384,23 +409,32 @@ def test_cache_is_reused_by_a_new_process_but_not_for_another_template_or_max_le
     cached rows; a changed chat template or max_length in that process does not."""
     with open(smollm["data_jsonl"], encoding="utf-8") as f:
         path = _write_jsonl(tmp_path / "d.jsonl", [line.rstrip("\n") for _, line in zip(range(20), f)])
-    cache, logs = str(tmp_path / "cache"), []
-    D.build_dataset(smollm["tok"], [path], 256, 8, cache, log=logs.append)
-    assert _built(logs)
-    script = (f"import data_dflash as D\nfrom transformers import AutoTokenizer\n"
+    cache = str(tmp_path / "cache")
+    data, built = _build(smollm["tok"], [path], cache, max_length=256, block_size=8)
+    assert built and data["stats"]["used"] == 20
+    # the new process records, per call, whether it wrote a cache file (as _build does), the stats and the samples
+    script = ("import json, sys, pathlib, data_dflash as D\nfrom transformers import AutoTokenizer\n"
               f"tok = AutoTokenizer.from_pretrained({smollm['target_dir']!r})\n"
-              f"D.build_dataset(tok, [{path!r}], 256, 8, {cache!r})\n"
-              f"D.build_dataset(tok, [{path!r}], 200, 8, {cache!r})\n"
-              f"tok.chat_template = tok.chat_template.replace('named SmolLM', 'named Bob')\n"
-              f"D.build_dataset(tok, [{path!r}], 256, 8, {cache!r})\n")
-    p = run_cmd([sys.executable, "-c", script], cwd=os.path.dirname(os.path.abspath(D.__file__)))
+              f"files = lambda: {{str(p): p.stat().st_mtime_ns for p in pathlib.Path({cache!r}).rglob('*.arrow')}}\n"
+              "calls = []\n"
+              "def build(max_length):\n"
+              "    before = files()\n"
+              f"    data = D.build_dataset(tok, [{path!r}], max_length, 8, {cache!r})\n"
+              "    calls.append(dict(built=files() != before, stats=data['stats'], digest=D.samples_digest(data)))\n"
+              "build(256)\n"
+              "build(200)\n"
+              "tok.chat_template = tok.chat_template.replace('named SmolLM', 'named Bob')\n"
+              "build(256)\n"
+              "with open(sys.argv[1], 'w') as f:\n"
+              "    json.dump(calls, f)\n")
+    p = run_cmd([sys.executable, "-c", script, tmp_path / "calls.json"],
+                cwd=os.path.dirname(os.path.abspath(D.__file__)))
     assert p.rc == 0, p.tail()
-    out = p.out
-    lines = [line for line in out.splitlines() if line.startswith("data: ") and not line.startswith("data: tokenising")]
-    assert len(lines) == 6, out
-    assert out.count("data: tokenising 20 conversations") == 2, out     # said by the two that tokenise, first
-    assert not _built(lines[0:1]) and lines[1] == logs[-1]       # reused: the same summary
-    assert _built(lines[2:3]) and _built(lines[4:5])
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    assert [c["built"] for c in calls] == [False, True, True], calls
+    assert calls[0]["stats"] == data["stats"] and calls[0]["digest"] == D.samples_digest(data)   # reused: the same rows
+    assert [c["stats"]["used"] for c in calls[1:]] == [20, 20] and calls[1]["stats"]["max_length"] == 200
+    assert calls[2]["digest"] != calls[0]["digest"]         # the other template's render is what was tokenised
 
 
 def test_heldout_split_is_the_last_usable_conversations_and_never_trained_on(qwen_tok, tmp_path):
@@ -410,27 +444,26 @@ def test_heldout_split_is_the_last_usable_conversations_and_never_trained_on(qwe
     lines = ([_sharegpt(c) for c in convs[:20]] + ["{bad"] + [_sharegpt(c) for c in convs[20:]]
              + [{"conversations": []}])
     path = _write_jsonl(tmp_path / "d.jsonl", lines)
-    kw = dict(max_length=128, block_size=4, cache_dir=str(tmp_path / "cache"))
+    kw = dict(max_length=128, block_size=4)
 
     def build(**settings):
-        logs = []
-        return D.build_dataset(qwen_tok, [path], **kw, **settings, log=logs.append), logs
+        return _build(qwen_tok, [path], str(tmp_path / "cache"), **kw, **settings)
 
-    data, logs = build(heldout=5)        # 25 usable: min(5, 25 // 10) = 2
+    data, _ = build(heldout=5)        # 25 usable: min(5, 25 // 10) = 2
     assert data["heldout"] == convs[23:] and data["stats"]["heldout"] == 2
     assert data["stats"]["samples"] == 23 and data["stats"]["usable"] == 25 and data["stats"]["conversations"] == 27
-    assert logs[-1].startswith("data: 27 conversations -> 23 samples")
+    assert data["stats"]["used"] == 23 and data["stats"]["not_trained"] == 2     # every one not held out tokenised
     trained = [qwen_tok.decode(ids) for ids in data["input_ids"]]
     assert not any(c[1]["content"] in text for c in data["heldout"] for text in trained)
     assert all(any(c[1]["content"] in text for text in trained) for c in convs[:23])
-    again, logs = build(heldout=5)
-    assert not _built(logs) and again["heldout"] == convs[23:] and again["stats"] == data["stats"]
+    again, built = build(heldout=5)
+    assert not built and again["heldout"] == convs[23:] and again["stats"] == data["stats"]
     assert build(heldout=1)[0]["heldout"] == convs[24:]
 
-    first, logs = build(heldout=5, max_conversations=3)   # counted on what is left once the held-out are off
+    first, _ = build(heldout=5, max_conversations=3)   # counted on what is left once the held-out are off
     assert first["heldout"] == convs[23:] and first["stats"]["used"] == first["stats"]["samples"] == 3
     assert [qwen_tok.decode(ids) for ids in first["input_ids"]] == trained[:3]
-    assert logs[-1].startswith("data: 27 conversations (the first 3 of 25 readable ones tokenised) -> 3 samples")
+    assert (first["stats"]["conversations"], first["stats"]["usable"], first["stats"]["not_trained"]) == (27, 25, 2)
 
     out = str(tmp_path / "heldout.jsonl")
     D.write_chat_jsonl(out, data["heldout"])
@@ -449,17 +482,15 @@ def test_answers_to_one_prompt_are_held_out_together_and_the_prompt_listed_once(
     path = _write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in convs])
     cfg = SimpleNamespace(max_length=128, block_size=4, cache_dir=str(tmp_path / "cache"), min_supervised=1,
                           max_samples=0, heldout=5, out_dir=str(tmp_path))
-    logs = []
-    data, heldout = D.load_training_data(cfg, [path], qwen_tok, len(qwen_tok), 0, logs.append)
+    data, heldout = D.load_training_data(cfg, [path], qwen_tok, len(qwen_tok), 0, lambda m: None)
     held = data["heldout"]                                             # 30 prompts: min(5, 30 // 10) = 3
     assert heldout == str(tmp_path / "heldout.jsonl")          # where the trainer writes them (once it resumed)
     assert held == [prompt(i) + answer(i, 0) for i in (27, 28, 29)]
     trained = [qwen_tok.decode(ids) for ids in data["input_ids"]]
     assert data["stats"]["samples"] == 90 - 9 and data["stats"]["not_trained"] == 9
+    assert data["stats"]["heldout"] == len(held) == 3        # 3 held out, and 6 more answers to their prompts untrained
     assert not any(f"question number {i}?" in text for i in (27, 28, 29) for text in trained)
     assert sum("question number 26?" in text for text in trained) == 3
-    assert any("3 held-out conversations (never trained on, nor 6 more with their prompts)" in line
-               for line in logs), logs
 
 
 def test_a_held_out_prompt_is_trained_on_in_no_file(qwen_tok, tmp_path):
@@ -472,15 +503,13 @@ def test_a_held_out_prompt_is_trained_on_in_no_file(qwen_tok, tmp_path):
     source = _write_jsonl(tmp_path / "source.jsonl", [{"messages": prompt(i) + answer(i, "data")} for i in range(30)])
     cfg = SimpleNamespace(max_length=128, block_size=4, cache_dir=str(tmp_path / "cache"), min_supervised=1,
                           max_samples=0, heldout=5, out_dir=str(tmp_path))
-    logs = []
-    data, heldout = D.load_training_data(cfg, [regen, source], qwen_tok, len(qwen_tok), 0, logs.append)
+    data, heldout = D.load_training_data(cfg, [regen, source], qwen_tok, len(qwen_tok), 0, lambda m: None)
     assert data["heldout"] == [prompt(i) + answer(i, "data") for i in range(25, 30)]  # 60 // 10
     trained = [qwen_tok.decode(ids) for ids in data["input_ids"]]
     assert data["stats"]["samples"] == 50 and data["stats"]["not_trained"] == 10
+    assert data["stats"]["heldout"] == 5 and heldout == str(tmp_path / "heldout.jsonl")   # + 5 regenerated, untrained
     assert not any(f"question number {i}?" in text for i in range(25, 30) for text in trained)
     assert sum("question number 24?" in text for text in trained) == 2
-    assert any("5 held-out conversations (never trained on, nor 5 more with their prompts)" in line
-               for line in logs), logs
 
 
 def test_build_dataset_counts_template_errors(tmp_path):

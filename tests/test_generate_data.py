@@ -40,11 +40,15 @@ def manifest(out):
         return json.load(f)
 
 
-def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(target, tok, tmp_path, capsys):
+def _stamps(*paths):
+    """(inode, mtime_ns) of each path: a file written again (renamed into place) changes them."""
+    return {p: (os.stat(p).st_ino, os.stat(p).st_mtime_ns) for p in map(str, paths)}
+
+
+def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(target, tok, tmp_path):
     from transformers import AutoModelForCausalLM
     src, out = chats(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
     assert generate(target, src, out, "--unfinished", "keep") == 0   # every answer feeds the next turn
-    done = capsys.readouterr().out.splitlines()[-1]   # the output ends on the done line, which names the file
     convs, skipped = D.load_conversations([str(out)])
     before, _ = D.load_conversations([src])
     assert not skipped and len(convs) == 3
@@ -68,23 +72,26 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
                              "--min-supervised", "1", "--cache-dir", str(tmp_path / "cache")])
     lines = []
     data = D.load_training_data(cfg, cfg.data, tok, len(tok), 0, lines.append)[0]   # the trainer names who wrote it
-    assert data["manifests"][str(out)]["counts"]["written"] == 3
-    assert any(f"{out}: answers written by {target}" in line for line in lines), lines
     m = manifest(out)
+    assert data["manifests"] == {str(out): m} and m["settings"]["target"] == target   # kept in its checkpoints
+    # README: the trainer logs the manifest (train.log says which target wrote the data)
+    assert any(f"{out}: answers written by {target} (weights sha256 {m['settings']['target_sha256'][:12]})" in line
+               for line in lines), lines
+    assert m["out"] == os.path.abspath(out) and m["settings"]["answers"] == 1 and m["counts"]["conversations_in"] == 3
     assert m["counts"]["written"] == 3 and m["counts"]["turns_regenerated"] == 6 and m["counts"]["skipped"] == {}
     assert 0 < m["counts"]["generated_tokens"] <= 6 * NEW
     # --unfinished keep: answers cut at NEW tokens are kept as they are, unmarked, and the conversation goes on
     assert m["counts"]["hit_max_new_tokens"] > 0 and not any("unfinished" in msg for c in convs for msg in c)
     assert m["settings"]["sources"][0]["path"] == os.path.abspath(src) and len(m["settings"]["target_sha256"]) == 64
     assert not os.path.exists(f"{out}.shards")
-    assert done.startswith("[gen] done: 3 of 3 x 1 conversations, 6 answers") and done.endswith(f"-> {out}")
-    assert generate(target, src, out, "--unfinished", "keep") == 0  # finished: a second run only says so
-    assert "nothing to do" in capsys.readouterr().out
+    before = _stamps(out, f"{out}.manifest.json")
+    assert generate(target, src, out, "--unfinished", "keep") == 0  # finished: a second run writes nothing
+    assert _stamps(out, f"{out}.manifest.json") == before and not os.path.exists(f"{out}.shards")
 
 
 @pytest.mark.parametrize("temperature, answers", [(0, 1), (0.8, 1), (0.8, 2)])
 def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(target, tok, tmp_path, temperature,
-                                                                                answers, capsys):
+                                                                                answers):
     """A SIGKILL after the first shard (a process of its own), then the restart and an uninterrupted run (in
     this process: the same code without a second start-up). --answers 2: two copies of each conversation side by
     side, answered differently, both read by the trainer."""
@@ -93,11 +100,12 @@ def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(t
             "--temperature", str(temperature), "--answers", str(answers), "--out"]
     killed = run_cmd(broken("generate_data", "gen_kill:1", args + [str(tmp_path / "a.jsonl")]))
     assert killed.rc == -9, killed.tail()
-    assert os.listdir(tmp_path / "a.jsonl.shards") and not os.path.exists(tmp_path / "a.jsonl")
-    capsys.readouterr()
+    done = sorted(f for f in os.listdir(tmp_path / "a.jsonl.shards") if f.endswith(".jsonl"))
+    assert len(done) == 1 and not os.path.exists(tmp_path / "a.jsonl"), done    # one shard of 3 written, then killed
     assert G.main(args + [str(tmp_path / "a.jsonl")]) == 0
-    assert "1 done before" in capsys.readouterr().out
+    assert manifest(tmp_path / "a.jsonl")["this_run"]["shards"] == 2      # the restart decoded only the 2 left
     assert G.main(args + [str(tmp_path / "b.jsonl")]) == 0
+    assert manifest(tmp_path / "b.jsonl")["this_run"]["shards"] == 3
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
     convs = D.load_conversations([str(tmp_path / "a.jsonl")])[0]
     prompts, replies = [c[:2] for c in convs], [c[2]["content"] for c in convs]
@@ -152,11 +160,14 @@ def test_bad_records_are_counted_by_reason_and_the_good_ones_regenerated(target,
                                            json.dumps(no_user), json.dumps(two_replies)])
     out = tmp_path / "out.jsonl"
     assert generate(target, src, out, "--unfinished", "keep") == 0
-    skipped = manifest(out)["counts"]["skipped"]
-    assert skipped == {"malformed record": 2, "no assistant turn": 1,
-                       "cut: assistant turn without a user turn before it": 1}
-    log = capsys.readouterr().out
-    assert "malformed record=2" in log and "no assistant turn=1" in log and "without a user turn" in log
+    counts = manifest(out)["counts"]
+    assert counts["skipped"] == {"malformed record": 2, "no assistant turn": 1,
+                                 "cut: assistant turn without a user turn before it": 1}
+    assert (counts["records_skipped_on_load"], counts["usable"], counts["conversations_in"]) == (3, 3, 3)
+    # README: records skipped on reading are counted, skipped and reported in one log line
+    report = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("[gen] ") and " records: " in line]
+    assert report == ["[gen] 6 records: 3 conversations, 3 taken | skipped: malformed record=2, no assistant turn=1"]
     convs, _ = D.load_conversations([str(out)])
     assert [len(c) for c in convs] == [5, 5, 2]  # the reply after a reply is cut, the first one kept
 

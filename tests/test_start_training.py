@@ -1,9 +1,8 @@
 """start_training.sh, the one command, end to end on the embedded default."""
-import re
 import shutil
 import sys
 
-from helpers import REPO, assert_ok, child_env, metrics, run_cmd
+from helpers import REPO, assert_ok, checkpoints, child_env, load_state, metrics, run_cmd, tb_scalars
 
 
 def test_start_training_sh_embedded_default_end_to_end(embedded, tmp_path):
@@ -11,6 +10,7 @@ def test_start_training_sh_embedded_default_end_to_end(embedded, tmp_path):
     start_training.sh, with a tmp cache holding a link to the prepared model and the first 260 ShareGPT
     records (a tenth held out), so the test does not re-tokenise ShareGPT; the eval command it prints uses the
     held-out prompts and the defaults of this machine. The scripts run from a copy, whose logs/ takes the log."""
+    import data_dflash as D
     import dflash_model as dm
     from transformers import AutoModelForCausalLM
     code = tmp_path / "code"
@@ -29,14 +29,34 @@ def test_start_training_sh_embedded_default_end_to_end(embedded, tmp_path):
                  "--num-anchors", "8", "--max-samples", "20", "--log-interval", "1", "--cache-dir", str(cache),
                  "--out-dir", str(out)], timeout=300, env=env, cwd=tmp_path)
     assert_ok(p)
-    assert f"[target] {cache}/SmolLM2-135M-Instruct on cpu" in p.out
-    held = out / "heldout.jsonl"
-    assert f"--prompts {held}" in p.out and len(held.read_text().splitlines()) >= 20, p.tail()
-    assert "summary" in p.out and "[ckpt]" in p.out
-    assert f"  tensorboard    tensorboard --logdir {out / 'tensorboard'}" in p.out, p.tail()   # --tensorboard auto
-    assert [r["step"] for r in metrics(out)] == [1, 2]
-    logfile = re.search(r"\[start\] logging to (logs/\S+)", p.out)
-    assert logfile and "summary" in (code / logfile.group(1)).read_text()
+    model = cache / "SmolLM2-135M-Instruct"
+    assert checkpoints(out) == ["step_000002"] and [r["step"] for r in metrics(out)] == [1, 2]
+    # start_training.sh's CPU defaults, the options given overriding them: its --lr 1e-3 and 8-minute budget kept
+    cfg = load_state(out / "step_000002")["config"]
+    assert (cfg["lr"], cfg["max_minutes"], cfg["resume"]) == (1e-3, 8, True), cfg
+    assert (cfg["max_length"], cfg["num_anchors"], cfg["max_samples"], cfg["max_steps"]) == (128, 8, 20, 2), cfg
+    assert (cfg["target"], cfg["data"], cfg["tensorboard"]) == ("", [], str(out / "tensorboard")), cfg
+    # the embedded default's target from the cache given: the drafter records it, and drafts with its vocabulary
     target = AutoModelForCausalLM.from_pretrained(embedded[0])
     drafter = dm.load_drafter(str(out / "step_000002" / "drafter"), target=target)
+    assert drafter.config.target["name"] == str(model), drafter.config.target
     assert drafter.config.vocab_size == target.config.vocab_size and drafter.config.num_draft_layers == 5
+    # the held-out prompts: the last tenth of the 260 records' conversations (at most --heldout 200 of them)
+    held = out / "heldout.jsonl"
+    convs = D.load_conversations([str(cache / "sharegpt_v3.jsonl")])[0]
+    assert D.load_conversations([str(held)]) == (D._split_heldout(convs, 200)[1], {})
+    assert len(D.load_conversations([str(held)])[0]) >= 20
+    # --tensorboard auto: the log line's figures as events at steps 1 and 2
+    assert {steps for tag, rows in tb_scalars(out / "tensorboard").items() for steps in [tuple(s for s, _ in rows)]} \
+        == {(1, 2)}
+    # README: the run ends with a summary naming its checkpoint, the tensorboard command and the eval_dflash.py
+    # command (on the held-out prompts) that users copy
+    assert f"  checkpoint     {out}/step_000002\n" in p.out, p.tail()
+    assert f"  tensorboard    tensorboard --logdir {out / 'tensorboard'}\n" in p.out, p.tail()
+    assert (f"    python eval_dflash.py --target {model} --drafter {out}/step_000002/drafter --prompts {held}\n"
+            in p.out), p.tail()
+    # the output also goes to logs/: one log file of this start, the trainer's output as it was printed
+    logs = list((code / "logs").iterdir())
+    assert [f.name.startswith("train_") and f.suffix == ".log" for f in logs] == [True], logs
+    text = logs[0].read_text()
+    assert p.out.endswith(text) and len(text.splitlines()) > 10, text[-3000:]
