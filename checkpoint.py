@@ -122,12 +122,15 @@ class Checkpointer:
                 json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}, f, indent=1)
         except Exception as e:     # noqa: BLE001 - torch.save words a full disk as "file write failed"
             shutil.rmtree(tmp, ignore_errors=True)      # a partial checkpoint only takes disk space
-            free = shutil.disk_usage(self.out_dir).free / 2**30
-            self.log(f"[ckpt] the write of checkpoint {step} failed ({free:.2f} GiB free on {self.out_dir}'s "
-                     "file system); its partial folder was removed")
+            try:
+                free = f"{shutil.disk_usage(self.out_dir).free / 2**30:.2f} GiB free"
+            except OSError as gone:    # the folder itself went away: say that, not a second traceback
+                free = f"its folder unreadable: {gone.strerror}"
+            self.log(f"[ckpt] the write of checkpoint {step} failed ({free} on {self.out_dir}'s file system); its "
+                     "partial folder was removed")
             raise WriteError(f"checkpoint {step} could not be written to {tmp}: {type(e).__name__}: "
-                             f"{(str(e).splitlines() or [''])[0]} ({free:.2f} GiB free there"
-                             + ("; the disk is full" if free < 0.01 else "") + ")") from e
+                             f"{(str(e).splitlines() or [''])[0]} ({free} there"
+                             + ("; the disk is full" if free.startswith("0.00 GiB") else "") + ")") from e
         shutil.rmtree(final, ignore_errors=True)      # a damaged one of an earlier run
         os.replace(tmp, final)
         for old in list_checkpoints(self.out_dir)[: -self.keep_last]:

@@ -171,6 +171,7 @@ class Trainer:
                     self.checkpoint(step)
                 if last:
                     break
+            self.replicas.check(self.rec.last["step"], self.log)   # a divergence found now is a failure as any
         except Stop:             # another thread failed: finish() reports it
             pass
         except Exception as e:   # noqa: BLE001 - the loop's own failure stops the run as a thread's would
@@ -245,7 +246,6 @@ class Trainer:
             return 1
         for t in threads:    # a thread still inside torch at interpreter exit aborts the process
             t.join(60)
-        self.replicas.check(self.rec.last["step"], log)     # a step ran: else a failure is reported
         log(self.rec.summary(ckpt, eval_command(self.tpath, ckpt, self.heldout)))
         if self.plan.world > 1:   # all ranks together: a group left to the interpreter's exit can abort it
             dist.barrier()
