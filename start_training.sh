@@ -66,4 +66,21 @@ set +e
 trap ':' TERM
 $PY -u train_dflash.py "${defaults[@]}" "$@" 2>&1 | (trap '' INT TERM; exec tee -a "$log")
 rc=${PIPESTATUS[0]}
+if [ "$rc" = 0 ]; then
+  # the main job measures what it made: the command the trainer printed last, on its held-out conversations
+  # (on a CPU eval_dflash.py's short defaults), its figures into <out-dir>/eval.json and the drafter's card
+  cmd=$(grep -a -o 'python eval_dflash.py --target .*' "$log" | tail -n 1 || true)
+  if [[ -z "$cmd" || "$cmd" == *YOUR_PROMPTS* ]]; then
+    echo "[start] acceptance not measured: the run holds out no conversations (--heldout 0, or synthetic data)" \
+      | tee -a "$log"
+  else
+    read -r -a eval_args <<< "${cmd#python }"
+    drafter=${cmd#* --drafter }
+    drafter=${drafter%% *}
+    echo "[start] measuring the drafter: ${cmd} --json $(dirname "$(dirname "$drafter")")/eval.json" | tee -a "$log"
+    $PY -u "${eval_args[@]}" --json "$(dirname "$(dirname "$drafter")")/eval.json" 2>&1 \
+      | (trap '' INT TERM; exec tee -a "$log")
+    rc=${PIPESTATUS[0]}
+  fi
+fi
 exit "$rc"

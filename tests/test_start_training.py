@@ -1,4 +1,5 @@
 """start_training.sh, the one command, end to end on the embedded default."""
+import json
 import shutil
 import sys
 
@@ -60,3 +61,12 @@ def test_start_training_sh_embedded_default_end_to_end(embedded, tmp_path):
     assert [f.name.startswith("train_") and f.suffix == ".log" for f in logs] == [True], logs
     text = logs[0].read_text()
     assert p.out.endswith(text) and len(text.splitlines()) > 10, text[-3000:]
+    # the main job measures what it made: eval_dflash.py on the held-out prompts (a CPU's short defaults), its
+    # figures into <out-dir>/eval.json and the drafter's card
+    res = json.loads((out / "eval.json").read_text())
+    assert res["drafters"] == {"step_000002": str(out / "step_000002" / "drafter")} and res["prompt_files"] == [str(held)]
+    assert res["prompts"] == 5 and res["methods"]["step_000002"]["lossless"] == 5, res
+    card = (out / "step_000002" / "drafter" / "README.md").read_text()
+    assert f"| lossless | 5/5 |" in card and f"| tau (acceptance length) | " \
+        f"{res['methods']['step_000002']['mean_tau']:.2f} (n-gram lookup" in card, card
+    assert f"--speculative-config '{{\"method\": \"dflash\", \"model\": \"{out}/step_000002/drafter\"" in card, card
