@@ -82,7 +82,11 @@ def parse_args(argv):
 @errors.script
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    tmp = tempfile.mkdtemp(prefix="dflash_bench_")
+    # the runs' checkpoints and caches go with it: a Qwen3-8B-sized drafter's state alone is over 10 GB
+    with tempfile.TemporaryDirectory(prefix="dflash_bench_") as tmp:
+        return measure(a, tmp)
+
+def measure(a, tmp):
     cache = compiled.use_compile_cache(a.cache or os.path.join(tmp, "compile_cache"))   # before any compile
     dev = torch.device(a.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
