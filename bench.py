@@ -84,97 +84,95 @@ def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     # the runs' checkpoints and caches go with it: a Qwen3-8B-sized drafter's state alone is over 10 GB
     with tempfile.TemporaryDirectory(prefix="dflash_bench_") as tmp:
-        return measure(a, tmp)
+        cache = compiled.use_compile_cache(a.cache or os.path.join(tmp, "compile_cache"))   # before any compile
+        dev = torch.device(a.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        log = lambda m: print(m, flush=True)
+        if a.embedded:
+            import transformers
+            import triton
+            return report(a, {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                              "triton": triton.__version__, "transformers": transformers.__version__}
+                          | main_job(a, tmp, log))
+        spec = a.spec if a.target_config else TINY if a.tiny or dev.type == "cpu" else QWEN3_8B
+        S, A = a.seq or (256 if spec is TINY else 3072), a.anchors or (16 if spec is TINY else 512)
+        cfg_path = os.path.join(tmp, "target_config.json")
+        data_dflash.write_json(cfg_path, spec)
+        run_cfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A, distill=a.distill)
+        res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+               "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
+               "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
+        if a.pipeline_only:
+            return report(a, res | pipeline(a, run_cfg, cache, tmp, S, A, dev, log))
+        peak = compiled.measure_peak_flops(dev)
+        res["peak_tflops"] = peak / 1e12
+        log(f"[bench] {res['device']} torch {torch.__version__}: matmul peak {peak / 1e12:.0f} TFLOP/s")
 
-def measure(a, tmp):
-    cache = compiled.use_compile_cache(a.cache or os.path.join(tmp, "compile_cache"))   # before any compile
-    dev = torch.device(a.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    log = lambda m: print(m, flush=True)
-    if a.embedded:
-        import transformers
-        import triton
-        return report(a, {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-                          "triton": triton.__version__, "transformers": transformers.__version__}
-                      | main_job(a, tmp, log))
-    spec = a.spec if a.target_config else TINY if a.tiny or dev.type == "cpu" else QWEN3_8B
-    S, A = a.seq or (256 if spec is TINY else 3072), a.anchors or (16 if spec is TINY else 512)
-    cfg_path = os.path.join(tmp, "target_config.json")
-    data_dflash.write_json(cfg_path, spec)
-    run_cfg = config.TrainConfig(target="random:" + cfg_path, max_length=S, num_anchors=A, distill=a.distill)
-    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "torch_git": torch.version.git_version, "S": S, "anchors": A, "target_hidden": spec["hidden_size"],
-           "rounds": a.rounds, "steps_per_round": a.steps, "spread_ms": {}}
-    if a.pipeline_only:
-        return report(a, res | pipeline(a, run_cfg, cache, tmp, S, A, dev, log))
-    peak = compiled.measure_peak_flops(dev)
-    res["peak_tflops"] = peak / 1e12
-    log(f"[bench] {res['device']} torch {torch.__version__}: matmul peak {peak / 1e12:.0f} TFLOP/s")
-
-    def timed(name, fn):      # median seconds per call, recorded in ms; the rounds' min-max goes to res["spread_ms"]
-        t, spread = compiled.median_time(fn, a.steps, dev, a.rounds)
-        res[name], res["spread_ms"][name] = 1e3 * t, [round(1e3 * s, 2) for s in spread]
-        return t
-    # the models, then the trainer's cold warm-up: the drafter's shapes, and the target's on a GPU
-    tcfg, _ = models.load_target_config(run_cfg.target)
-    dcfg = models.make_drafter_config(run_cfg, tcfg, None)
-    target = models.load_target(run_cfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log,
-                                whole=run_cfg.teacher)
-    plan = config.shape_plan(run_cfg, dcfg, config.batch_memory(dcfg, tcfg, [dev], [dev]))
-    B = res["B"] = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
-    drafter = models.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
-                                 target.get_output_embeddings().weight.detach(), dev, 0)
-    opt = MasterAdamW(drafter.parameters(), lr=1e-5, param_dtype=config.param_dtype(dev))
-    attn = "flex" if dev.type == "cuda" else "sdpa"
-    if attn == "flex":
-        compiled.compile_target_layers(target)
-        compiled.compile_drafter(drafter)
-    graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=run_cfg.teacher)
-    t0 = time.time()
-    rows = compiled.warm_up([drafter], [(B, S, A)], replicas.forward_backward, 7.0, a.distill, log=log,
-                            targets=[graphed] if attn == "flex" else ())
-    opt.zero_grad(set_to_none=True)
-    res.update(warmup_cold_s=time.time() - t0, warmup_rows=[[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows])
-    ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
-
-    def target_eager():       # the eager baseline, deliberately uncompiled: only timed against the compiled one
-        with torch.compiler.set_stance("force_eager"):
-            return graphed.forward(ids)
-    t_target, t_eager = timed("target_ms", lambda: graphed(ids)), timed("target_eager_ms", target_eager)
-    n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
-    res.update(target_tok_s=B * S / t_target, target_mfu=2 * n_params * B * S / t_target / peak)
-    log(f"[bench] target forward ({len(target.model.layers)} layers, {B} x {S} tokens, {attn}): "
-        f"{1e3 * t_target:.1f} ms = {B * S / t_target:,.0f} tok/s, MFU {res['target_mfu']:.1%} "
-        f"(eager {1e3 * t_eager:.1f} ms)")
-    feats = graphed(ids)
-    lm = torch.ones(B, S, device=dev)
-    lm[:, : S // 10] = 0
-    anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size, torch.Generator().manual_seed(0))
-    batch = dm.make_batch(ids, lm, anchors, valid, dcfg, 7.0, a.distill)      # the loader's work
-
-    def step():
-        replicas.forward_backward(drafter, [(feats, batch)], None)
-        replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)   # the trainer's lone-replica step
+        def timed(name, fn):      # median seconds per call, in ms; the rounds' min-max goes to res["spread_ms"]
+            t, spread = compiled.median_time(fn, a.steps, dev, a.rounds)
+            res[name], res["spread_ms"][name] = 1e3 * t, [round(1e3 * s, 2) for s in spread]
+            return t
+        # the models, then the trainer's cold warm-up: the drafter's shapes, and the target's on a GPU
+        tcfg, _ = models.load_target_config(run_cfg.target)
+        dcfg = models.make_drafter_config(run_cfg, tcfg, None)
+        target = models.load_target(run_cfg.target, dev, config.param_dtype(dev), dcfg.target_layer_ids, log,
+                                    whole=run_cfg.teacher)
+        plan = config.shape_plan(run_cfg, dcfg, config.batch_memory(dcfg, tcfg, [dev], [dev]))
+        B = res["B"] = next(b for b, s, _ in plan if s == S)        # the trainer's rows for this length on this device
+        drafter = models.new_drafter(dcfg, target.get_input_embeddings().weight.detach(),
+                                     target.get_output_embeddings().weight.detach(), dev, 0)
+        opt = MasterAdamW(drafter.parameters(), lr=1e-5, param_dtype=config.param_dtype(dev))
+        attn = "flex" if dev.type == "cuda" else "sdpa"
+        if attn == "flex":
+            compiled.compile_target_layers(target)
+            compiled.compile_drafter(drafter)
+        graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=run_cfg.teacher)
+        t0 = time.time()
+        rows = compiled.warm_up([drafter], [(B, S, A)], replicas.forward_backward, 7.0, a.distill, log=log,
+                                targets=[graphed] if attn == "flex" else ())
         opt.zero_grad(set_to_none=True)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    t_drafter = timed("drafter_ms", step)
-    flops = dm.batch_flops(dcfg, S, anchors, valid, batch.taught)
-    mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-    res.update(drafter_tok_s=B * S / t_drafter, drafter_mfu=flops / t_drafter / peak,
-               drafter_tflop_per_step=flops / 1e12, drafter_peak_mem_gib=mem)
-    log(f"[bench] drafter step: {1e3 * t_drafter:.1f} ms = {B * S / t_drafter:,.0f} target tok/s, "
-        f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {mem:.1f} GiB" if mem is not None else ""))
-    res["sum_of_parts_tok_s"] = B * S / (t_target + t_drafter)
-    del target, graphed, drafter, opt, feats
-    torch.cuda.empty_cache()       # a no-op where CUDA never started
-    if not a.no_pipeline:          # the real train_dflash loop, on the same, now warm, compile cache
-        res.update(pipeline(a, run_cfg, cache, tmp, S, A, dev, log))
-        res["pipeline_vs_sum_of_parts"] = res["pipeline_tok_s"] / res["sum_of_parts_tok_s"]
-        log(f"[bench] pipeline {res['pipeline_tok_s']:,.0f} tok/s vs sum of parts "
-            f"{res['sum_of_parts_tok_s']:,.0f} tok/s: {res['pipeline_vs_sum_of_parts']:.1%}")
-    return report(a, res)
+        res.update(warmup_cold_s=time.time() - t0, warmup_rows=[[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows])
+        ids = torch.randint(0, spec["vocab_size"], (B, S), device=dev)
+
+        def target_eager():       # the eager baseline, deliberately uncompiled: only timed against the compiled one
+            with torch.compiler.set_stance("force_eager"):
+                return graphed.forward(ids)
+        t_target, t_eager = timed("target_ms", lambda: graphed(ids)), timed("target_eager_ms", target_eager)
+        n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
+        res.update(target_tok_s=B * S / t_target, target_mfu=2 * n_params * B * S / t_target / peak)
+        log(f"[bench] target forward ({len(target.model.layers)} layers, {B} x {S} tokens, {attn}): "
+            f"{1e3 * t_target:.1f} ms = {B * S / t_target:,.0f} tok/s, MFU {res['target_mfu']:.1%} "
+            f"(eager {1e3 * t_eager:.1f} ms)")
+        feats = graphed(ids)
+        lm = torch.ones(B, S, device=dev)
+        lm[:, : S // 10] = 0
+        anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size,
+                                           torch.Generator().manual_seed(0))
+        batch = dm.make_batch(ids, lm, anchors, valid, dcfg, 7.0, a.distill)      # the loader's work
+
+        def step():
+            replicas.forward_backward(drafter, [(feats, batch)], None)
+            replicas.clip_and_step(opt, [p.grad for p in drafter.parameters()], 1.0)   # the trainer's lone-replica step
+            opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        t_drafter = timed("drafter_ms", step)
+        flops = dm.batch_flops(dcfg, S, anchors, valid, batch.taught)
+        mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+        res.update(drafter_tok_s=B * S / t_drafter, drafter_mfu=flops / t_drafter / peak,
+                   drafter_tflop_per_step=flops / 1e12, drafter_peak_mem_gib=mem)
+        log(f"[bench] drafter step: {1e3 * t_drafter:.1f} ms = {B * S / t_drafter:,.0f} target tok/s, "
+            f"MFU {res['drafter_mfu']:.1%}" + (f", peak mem {mem:.1f} GiB" if mem is not None else ""))
+        res["sum_of_parts_tok_s"] = B * S / (t_target + t_drafter)
+        del target, graphed, drafter, opt, feats
+        torch.cuda.empty_cache()       # a no-op where CUDA never started
+        if not a.no_pipeline:          # the real train_dflash loop, on the same, now warm, compile cache
+            res.update(pipeline(a, run_cfg, cache, tmp, S, A, dev, log))
+            res["pipeline_vs_sum_of_parts"] = res["pipeline_tok_s"] / res["sum_of_parts_tok_s"]
+            log(f"[bench] pipeline {res['pipeline_tok_s']:,.0f} tok/s vs sum of parts "
+                f"{res['sum_of_parts_tok_s']:,.0f} tok/s: {res['pipeline_vs_sum_of_parts']:.1%}")
+        return report(a, res)
 
 def report(a, res):
     print(json.dumps(res, indent=1))
