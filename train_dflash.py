@@ -216,8 +216,7 @@ class Trainer:
         return [self.q.feats.take(j) for j in range(j0, j0 + self.plan.per_step)]
 
     def interval(self, step, figures, peak_flops):
-        cfg, clock = self.cfg, self.clock
-        budget = (cfg.max_minutes - clock.seconds() / 60, clock.frac) if cfg.max_minutes else None
+        budget = (self.cfg.max_minutes - self.clock.seconds() / 60, self.clock.frac) if self.cfg.max_minutes else None
         return self.rec.interval(step, figures, self.plan.total_steps, peak_flops,
                                  (self.q.load.qsize(), len(self.q.feats.items)), budget)
 
