@@ -261,16 +261,16 @@ def load_batch(cfg, dcfg, stream, data, tok, shapes, j):
     S, sids = stream.batch(j)
     pad_id = 0 if tok is None else tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     ids, lm, lengths = data_dflash.collate(sids, data, S, pad_id)
-    item = prepare_batch(cfg, dcfg, [(i, j // stream.nb) for i in sids], ids, lm, lengths)
+    A = next(a for _, s, a in shapes if s == S)        # the bucket's anchors, as the shape plan has them
+    item = prepare_batch(cfg, dcfg, [(i, j // stream.nb) for i in sids], ids, lm, lengths, A)
     if item["batch"].shape not in shapes:   # on every path, not only the gate's: CPU runs see it too
         raise RuntimeError(f"batch shape {item['batch'].shape} is not in the warmed shape plan {shapes}")
     return item
 
-def prepare_batch(cfg, dcfg, keys, ids, lm, lengths):
+def prepare_batch(cfg, dcfg, keys, ids, lm, lengths, A):
     """A batch's host work, done by the loader thread ahead of its step (off the step loop's and the drafter thread's
-    path): its anchors, its dm.Batch, and its share of the step's sums."""
-    A = config.anchors_for(cfg, ids.shape[1])
-    anchors, valid = sample_anchors_for(cfg.seed, keys, lm, lengths, A, cfg.block_size)
+    path): its A anchors a row, its dm.Batch, and its share of the step's sums."""
+    anchors, valid = sample_anchors_for(cfg.seed, keys, lm, lengths, A, dcfg.block_size)
     batch = dm.make_batch(ids, lm, anchors, valid, dcfg, cfg.gamma, cfg.distill)
     return {"ids": ids, "batch": batch, "wsum": float(batch.weights[:, :, 1:].sum()), "tokens": float(lengths.sum()),
             "flops": dm.batch_flops(dcfg, ids.shape[1], anchors, valid, batch.taught)}

@@ -575,7 +575,7 @@ def test_the_loaders_prepared_batch_is_what_the_step_would_compute_itself():
     lengths, ids = torch.tensor([128, 90, 41]), torch.randint(0, 255, (B, S))
     lm = (torch.arange(S)[None] < lengths[:, None]).long()
     keys = [(7, 0), (3, 1), (5, 0)]
-    b = tr.prepare_batch(cfg, dcfg, keys, ids, lm, lengths)
+    b = tr.prepare_batch(cfg, dcfg, keys, ids, lm, lengths, config.anchors_for(cfg, S))
     anchors, valid = tr.sample_anchors_for(cfg.seed, keys, lm, lengths, config.anchors_for(cfg, S), bs)
     want = dm.make_batch(ids, lm, anchors, valid, dcfg, cfg.gamma, 0.5)
     got = b["batch"]
