@@ -79,20 +79,20 @@ def check_same_run(path, state, cfg, identity, heldout, target):
 
 class WriteError(OSError):
     """A checkpoint that could not be written (a full or read-only disk, no permission): the run reports its one line
-    (pipeline.Run), not a traceback."""
+    (pipeline.Threads), not a traceback."""
     one_line = True
 
 class Checkpointer:
     """One write at a time, in the background: a save waits for the last and says so (a slow disk is not a slow GPU)."""
 
-    def __init__(self, run, out_dir, keep_last, log):
-        self.run, self.out_dir, self.keep_last, self.log = run, out_dir, keep_last, log
+    def __init__(self, threads, out_dir, keep_last, log):
+        self.threads, self.out_dir, self.keep_last, self.log = threads, out_dir, keep_last, log
         self.pool, self.writer, self.writing = HostPool(), None, None   # writing: the step the writer writes
 
     def save(self, step, state, drafter, env_fn, card=None):
         busy, t0 = self.writer is not None and self.writer.is_alive(), time.time()
         self.wait()
-        self.run.check()               # no new snapshot once the run is stopping
+        self.threads.check()               # no new snapshot once the run is stopping
         if busy:
             self.log(f"[ckpt] step {step}: waited {time.time() - t0:.1f}s for the write of checkpoint {self.writing} "
                      "(one write at a time, and writing takes longer than --ckpt-interval steps of training: the "
@@ -101,7 +101,7 @@ class Checkpointer:
         self.pool.start()              # the last write is done: its buffers are free
         state, serving = to_host(state, {}, self.pool), to_host(drafter.state_dict(), {}, self.pool)
         self.pool.finish()             # the asynchronous device -> host copies have landed
-        self.writer = self.run.start_thread("checkpoint-writer", self._write, step, state, serving, drafter, env_fn,
+        self.writer = self.threads.start_thread("checkpoint-writer", self._write, step, state, serving, drafter, env_fn,
                                             card)
         self.writing = step
         return time.time() - t0

@@ -4,7 +4,7 @@ status 1, never a traceback."""
 import functools
 
 class UserError(Exception):
-    one_line = True     # a thread that raises it is reported by its message alone (pipeline.Run.fail)
+    one_line = True     # a thread that raises it is reported by its message alone (pipeline.Threads.fail)
 
 def script(main):
     """main(argv) whose UserError leaves as SystemExit('error: ...'): Python prints that line and exits with 1."""

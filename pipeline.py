@@ -18,7 +18,9 @@ import replicas
 class Stop(Exception):
     """Raised inside a thread when another thread failed: unwind quietly."""
 
-class Run:
+class Threads:
+    """A run's threads: start_thread starts one; any failure is recorded (failures) and stops them all (stop, which
+    every put, get and check looks at)."""
     def __init__(self):
         self.stop, self.failures = threading.Event(), []
 
@@ -69,20 +71,20 @@ class ReorderBuffer:
     """Features from the target threads, out of order, taken in order. Only [lo, lo + capacity) is accepted, lo being
     the next to take: a fast target thread cannot run away, and the next index always fits (no deadlock)."""
 
-    def __init__(self, run, start, capacity):
-        self.run, self.lo, self.cap, self.items, self.cond = run, start, capacity, {}, threading.Condition()
+    def __init__(self, threads, start, capacity):
+        self.threads, self.lo, self.cap, self.items, self.cond = threads, start, capacity, {}, threading.Condition()
 
     def put(self, j, item):
         with self.cond:
             while not self.cond.wait_for(lambda: j < self.lo + self.cap, 0.2):
-                self.run.check()
+                self.threads.check()
             self.items[j] = item
             self.cond.notify_all()
 
     def take(self, j):
         with self.cond:
             while not self.cond.wait_for(lambda: j in self.items, 0.2):
-                self.run.check()
+                self.threads.check()
             self.lo = j + 1
             self.cond.notify_all()
             return self.items.pop(j)
@@ -91,16 +93,16 @@ class Workers:
     """The loader (batch j: load(j)), a thread per target device (its features) and one per drafter replica (its
     forward + backward: replicas.forward_backward), and the queues between them and the step loop: `load`, the
     reorder buffer `feats` that hands the step its batches in order, and an inbox and outbox per replica."""
-    def __init__(self, run, plan, depth, cursor, load, graphed, drafters, busy):
-        self.run, self.plan, self.cursor, self.load_batch = run, plan, cursor, load
+    def __init__(self, threads, plan, depth, cursor, load, graphed, drafters, busy):
+        self.threads, self.plan, self.cursor, self.load_batch = threads, plan, cursor, load
         self.graphed, self.drafters, self.busy = graphed, drafters, busy    # busy: seconds of device work, per device
         R, T = len(plan.ddevs), len(plan.tdevs)
         self.load = queue.Queue(maxsize=depth * T)
-        self.feats = ReorderBuffer(run, cursor, depth * plan.per_step + T)
+        self.feats = ReorderBuffer(threads, cursor, depth * plan.per_step + T)
         self.inbox, self.outbox = [queue.Queue(1) for _ in range(R)], [queue.Queue(1) for _ in range(R)]
 
     def start(self, log):
-        plan, run = self.plan, self.run
+        plan, run = self.plan, self.threads
         threads = [run.start_thread("loader", self.loader)]
         threads += [run.start_thread(f"target-{i}:{d}", self.target, i) for i, d in enumerate(plan.tdevs)]
         threads += [run.start_thread(f"drafter-{r}:{d}", self.drafter, r) for r, d in enumerate(plan.ddevs)]
@@ -111,13 +113,13 @@ class Workers:
 
     def loader(self):
         for j in itertools.count(self.cursor):
-            self.run.put(self.load, (j, self.load_batch(j)))
+            self.threads.put(self.load, (j, self.load_batch(j)))
 
     def target(self, ti):
         dev, graphed = self.plan.tdevs[ti], self.graphed[ti]
         with compiled.own_stream(dev):
             while True:
-                j, item = self.run.get(self.load)
+                j, item = self.threads.get(self.load)
                 t0 = time.time()
                 item["feats"] = graphed(item["ids"])   # rows right-padded to S: no mask (dm.target_forward)
                 compiled.sync_device(dev)            # busy = device time, not launch time; feats ready for any stream
@@ -128,14 +130,14 @@ class Workers:
         dev, drafter = self.plan.ddevs[r], self.drafters[r]
         with compiled.own_stream(dev) as stream:
             while True:
-                items, wsum = self.run.get(self.inbox[r])
+                items, wsum = self.threads.get(self.inbox[r])
                 if stream is not None:   # the step loop's AdamW pass, queued on the default stream, writes the weights
                     stream.wait_stream(torch.cuda.default_stream(dev))
                 t0 = time.time()
                 sums = replicas.forward_backward(drafter, [(b["feats"], b["batch"]) for b in items], wsum)
                 compiled.sync_device(dev)      # the step waits for the grads anyway; this makes busy = device time
                 self.busy["drafter"][r] += time.time() - t0
-                self.run.put(self.outbox[r], sums)
+                self.threads.put(self.outbox[r], sums)
 
 class Clock:
     """The run's time budget (--max-minutes, resumes included) and its stop signals. A step runs only if it ends within

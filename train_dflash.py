@@ -26,7 +26,7 @@ import dflash_model as dm
 import environment
 import errors
 import models
-from pipeline import Clock, Run, Stop, Workers, gather_ints, init_distributed, over_ranks
+from pipeline import Clock, Stop, Threads, Workers, gather_ints, init_distributed, over_ranks
 from records import Logger, Recorder
 from replicas import Replicas, forward_backward
 
@@ -34,7 +34,7 @@ class Trainer:
     """train(): setup (options, devices, data, shapes), models, resume, warm-up, then loop(): a train_step per step,
     recorded (records.Recorder) and checkpointed (checkpoint.Checkpointer) on the clock (pipeline.Clock)."""
     def __init__(self, cfg, log, env=None):
-        self.cfg, self.log, self.env_at_start, self.run = cfg, log, env, Run()
+        self.cfg, self.log, self.env_at_start, self.threads = cfg, log, env, Threads()
         self.clock = Clock(cfg.max_minutes)
 
     def train(self):
@@ -154,9 +154,9 @@ class Trainer:
     def loop(self, peak_flops):
         cfg, plan = self.cfg, self.plan
         self.rec = Recorder(cfg, self.log, plan.rank, self.at.step, {"target": plan.tdevs, "drafter": plan.ddevs})
-        self.ckpt = ck.Checkpointer(self.run, cfg.out_dir, cfg.keep_last, self.log)
+        self.ckpt = ck.Checkpointer(self.threads, cfg.out_dir, cfg.keep_last, self.log)
         load = functools.partial(load_batch, cfg, self.dcfg, self.stream, self.data, self.tok, plan.shapes)
-        self.q = Workers(self.run, plan, cfg.queue_depth, self.at.cursor, load, self.graphed, self.replicas.drafters,
+        self.q = Workers(self.threads, plan, cfg.queue_depth, self.at.cursor, load, self.graphed, self.replicas.drafters,
                          self.rec.busy)
         threads = self.q.start(self.log)
         self.rec.start(self.clock.start())
@@ -175,10 +175,10 @@ class Trainer:
         except Stop:             # another thread failed: finish() reports it
             pass
         except Exception as e:   # noqa: BLE001 - the loop's own failure stops the run as a thread's would
-            self.run.fail("step loop", e)
+            self.threads.fail("step loop", e)
         finally:                # after a failure or a Ctrl-C too: the TensorBoard events end complete
             self.clock.stop()
-            self.run.stop.set()                          # stop the loader, target and drafter threads
+            self.threads.stop.set()                          # stop the loader, target and drafter threads
             self.ckpt.wait()                             # a snapshot from before a failure is still good
             self.rec.close()
         return self.finish(threads)
@@ -192,8 +192,8 @@ class Trainer:
         wsum, tokens, flops, signalled = over_ranks(
             self.plan.world, [*(sum(b[k] for b in batches) for k in ("wsum", "tokens", "flops")), bool(self.clock.asked)])
         for r in range(R):
-            self.run.put(self.q.inbox[r], (batches[r::R], wsum))
-        sums = [self.run.get(q) for q in self.q.outbox]    # every replica's backward is done
+            self.threads.put(self.q.inbox[r], (batches[r::R], wsum))
+        sums = [self.threads.get(q) for q in self.q.outbox]    # every replica's backward is done
         t0 = time.time()
         stats = reps.reduce(sums)                          # the gradients and the sums, over replicas and ranks
         self.clock.tick(self.plan.world)                   # before the step: the schedule reads the budget used
@@ -240,8 +240,8 @@ class Trainer:
     def finish(self, threads):
         log, cfg = self.log, self.cfg
         ckpt = (ck.list_checkpoints(cfg.out_dir) or [None])[-1]     # the writer is done: the last checkpoint
-        if self.run.failures:
-            self.run.report(log, ckpt)
+        if self.threads.failures:
+            self.threads.report(log, ckpt)
             return 1
         for t in threads:    # a thread still inside torch at interpreter exit aborts the process
             t.join(60)

@@ -179,7 +179,7 @@ def break_(kind, n):
     elif kind == "ckpt_lag":
         def lag(self, step, *a):          # training's progress, as metrics.jsonl records it
             done = lambda: max([0] + [json.loads(x)["step"] for x in open(Path(self.out_dir) / "metrics.jsonl")])
-            while done() < step + n and not self.run.stop.wait(0.05):
+            while done() < step + n and not self.threads.stop.wait(0.05):
                 pass
         wrap(ck.Checkpointer, "_write", before=lag)
     elif kind == "kill":

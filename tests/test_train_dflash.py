@@ -338,7 +338,7 @@ def test_two_replicas_equal_one_replica_on_the_concatenated_batch(qwen3, cache_d
     common = [*TINY, "--target", qwen3, "--data", data, "--cache-dir", cache_dir, "--buckets", "256",
               "--heldout", 0, "--max-steps", 3, "--ckpt-interval", 1, "--keep-last", 3]
     two, one = tmp_path / "two", tmp_path / "one"
-    calls = ["pipeline:Run.start_thread", "train_dflash:load_batch", "replicas:add_into", "replicas:Replicas.check"]
+    calls = ["pipeline:Threads.start_thread", "train_dflash:load_batch", "replicas:add_into", "replicas:Replicas.check"]
     p2 = run_cmd(traced("train_dflash", [*common, "--out-dir", two, "--drafter-devices", "cpu,cpu", "--target-devices",
                                          "cpu,cpu", "--tokens-per-batch", 512], tmp_path / "two.jsonl", calls))
     assert_ok(p2)
@@ -355,7 +355,7 @@ def test_two_replicas_equal_one_replica_on_the_concatenated_batch(qwen3, cache_d
     shapes = lambda ev: {tuple(e["out"]["batch"]["shape"]) for e in _calls(ev, "train_dflash:load_batch", "return")}
     assert shapes(ev2) == {(2, 256, 32)} and shapes(ev1) == {(4, 256, 32)}, (shapes(ev2), shapes(ev1))
     # 2 drafter replicas, each with its thread, and 2 target threads
-    threads = lambda ev: sorted(e["args"][1] for e in _calls(ev, "pipeline:Run.start_thread")
+    threads = lambda ev: sorted(e["args"][1] for e in _calls(ev, "pipeline:Threads.start_thread")
                                 if e["args"][1] != "checkpoint-writer")
     assert threads(ev2) == ["drafter-0:cpu", "drafter-1:cpu", "loader", "target-0:cpu", "target-1:cpu"], threads(ev2)
     assert threads(ev1) == ["drafter-0:cpu", "loader", "target-0:cpu"], threads(ev1)
