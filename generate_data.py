@@ -248,6 +248,9 @@ def main(argv=None):
     a.target, a.data = models.target_and_data(a)
     if errs := config.data_errors(a.data):
         raise SystemExit(f"error: --data: {'; '.join(errs)}")
+    if os.path.exists(a.out) and any(os.path.isfile(f) and os.path.samefile(f, a.out) for f in a.data):
+        raise SystemExit(f"error: --out {a.out} is one of the --data files: the answers would replace the "
+                         "conversations they are written from; give another --out")
     settings = {"target": a.target, "target_sha256": weights_hash(a.target),   # what decides the result
                 "sources": [dict(zip(("path", "size", "mtime_ns"), data_dflash.identity(f))) for f in a.data],
                 **{k: getattr(a, k) for k in SETTINGS}}

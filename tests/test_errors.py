@@ -51,6 +51,9 @@ def test_every_script_answers_a_bad_input_with_one_line_naming_it(llama, tmp_pat
              (["generate_data", "--target", llama, "--data", prompts, "--out", "/proc/no/g.jsonl"],
               "--out /proc/no/g.jsonl: its folder /proc/no cannot write there"),
              (["generate_data", "--target", llama, "--data", prompts, "--out", str(t)], f"--out {t} is a folder"),
+             (["generate_data", "--target", llama, "--data", prompts, "--out", prompts],
+              f"--out {prompts} is one of the --data files: the answers would replace the conversations they are "
+              "written from; give another --out"),
              (["generate_data", "--target", llama, "--data", prompts, "--out", str(t / "g3.jsonl"), "--max-length",
                "8"], f"no conversation was regenerated, so nothing is written to {t / 'g3.jsonl'} (skipped: skipped: "
                      "prompt longer than max length=2)"),
