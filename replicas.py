@@ -91,7 +91,7 @@ class Replicas:
             except (RuntimeError, ValueError) as e:    # a drafter of another target's shape: its last line, a tensor
                 why = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
                 raise UserError(f"{path}/state.pt holds a drafter this run cannot take ({why}): resume "
-                                 "with the checkpoint's --target, or start a new run") from None
+                                "with the checkpoint's --target, or start a new run") from None
             sched.load_state_dict(state["scheduler"])
         if ck.optimizer_digest(self.opts[0].state_dict()) != state["resume_fingerprint"]:
             raise RuntimeError(f"{path}: the optimiser state loaded from it is not the one saved (a load path "

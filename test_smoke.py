@@ -29,7 +29,8 @@ def main(argv):
     # spinning on an oversubscribed core slow a worker's own tests many times over
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # nothing written into the checkout: pytest's own cache, and pytest-benchmark's folder where it is installed
-    quiet = ["-p", "no:cacheprovider"] + (["-p", "no:benchmark"] if importlib.util.find_spec("pytest_benchmark") else [])
+    quiet = ["-p", "no:cacheprovider"]
+    quiet += ["-p", "no:benchmark"] if importlib.util.find_spec("pytest_benchmark") else []
     return pytest.main(["-q", "--rootdir", str(HERE), *quiet, *workers, *map(str, files), *argv])
 
 

@@ -47,14 +47,15 @@ class Trainer:
         steps = gather_ints(self.plan.world, self.at.step)
         if len(set(steps)) > 1:
             raise errors.UserError(f"the ranks resumed at different steps {steps} (rank order): every rank "
-                             "must see the same --out-dir (a file system all nodes share)")
+                                   "must see the same --out-dir (a file system all nodes share)")
         # done already: by the steps, or by the loop's budget rule on the end the checkpoint predicted for its successor
         done = (f"already at step {self.at.step} of {self.plan.total_steps}: nothing to do"
                 if self.at.step >= self.plan.total_steps else
                 f"the {cfg.max_minutes} min budget (--max-minutes, resumes included) was used up by step "
                 f"{self.at.step}: nothing to do (a larger --max-minutes continues)" if self.clock.used_up() else "")
         if done:
-            log(f"[run] {done}\n[run] measure its acceptance: {eval_command(self.tpath, self.at.resumed_from, self.heldout)}")
+            log(f"[run] {done}\n[run] measure its acceptance: "
+                f"{eval_command(self.tpath, self.at.resumed_from, self.heldout)}")
             return 0
         t_warm, ddevs = time.time(), self.plan.ddevs
         if self.plan.attn == "flex":
@@ -63,8 +64,7 @@ class Trainer:
                          targets=self.graphed if self.plan.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
         self.replicas.zero_grads()          # the warm-up's backward passes left their gradients
-        peak = compiled.measure_peak_flops(ddevs[0])
-        now = time.time()
+        peak, now = compiled.measure_peak_flops(ddevs[0]), time.time()      # measured, then the clock read
         log(f"[mfu] measured matmul peak on {ddevs[0]}: {peak / 1e12:.1f} TFLOP/s")
         log(f"[run] start-up {now - T_PROCESS:.1f}s: imports + environment report {t_setup - T_PROCESS:.1f}s, "
             f"setup + data {t_models - t_setup:.1f}s, models + resume {t_warm - t_models:.1f}s, warm-up + matmul "
@@ -105,7 +105,7 @@ class Trainer:
         plan.nb_by_rank = gather_ints(plan.world, self.stream.nb)   # a rank's resume position is read against its own
         if plan.attn == "flex" and any(S % 128 for _, S, _ in plan.shapes):
             raise errors.UserError(f"flex attention needs bucket lengths that are multiples of 128, got "
-                             f"{[S for _, S, _ in plan.shapes]} (set --buckets / --max-length)")
+                                   f"{[S for _, S, _ in plan.shapes]} (set --buckets / --max-length)")
         log(f"[data] {len(self.stream.indices)} samples on this node, {self.stream.nb} batches/epoch, "
             f"buckets {self.stream.buckets}, shapes (B,S,A) {plan.shapes}, padding waste "
             f"{100 * self.stream.padding_waste:.1f}%, {steps_per_epoch} steps/epoch, {plan.total_steps} steps planned"
@@ -133,7 +133,7 @@ class Trainer:
         return progress / warm if progress < warm else 0.5 * (1 + math.cos(math.pi * (progress - warm) / (1 - warm)))
 
     def resume(self):
-        """Where the run starts (self.at: step, batch cursor, the checkpoint resumed from), after the same run's checks."""
+        """Where the run starts (self.at: step, batch cursor, checkpoint resumed from), after the same-run checks."""
         at = self.at = SimpleNamespace(step=0, cursor=0, resumed_from=None)
         path, state = ck.load_newest(self.cfg.out_dir, self.log) if self.cfg.resume else (None, None)
         if self.cfg.resume and path is None:
@@ -144,7 +144,7 @@ class Trainer:
             at.step, at.cursor, at.resumed_from = state["step"], state["cursor"], path
             self.clock.resume(state["train_seconds"], state.get("next_step_ends_s", state["train_seconds"]))
             self.replicas.load(state, path, self.plan.total_steps, self.log)
-            at.cursor = self.stream.resume_cursor(at.cursor, state["batches_per_epoch_by_rank"][self.plan.rank], self.log)
+            at.cursor = self.stream.resume_cursor(at.cursor, state["batches_per_epoch_by_rank"], self.log)
             self.log(f"[resume] {path}: step {at.step}, batch cursor {at.cursor}, fp32 masters + moments "
                      "match the saved digest")
         if self.heldout:      # the run's held-out conversations, now known to be the ones it started with
@@ -156,8 +156,8 @@ class Trainer:
         self.rec = Recorder(cfg, self.log, plan.rank, self.at.step, {"target": plan.tdevs, "drafter": plan.ddevs})
         self.ckpt = ck.Checkpointer(self.threads, cfg.out_dir, cfg.keep_last, self.log)
         load = functools.partial(load_batch, cfg, self.dcfg, self.stream, self.data, self.tok, plan.shapes)
-        self.q = Workers(self.threads, plan, cfg.queue_depth, self.at.cursor, load, self.graphed, self.replicas.drafters,
-                         self.rec.busy)
+        self.q = Workers(self.threads, plan, cfg.queue_depth, self.at.cursor, load, self.graphed,
+                         self.replicas.drafters, self.rec.busy)
         threads = self.q.start(self.log)
         self.rec.start(self.clock.start())
         try:
@@ -184,13 +184,13 @@ class Trainer:
         return self.finish(threads)
 
     def train_step(self, step, batches):
-        """One optimiser step over this node's batches, replica r taking every R-th (its thread, pipeline.Workers'
-        drafter, runs the forward + backward): the gradients summed over replicas and ranks, one clip, one AdamW step on every replica.
+        """One optimiser step over this node's batches, replica r taking every R-th (its thread, Workers.drafter, runs
+        the forward + backward): the gradients summed over replicas and ranks, one clip, one AdamW step on each replica.
         One loss normaliser over replicas x micro-batches x ranks: the step is one over their concatenation. Returns
         the step's figures and whether a signal on any rank makes it every rank's last."""
         reps, R = self.replicas, len(self.plan.ddevs)
-        wsum, tokens, flops, signalled = over_ranks(
-            self.plan.world, [*(sum(b[k] for b in batches) for k in ("wsum", "tokens", "flops")), bool(self.clock.asked)])
+        wsum, tokens, flops, signalled = over_ranks(self.plan.world, [
+            *(sum(b[k] for b in batches) for k in ("wsum", "tokens", "flops")), bool(self.clock.asked)])
         for r in range(R):
             self.threads.put(self.q.inbox[r], (batches[r::R], wsum))
         sums = [self.threads.get(q) for q in self.q.outbox]    # every replica's backward is done
@@ -253,8 +253,11 @@ class Trainer:
 
 
 def eval_command(target, ckpt, heldout):
-    prompts = heldout or "YOUR_PROMPTS.jsonl (no held-out conversations: --heldout 0 or synthetic data)"
-    return f"python eval_dflash.py --target {target} --drafter {ckpt}/drafter --prompts {prompts}"
+    """The command that measures the drafter at `ckpt`, as a user pastes it; without held-out conversations the
+    prompts are theirs to give (said on the next line, not inside the command)."""
+    prompts = heldout or "YOUR_PROMPTS.jsonl"
+    return (f"python eval_dflash.py --target {target} --drafter {ckpt}/drafter --prompts {prompts}"
+            + ("" if heldout else "\n    (no held-out conversations: --heldout 0 or synthetic data)"))
 
 def load_batch(cfg, dcfg, stream, data, tok, shapes, j):
     """Batch j of the stream with its host work done (in the loader thread, ahead of its step)."""
@@ -289,7 +292,7 @@ def main(argv=None):
     old = ck.list_checkpoints(cfg.out_dir)
     if old and not cfg.resume:   # a new run would interleave its checkpoints with the old ones
         raise errors.UserError(f"{cfg.out_dir} holds checkpoints of an earlier run (newest {old[-1]}): "
-                         "pass --resume to continue it, or use another --out-dir")
+                               "pass --resume to continue it, or use another --out-dir")
     log = Logger(cfg.out_dir, int(os.environ.get("RANK", 0)))
     log("=" * 72)
     env = environment.collect_env(cfg.compile_cache)
