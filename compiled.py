@@ -158,7 +158,7 @@ def compile_drafter(drafter):
 
 def backward(drafter, loss, shape):
     """loss.backward(); a compiled drafter's through the gate (its compiled backward compiles on the first call)."""
-    if not loss.requires_grad:      # a forward-only pass (no-grad mode: CPU flex has no backward) has none
+    if not torch.is_grad_enabled():   # a forward-only pass the caller chose (CPU flex has no backward)
         return
     if drafter.block_mask:
         GATE.run("drafter_bwd", loss.device, shape, loss.backward)
