@@ -49,12 +49,15 @@ def hub_offline(path):
     why = data_dflash.hub_unreachable()
     return why and f"{why}, and the HF cache has no copy of it"
 
+def config_json(tcfg):
+    """The target's config as canonical JSON, its names and versions aside (a copy elsewhere is the same target)."""
+    skip = ("_name_or_path", "transformers_version", "_commit_hash")
+    return json.dumps({k: v for k, v in tcfg.to_dict().items() if k not in skip}, sort_keys=True, default=str)
+
 def target_fingerprint(path, tcfg):
     """What tells one target from another of its shape: its config, and for a folder each weight file's name, size
     and first and last MiB (hashing all of a large target's weights would take minutes at every start)."""
-    skip = ("_name_or_path", "transformers_version", "_commit_hash")
-    h = hashlib.sha256(json.dumps({k: v for k, v in tcfg.to_dict().items() if k not in skip}, sort_keys=True,
-                                  default=str).encode())
+    h = hashlib.sha256(config_json(tcfg).encode())
     folder = os.path.expanduser(path)
     if not os.path.isdir(folder):
         h.update(path.split(":")[0].encode())     # random:<config> (seeded weights) or a hub name
@@ -70,9 +73,7 @@ def target_fingerprint(path, tcfg):
 def target_identity(path, tcfg):
     """What a drafter folder records of its target: the name it was given, a digest of its config (names aside) and,
     for a folder, target_fingerprint's of its weights (None for a hub name or random weights: not readable here)."""
-    skip = ("_name_or_path", "transformers_version", "_commit_hash")
-    config = json.dumps({k: v for k, v in tcfg.to_dict().items() if k not in skip}, sort_keys=True, default=str)
-    return {"name": path, "config": hashlib.sha256(config.encode()).hexdigest()[:16],
+    return {"name": path, "config": hashlib.sha256(config_json(tcfg).encode()).hexdigest()[:16],
             "weights": target_fingerprint(path, tcfg) if os.path.isdir(os.path.expanduser(path)) else None}
 
 def check_drafter_target(drafter_path, trained_for, target):
@@ -81,9 +82,9 @@ def check_drafter_target(drafter_path, trained_for, target):
     target_identity's (a drafter saved without it: {})."""
     if not trained_for:
         return
-    what = ("config" if trained_for["config"] != target["config"] else "weights"
-            if None not in (trained_for["weights"], target["weights"]) and trained_for["weights"] != target["weights"]
-            else None)
+    weights = trained_for["weights"], target["weights"]
+    what = ("config" if trained_for["config"] != target["config"] else
+            "weights" if None not in weights and weights[0] != weights[1] else None)
     if what:
         raise UserError(f"the drafter at {drafter_path} was trained for the target {trained_for['name']!r}, and "
                         f"--target {target['name']!r} has other {what}: pass the target it drafts for")

@@ -160,13 +160,14 @@ class Clock:
     def stops_after(self, step, signalled, log):
         """Is `step` the last: the last within the budget, or a signal's (this rank's, or another's: torchrun passes a
         SIGTERM on to every rank)? Says why."""
-        if self.used_up():
+        budget_end = self.used_up()
+        if budget_end:
             log(f"[run] time budget of {self.max_minutes} min: step {step} is the last that ends within it")
         if signalled:
             self.stopped = self.asked or signal.SIGTERM
             log(f"[run] {signal.Signals(self.stopped).name}: step {step} is the last, checkpointed; run again with "
                 "--resume (start_training.sh passes it) to go on from it")
-        return self.used_up() or bool(signalled)
+        return budget_end or bool(signalled)
 
     def start(self):
         """The training window opens: the signals are caught (where handlers live: the main thread)."""

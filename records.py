@@ -26,6 +26,8 @@ class Logger:
             self.f.write(msg + "\n")
 
 class Recorder:
+    """One run's records from `step` on: record() per step, interval() for a log line's rates, summary() at the end;
+    busy and add() collect the device seconds and the sums the rates read."""
     def __init__(self, cfg, log, rank, step, devices):
         self.cfg, self.log, self.first, self.devices = cfg, log, step, devices    # devices: {"target": [...], ...}
         path = os.path.join(cfg.out_dir, "metrics.jsonl")
