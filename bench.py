@@ -129,7 +129,7 @@ def main(argv=None):
             compiled.compile_drafter(drafter)
         graphed = compiled.GraphedTarget(target, dcfg.target_layer_ids, final=run_cfg.teacher)
         t0 = time.time()
-        rows = compiled.warm_up([drafter], [(B, S, A)], replicas.forward_backward, 7.0, a.distill, log=log,
+        rows = compiled.warm_up([drafter], [(B, S, A)], replicas.forward_backward, dm.Loss(7.0, a.distill), log=log,
                                 targets=[graphed] if attn == "flex" else ())
         opt.zero_grad(set_to_none=True)
         res.update(warmup_cold_s=time.time() - t0, warmup_rows=[[r[0], list(r[1]), round(r[2], 1), r[3]] for r in rows])
@@ -149,7 +149,7 @@ def main(argv=None):
         lm[:, : S // 10] = 0
         anchors, valid = dm.sample_anchors(lm, torch.full((B,), S), A, dcfg.block_size,
                                            torch.Generator().manual_seed(0))
-        batch = dm.make_batch(ids, lm, anchors, valid, dcfg, 7.0, a.distill)      # the loader's work
+        batch = dm.make_batch(ids, lm, anchors, valid, dcfg, dm.Loss(7.0, a.distill))      # the loader's work
 
         def step():
             replicas.forward_backward(drafter, [(feats, batch)], None)

@@ -54,10 +54,10 @@ def check_same_run(path, state, cfg, identity, heldout, target):
     """A resume continues the run of `path`: the same drafter, optimiser, loss, seed, target and held-out
     conversations (else a one-line error before anything is written). Returns a notice if the training samples
     changed, else ''."""
-    saved = {"distill": 0.0, **state["config"]}    # a config without the key: labels only
+    saved = {"distill": 0.0, "dpace": 0.0, **state["config"]}    # a config without the keys: labels, a fixed decay
     changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (checkpoint: {saved[k]})"
                for k in ("num_draft_layers", "block_size", "target_layer_ids", "mask_token_id", "lr",
-                         "weight_decay", "distill", "gamma", "seed") if saved[k] != getattr(cfg, k)]
+                         "weight_decay", "distill", "gamma", "dpace", "seed") if saved[k] != getattr(cfg, k)]
     if changed:
         raise UserError(f"{path} continues with its own drafter, optimiser, loss and seed settings, but "
                         f"{', '.join(changed)}: pass the checkpoint's values or start a new run")

@@ -247,16 +247,15 @@ def _cache_counters():
 
 # ---- 4. The warm-up
 
-def warm_shape(drafter, shape, step, gamma, distill):
+def warm_shape(drafter, shape, step, loss):
     """The training step's forward + backward at `shape` = (B, S, A): step(drafter, [(features, Batch)], weight_sum)
     (replicas.forward_backward, the trainer's own) on random features and anchors spread over the sequence."""
     (B, S, A), c, dev = shape, drafter.config, drafter.fc.weight.device
-    width = (len(c.target_layer_ids) + (distill > 0)) * c.hidden_size      # distillation: the teacher's too
+    width = (len(c.target_layer_ids) + (loss.distill > 0)) * c.hidden_size      # distillation: the teacher's too
     feats = torch.randn(B, S, width, device=dev, dtype=config.param_dtype(dev))
     ids = torch.randint(0, c.vocab_size, (B, S), device=dev)
     anchors = torch.arange(A).mul(max(1, (S - c.block_size) // A)).expand(B, A).contiguous()
-    batch = dm.make_batch(ids, torch.ones(B, S, device=dev), anchors, torch.ones(B, A, dtype=torch.bool), c, gamma,
-                          distill)
+    batch = dm.make_batch(ids, torch.ones(B, S, device=dev), anchors, torch.ones(B, A, dtype=torch.bool), c, loss)
     step(drafter, [(feats, batch)], None)
     sync_device(dev)
 
@@ -280,7 +279,7 @@ def warm_target(graphed, B, S):
                         f"{tol:g}): refusing to train on them. Report it with `python diagnose.py` output")
     return worst
 
-def warm_up(drafters, shapes, step, gamma, distill=0.0, log=print, targets=()):
+def warm_up(drafters, shapes, step, loss, log=print, targets=()):
     """Warm every (target, (B, S)) of compiled targets (GraphedTarget) and every (replica, shape) in turn (warm_shape:
     the real step; the gradients it leaves are the caller's to zero), size the recompile limit, then mark the gate
     warm. Returns a row per pair: [(device, shape, seconds, how)]."""
@@ -305,7 +304,7 @@ def warm_up(drafters, shapes, step, gamma, distill=0.0, log=print, targets=()):
     for graphed, (B, S) in itertools.product(targets, target_shapes):
         timed(f"{graphed.device} target", (B, S), lambda: warm_target(graphed, B, S), True)
     for drafter, shape in itertools.product(drafters, shapes):
-        timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, step, gamma, distill),
+        timed(str(drafter.fc.weight.device), shape, lambda: warm_shape(drafter, shape, step, loss),
               drafter.block_mask)
     GATE.mark_warm(log)
     return rows

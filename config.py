@@ -34,6 +34,9 @@ class TrainConfig:
     block_size: int = opt(16, "tokens drafted per block (the anchor + block_size - 1 masked)")
     num_anchors: int = opt(512, "blocks per sequence, fewer where a sequence has fewer start positions")
     gamma: float = opt(0.0, "loss decay over block positions; 0 = 7 for block 16, 5 for 10, 4 for 8")
+    dpace: float = opt(0.0, "D-PACE: the block positions' loss weights from the drafter's confidence exp(-loss) in "
+                            "the earlier positions, smoothed by this share in (0, 1] (0.5 is usual), not --gamma's "
+                            "fixed decay; 0 = off")
     mask_token_id: int = opt(-1, "the mask token; -1 = <|MASK|>, a spare embedding row or an unused special token")
     target_layer_ids: str = opt("", "target layers feeding the drafter, e.g. 1,9,17,25,33; '' = spread over the depth")
     max_length: int = opt(3072, "longer samples are truncated")
@@ -68,6 +71,11 @@ class TrainConfig:
     tensorboard: str = opt("", "also write the log line's figures as TensorBoard events to this folder "
                                "('' = off, auto = <out_dir>/tensorboard)")
     resume: bool = opt(False, "continue from the newest intact checkpoint in out_dir")
+
+    @property
+    def loss(self):
+        """The step's dm.Loss."""
+        return dm.Loss(self.gamma, self.distill, self.dpace)
 
     @property
     def teacher(self):
@@ -128,7 +136,8 @@ def option_errors(cfg):
          "need --seed, --max-samples, --min-supervised, --tokens-per-batch >= 0 and --num-draft-layers >= 1"),
         # gamma < 0 would weight the block's last positions most; 0 picks the block size's default
         (not cfg.gamma >= 0, f"--gamma must be > 0 (0: the block size's default), got {cfg.gamma}"),
-        (not 0 <= cfg.distill <= 1, f"--distill must lie in [0, 1], got {cfg.distill}")] if bad]
+        (not 0 <= cfg.distill <= 1, f"--distill must lie in [0, 1], got {cfg.distill}"),
+        (not 0 <= cfg.dpace <= 1, f"--dpace must lie in (0, 1] (0: off), got {cfg.dpace}")] if bad]
     if cfg.buckets:
         try:
             if not all(2 * bs <= int(x) <= cfg.max_length for x in cfg.buckets.split(",")):

@@ -199,7 +199,7 @@ class DFlashDrafter(nn.Module):
         mask = (create_dflash_block_mask if self.block_mask else dense_dflash_mask)(batch.anchors, S, c.block_size)
         hidden = self.trunk(features, batch.block_ids, ctx_pos, batch.block_pos, mask)
         return dflash_loss(hidden, self.lm_head_weight, batch.labels, batch.weights, weight_sum=weight_sum,
-                           teacher=teacher, teacher_rows=rows, distill=batch.distill)
+                           teacher=teacher, teacher_rows=rows, distill=batch.distill, dpace=batch.dpace)
 
 def attention(q, k, v, mask):
     """SDPA under a dense boolean mask, or flex attention under a BlockMask. Flex runs compiled only: eagerly it is a
@@ -318,6 +318,7 @@ class Batch:
     S: int                      # the context length: the target features' positions
     distill: float = 0.0
     taught: tuple = None
+    dpace: float = 0.0
 
     @property
     def shape(self):
@@ -329,12 +330,21 @@ class Batch:
         move = {k: to_device(getattr(self, k), dev) for k in ("block_ids", "block_pos", "labels", "weights", "anchors")}
         return replace(self, **move)
 
-def make_batch(input_ids, loss_mask, anchors, valid, config, gamma, distill=0.0):
-    """The Batch of host tensors input_ids, loss_mask (B, S) and anchors, valid (B, A) for a drafter of `config`."""
+@dataclass(frozen=True)
+class Loss:
+    """What the loss is made of: the block positions' weights, a fixed decay exp(-(k-1)/gamma) or, with dpace > 0,
+    D-PACE's from the drafter's confidence (dpace: its smoothing, see dpace_factors), and the KL's share (distill)."""
+    gamma: float
+    distill: float = 0.0
+    dpace: float = 0.0
+
+def make_batch(input_ids, loss_mask, anchors, valid, config, loss):
+    """The Batch of host tensors input_ids, loss_mask (B, S) and anchors, valid (B, A) for a drafter of `config`,
+    for a Loss `loss`."""
     block_ids, block_pos, labels, weights = make_blocks(input_ids, loss_mask, anchors, valid, config.block_size,
-                                                        config.mask_token_id, gamma)
-    taught = teacher_positions(anchors, valid, input_ids.shape[1], config.block_size) if distill else None
-    return Batch(block_ids, block_pos, labels, weights, anchors, input_ids.shape[1], distill, taught)
+                                                        config.mask_token_id, math.inf if loss.dpace else loss.gamma)
+    taught = teacher_positions(anchors, valid, input_ids.shape[1], config.block_size) if loss.distill else None
+    return Batch(block_ids, block_pos, labels, weights, anchors, input_ids.shape[1], loss.distill, taught, loss.dpace)
 
 def chunk_plan(n, chunk_rows):
     """(rows per chunk, chunks): equal chunks of <= chunk_rows rows covering n, the last padded: one kernel shape."""
@@ -342,11 +352,12 @@ def chunk_plan(n, chunk_rows):
     return math.ceil(n / k), k
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
-    """sum(w * CE(h @ W^T, y)), w pre-normalised, chunk by chunk (with teacher hidden states t, row i's at t_rows[i]:
-    the CE mixed with a KL, see kernels.ce_chunk_eager). The LM head is frozen: the forward computes the one gradient
-    needed, d loss / d h = (d loss / d logits) @ W (N x H, small), so no N x vocab logits wait for the backward."""
+    """sum(w * f * CE(h @ W^T, y)), w pre-normalised, chunk by chunk (with teacher hidden states t, row i's at
+    t_rows[i]: the CE mixed with a KL, see kernels.ce_chunk_eager); f = 1, or reweight(each row's w * loss, w) once
+    every row's loss is known. The LM head is frozen: the forward computes the one gradient needed, d loss / d h =
+    (d loss / d logits) @ W (N x H, small), so no N x vocab logits wait for the backward."""
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk, ce, t=None, t_rows=None, alpha=0.0):
+    def forward(ctx, h, weight, labels, w, chunk, ce, t=None, t_rows=None, alpha=0.0, reweight=None):
         N, need_grad = h.shape[0], h.requires_grad
         size, k = chunk_plan(N, chunk)
         if size * k > N:   # padding rows: zero hidden, weight 0 -> no loss, no gradient
@@ -356,34 +367,54 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 t_rows = torch.cat([t_rows, t_rows[-1:].expand(size * k - N)])
         rows_dev = None if t is None else to_device(t_rows, h.device)
         grad_h = torch.empty_like(h) if need_grad else None
-        loss, correct = h.new_zeros((), dtype=torch.float32), h.new_empty(size * k, dtype=torch.bool)
+        losses, correct = h.new_empty(size * k, dtype=torch.float32), h.new_empty(size * k, dtype=torch.bool)
         for s in range(0, size * k, size):
             e, teacher, rows = s + size, None, None
             if t is not None:   # the chunk's teacher logits: one per position its rows need (host indices, no sync)
                 lo, hi = int(t_rows[s:e].min()), int(t_rows[s:e].max()) + 1
                 teacher, rows = t[lo:hi] @ weight.t(), rows_dev[s:e] - lo
-            part, correct[s:e], g = ce(h[s:e] @ weight.t(), labels[s:e], w[s:e], teacher, alpha, rows)
-            loss += part
+            losses[s:e], correct[s:e], g = ce(h[s:e] @ weight.t(), labels[s:e], w[s:e], teacher, alpha, rows)
             if need_grad:
                 grad_h[s:e] = (g @ weight).to(h.dtype)
+        if reweight is not None:   # a row's loss and gradient are linear in its weight: scaled once all are known
+            f = reweight(losses[:N], w[:N])
+            losses[:N] *= f
+            if need_grad:
+                grad_h[:N] *= f[:, None].to(h.dtype)
         ctx.save_for_backward(grad_h[:N] if need_grad else None)
         correct = correct[:N]
         ctx.mark_non_differentiable(correct)
-        return loss, correct
+        return losses.sum(), correct
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         (grad_h,) = ctx.saved_tensors
-        return (grad_h * grad_loss.to(grad_h.dtype),) + (None,) * 8
+        return (grad_h * grad_loss.to(grad_h.dtype),) + (None,) * 9
 
 CHUNK_ROWS = 3072   # LM head + CE rows per chunk: fewer, larger chunks are faster, each costs its fp32 logits in memory
 
+def dpace_factors(weighted, w, width, smoothing):
+    """D-PACE's position weights (rows of `width` block positions 1..bs-1) from each row's weighted loss w * loss:
+    the drafter's confidence q = exp(-loss), smoothed q~ = (1 - smoothing) q + smoothing, is its chance of drafting the
+    position right, so sum over m of prod_{i <= m} q~_i is the block's expected acceptance, whose derivative by
+    log q~_j is position j's weight sum_{m >= j} prod_{i <= m} q~_i; an unsupervised position ends the chain. With
+    distillation the loss is mainly the KL to the target: q = 1 exactly where the drafter's distribution is the
+    target's (a draft then passes greedy and sampled verification alike), whereas exp(-CE) would also fall where the
+    target itself is unsure, a doubt the drafter cannot remove. The weights are constants of the step (no gradient
+    through them)."""
+    sup = w > 0
+    loss = torch.where(sup, weighted / torch.where(sup, w, 1.0), 0.0).clamp(min=0)
+    q = ((1 - smoothing) * torch.exp(-loss) + smoothing) * sup
+    reach = torch.cumprod(q.view(-1, width), dim=1)             # prod_{i <= m} q~_i
+    return reach.flip(1).cumsum(1).flip(1).reshape(-1)          # sum_{m >= j}
+
 def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, weight_sum=None,
-                teacher=None, teacher_rows=None, distill=0.0):
+                teacher=None, teacher_rows=None, distill=0.0, dpace=0.0):
     """Weighted CE over block positions 1..bs-1 of hidden (B, A*bs, H), labels/weights (B, A, bs), chunk by chunk:
     the loss over `weight_sum` (micro-batches and replicas share it: their step is one), and per position acc and
     counts (bs-1,) (acc: the drafter's top token is the label, or the teacher's). teacher (P, H): the target's final
-    hidden states, matched by a KL of weight `distill` (the CE: 1 - distill); teacher_rows: teacher_positions' rows."""
+    hidden states, matched by a KL of weight `distill` (the CE: 1 - distill); teacher_rows: teacher_positions' rows.
+    dpace > 0: the weights times D-PACE's (dpace_factors, that smoothing)."""
     B, A, bs = labels.shape
     h = hidden.reshape(B, A, bs, -1)[:, :, 1:].reshape(B * A * (bs - 1), -1)   # k = 0 never scored
     y = labels[:, :, 1:].reshape(-1)
@@ -392,8 +423,9 @@ def dflash_loss(hidden, lm_head_weight, labels, weights, chunk_rows=CHUNK_ROWS, 
     wsum = w.sum() if weight_sum is None else torch.full((), float(weight_sum), device=w.device)
     ce = kernels.ce_chunk_triton if kernels.triton is not None and h.is_cuda else kernels.ce_chunk_eager
     t = None if teacher is None else teacher.to(h.dtype)
+    reweight = functools.partial(dpace_factors, width=bs - 1, smoothing=dpace) if dpace else None
     loss, correct = _ChunkedLMHeadLoss.apply(h, lm_head_weight.to(h.dtype), y, w / wsum.clamp(min=1e-6),
-                                             chunk_rows, ce, t, teacher_rows, distill)
+                                             chunk_rows, ce, t, teacher_rows, distill, reweight)
     sup = (w > 0).view(B * A, bs - 1)
     counts = sup.sum(0).float()
     return loss, (correct.view(B * A, bs - 1) & sup).sum(0).float() / counts.clamp(min=1), counts

@@ -28,7 +28,7 @@ def _check_once(checked, dev, check, *args):
 # ---- 1. Cross entropy of one chunk of logits
 
 def ce_chunk_eager(logits, y, w, teacher=None, alpha=0.0, rows=None):
-    """(sum of w * loss, correct, dloss/dlogits * w) of (n, V) logits. The loss: CE to the labels y, or with teacher
+    """(w * loss, correct, dloss/dlogits * w) of (n, V) logits, per row. The loss: CE to the labels y, or with teacher
     logits (row i's: teacher[rows[i]]) (1 - alpha) CE + alpha KL(teacher's softmax || softmax). correct: the logit at
     the label (with a teacher: at the teacher's top token) is the row's maximum."""
     x = logits.float()
@@ -42,7 +42,7 @@ def ce_chunk_eager(logits, y, w, teacher=None, alpha=0.0, rows=None):
         kl = lse - torch.logsumexp(t, dim=-1) - (p * (x - t)).sum(-1)
         loss, g = (1 - alpha) * loss + alpha * kl, g - alpha * p
     g *= w[:, None]
-    return (loss * w).sum(), correct, g.to(logits.dtype)
+    return loss * w, correct, g.to(logits.dtype)
 
 if triton is not None:
     @triton.jit
@@ -101,7 +101,7 @@ def _ce_chunk_triton_unchecked(logits, y, w, teacher=None, alpha=0.0, rows=None)
         _ce_rows_kernel[(n,)](logits, t, r, g, y.contiguous(), w.float().contiguous(), loss, correct,
                               logits.stride(0), t.stride(0), float(alpha), V=V, BLOCK=4096,
                               TEACHER=teacher is not None, num_warps=8)
-    return loss.sum(), correct, g
+    return loss, correct, g
 
 def ce_chunk_triton(logits, y, w, teacher=None, alpha=0.0, rows=None):
     """ce_chunk_eager's result from one Triton kernel, two passes over the logits: nothing to compile in the gate."""
@@ -115,7 +115,8 @@ def _check_ce_kernel(logits, y, w, teacher, alpha, rows=None):
         teacher = teacher[: len(y)]
     loss, correct, g = _ce_chunk_triton_unchecked(logits, y, w, teacher, alpha, rows)
     ref_loss, ref_correct, ref_g = ce_chunk_eager(logits, y, w, teacher, alpha, rows)
-    loss, ref_loss, g_err = float(loss), float(ref_loss), float((g.float() - ref_g.float()).abs().max())
+    loss, ref_loss = float(loss.sum()), float(ref_loss.sum())
+    g_err = float((g.float() - ref_g.float()).abs().max())
     if not (abs(loss - ref_loss) <= 1e-4 * max(abs(ref_loss), 1.0) and bool((correct == ref_correct).all())
             and g_err <= 1e-2 * float(ref_g.float().abs().max()) + 1e-6):
         raise RuntimeError(f"the Triton CE kernel disagrees with the eager CE on {logits.device}: loss {loss} vs "

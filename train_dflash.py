@@ -60,7 +60,7 @@ class Trainer:
         t_warm, ddevs = time.time(), self.plan.ddevs
         if self.plan.attn == "flex":
             compiled.use_compile_cache(cfg.compile_cache)
-        compiled.warm_up(self.replicas.drafters, self.plan.shapes, forward_backward, cfg.gamma, cfg.distill, log,
+        compiled.warm_up(self.replicas.drafters, self.plan.shapes, forward_backward, cfg.loss, log,
                          targets=self.graphed if self.plan.attn == "flex" else ())
         log(f"[warmup] done in {time.time() - t_warm:.1f}s")
         self.replicas.zero_grads()          # the warm-up's backward passes left their gradients
@@ -87,7 +87,8 @@ class Trainer:
         self.dcfg = models.make_drafter_config(cfg, tcfg, self.tok, models.target_identity(self.tpath, tcfg))
         mask = "-" if self.tok is None else repr(self.tok.convert_ids_to_tokens(self.dcfg.mask_token_id))
         log(f"[model] drafter {self.dcfg}")
-        log(f"[model] mask token {self.dcfg.mask_token_id} ({mask}), gamma {cfg.gamma}, attention {plan.attn}"
+        weights = f"D-PACE (smoothing {cfg.dpace})" if cfg.dpace else f"gamma {cfg.gamma}"
+        log(f"[model] mask token {self.dcfg.mask_token_id} ({mask}), loss weights {weights}, attention {plan.attn}"
             + (" (CPU: FlexAttention has no backward, dense-mask SDPA)" if plan.ddevs[0].type == "cpu" else ""))
         self.data, self.heldout = data_dflash.load_training_data(cfg, files, self.tok, self.dcfg.vocab_size,
                                                                  plan.rank, log)
@@ -232,7 +233,7 @@ class Trainer:
         env = functools.partial(environment.with_cache, self.env_at_start, cfg.compile_cache)
         folder = os.path.abspath(os.path.join(cfg.out_dir, f"step_{step:06d}", "drafter"))
         recipe = {"data": ", ".join(cfg.data) or "the embedded default (ShareGPT V3)", "steps": step,
-                  **{k: getattr(cfg, k) for k in ("max_length", "num_anchors", "gamma", "distill", "lr")}}
+                  **{k: getattr(cfg, k) for k in ("max_length", "num_anchors", "gamma", "dpace", "distill", "lr")}}
         card = dm.model_card(self.dcfg, folder, recipe)
         self.rec.add(pause=self.ckpt.save(step, state, self.replicas.drafters[0], env, card))
 
@@ -274,7 +275,7 @@ def prepare_batch(cfg, dcfg, keys, ids, lm, lengths, A):
     """A batch's host work, done by the loader thread ahead of its step (off the step loop's and the drafter thread's
     path): its A anchors a row, its dm.Batch, and its share of the step's sums."""
     anchors, valid = sample_anchors_for(cfg.seed, keys, lm, lengths, A, dcfg.block_size)
-    batch = dm.make_batch(ids, lm, anchors, valid, dcfg, cfg.gamma, cfg.distill)
+    batch = dm.make_batch(ids, lm, anchors, valid, dcfg, cfg.loss)
     return {"ids": ids, "batch": batch, "wsum": float(batch.weights[:, :, 1:].sum()), "tokens": float(lengths.sum()),
             "flops": dm.batch_flops(dcfg, ids.shape[1], anchors, valid, batch.taught)}
 

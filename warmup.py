@@ -52,7 +52,7 @@ def main(argv=None):
             targets.append(compiled.GraphedTarget(target, dcfg.target_layer_ids, final=cfg.teacher))
     print(f"[warmup] {len(drafters)} drafter device(s) x {len(shapes)} shapes, {len(targets)} compiled target(s), "
           f"attention {attn}")
-    rows = compiled.warm_up(drafters, shapes, forward_backward, cfg.gamma, cfg.distill, targets=targets)
+    rows = compiled.warm_up(drafters, shapes, forward_backward, cfg.loss, targets=targets)
     print(f"[warmup] done: {sum(r[2] for r in rows):.1f}s over {len(rows)} (device, shape) pairs")
 
 if __name__ == "__main__":

@@ -157,6 +157,6 @@ def flex_case():
     feats = torch.randn(B, S, len(cfg.target_layer_ids) * H)
     with torch.no_grad():
         bm = dm.create_dflash_block_mask(anchors, S, bs)
-    batch = dm.make_batch(input_ids, loss_mask, anchors, valid, cfg, 7.0)
+    batch = dm.make_batch(input_ids, loss_mask, anchors, valid, cfg, dm.Loss(7.0))
     return SimpleNamespace(B=B, S=S, A=A, bs=bs, anchors=anchors, valid=valid, loss_mask=loss_mask,
                            input_ids=input_ids, drafter=drafter, flex=flex, feats=feats, bm=bm, gamma=7.0, batch=batch)

@@ -127,7 +127,7 @@ def test_warm_up_compiles_each_replica_and_shape_sizes_the_recompile_limit_and_m
     warm; the flex rows say how each compile went (here: the trunk this file already compiled for the
     flex_case shape, in no-grad mode, so reused in process)."""
     c, logs = flex_case, []
-    rows = compiled.warm_up([c.drafter, c.drafter], [(1, 128, 8), (1, 256, 8)], forward_backward, 7.0,
+    rows = compiled.warm_up([c.drafter, c.drafter], [(1, 128, 8), (1, 256, 8)], forward_backward, dm.Loss(7.0),
                             log=logs.append)
     assert [(r[1], r[3]) for r in rows] == [((1, 128, 8), "eager (sdpa)"), ((1, 256, 8), "eager (sdpa)")] * 2
     assert GATE.recompile_limit == 2 * 2 + 2 and GATE.warm
@@ -140,13 +140,14 @@ def test_warm_up_compiles_each_replica_and_shape_sizes_the_recompile_limit_and_m
     with torch.no_grad():
         c.flex(c.feats, c.batch)
         reset_gate()
-        rows = compiled.warm_up([c.flex], [(c.B, c.S, c.A)], forward_backward, 7.0, log=logs.append)
+        rows = compiled.warm_up([c.flex], [(c.B, c.S, c.A)], forward_backward, dm.Loss(7.0), log=logs.append)
         assert rows[0][3] in ("reused (in process)", "cache hit") and is_warmed(
             "drafter_fwd", "cpu", (c.B, c.S, c.A, c.bs))
         # an unwarmed shape is refused under the warm gate, naming it
         with pytest.raises(compiled.UnwarmedShapeError, match=r"\(3, 128, 8, 16\)"):
             c.flex(c.feats[:, :128], dm.make_batch(c.input_ids[:, :128], c.loss_mask[:, :128],
-                                                   c.anchors[:, :8].clamp(max=100), c.valid[:, :8], c.flex.config, c.gamma))
+                                                   c.anchors[:, :8].clamp(max=100), c.valid[:, :8], c.flex.config,
+                                                   dm.Loss(c.gamma)))
 
 
 def test_the_warm_up_runs_the_trainers_own_step_on_each_shape():
@@ -159,11 +160,12 @@ def test_the_warm_up_runs_the_trainers_own_step_on_each_shape():
     seen = []
 
     def step(drafter, work, weight_sum):
-        seen.append((work[0][0].shape[-1], work[0][1].shape, work[0][1].distill))
+        seen.append((work[0][0].shape[-1], work[0][1].shape, work[0][1].distill, work[0][1].dpace))
         return forward_backward(drafter, work, weight_sum)
-    for shape, distill in (((1, 64, 4), 0.0), ((2, 32, 2), 0.5)):
-        compiled.warm_shape(d, shape, step, 7.0, distill)
-    assert seen == [(len(c.target_layer_ids) * 32, (1, 64, 4), 0.0), ((len(c.target_layer_ids) + 1) * 32, (2, 32, 2), 0.5)]
+    for shape, loss in (((1, 64, 4), dm.Loss(7.0)), ((2, 32, 2), dm.Loss(7.0, distill=0.5, dpace=0.5))):
+        compiled.warm_shape(d, shape, step, loss)
+    n = len(c.target_layer_ids)
+    assert seen == [(n * 32, (1, 64, 4), 0.0, 0.0), ((n + 1) * 32, (2, 32, 2), 0.5, 0.5)]
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in d.parameters())
 
 
@@ -307,7 +309,7 @@ def test_compiled_targets_give_the_eager_features_in_their_threads_through_the_w
     for t in targets:
         compiled.compile_target_layers(t)
     graphed = [compiled.GraphedTarget(t, [0, 2], False) for t in targets]
-    rows = compiled.warm_up([], TARGET_SHAPES + [(1, 128, 16)], None, 7.0, log=lambda m: None, targets=graphed)
+    rows = compiled.warm_up([], TARGET_SHAPES + [(1, 128, 16)], None, dm.Loss(7.0), log=lambda m: None, targets=graphed)
     assert [(r[0], r[1]) for r in rows] == [("cpu target", (1, 128)), ("cpu target", (2, 64))] * 2
     kinds = [r[3] for r in rows]
     assert all(re.search(r"(compile|hit|\(in process\)), features \de[+-]\d+ from eager", k) for k in kinds), kinds
@@ -358,7 +360,8 @@ def test_a_compiled_target_whose_features_differ_from_eager_is_refused_at_the_wa
     compiled.compile_target_layers(target)
     rows = []
     graphed = compiled.GraphedTarget(target, [0, 2], False)
-    warm = lambda: rows.extend(compiled.warm_up([], TARGET_SHAPES, None, 7.0, log=lambda m: None, targets=[graphed]))
+    warm = lambda: rows.extend(compiled.warm_up([], TARGET_SHAPES, None, dm.Loss(7.0), log=lambda m: None,
+                                                targets=[graphed]))
     if where == "every position":
         with pytest.raises(UserError, match=r"^the compiled target's features at \(B, S\) = \(1, 128\) "
                            r"differ from the eager target's: a row's median position by .* \(relative; torch.float32 "

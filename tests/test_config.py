@@ -46,6 +46,7 @@ def test_help_lists_every_option_and_unknown_or_mistyped_options_are_errors(tmp_
                          (["--seed", "-1"], "need --seed, --max-samples"),
                          (["--max-samples", "-5"], "need --seed, --max-samples"),
                          (["--gamma", "-1"], "--gamma must be > 0 (0: the block size's default), got -1.0"),
+                         (["--dpace", "1.5"], "--dpace must lie in (0, 1] (0: off), got 1.5"),
                          (["--data", "synthetic:abc"], "--data synthetic:abc: synthetic:N needs a number N >= 1"),
                          (["--data", "synthetic:0"], "--data synthetic:0: synthetic:N needs a number N >= 1"),
                          (["--data", str(tmp_path)], f"data folder {tmp_path} holds no .json, .jsonl")]:

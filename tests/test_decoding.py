@@ -52,7 +52,7 @@ def trained(targets):
     gamma, tau, t0 = 4.0, 1.0, time.time()
     for step in range(400):
         anchors, valid = dm.sample_anchors(loss_mask, lengths, 32, bs, gen)
-        loss, _, _ = drafter(feats, dm.make_batch(seq, loss_mask, anchors, valid, drafter.config, gamma))
+        loss, _, _ = drafter(feats, dm.make_batch(seq, loss_mask, anchors, valid, drafter.config, dm.Loss(gamma)))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -60,7 +60,7 @@ def trained(targets):
         if step % 10 == 9:
             with torch.no_grad():
                 _, acc, _ = drafter(feats, dm.make_batch(seq, loss_mask, all_anchors, all_valid, drafter.config,
-                                                         gamma))
+                                                         dm.Loss(gamma)))
             tau = dm.simulated_tau(acc)
             if tau >= 7.9:
                 break

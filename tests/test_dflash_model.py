@@ -196,12 +196,24 @@ def test_make_blocks_hand_worked():
     assert torch.allclose(w, expected, atol=1e-7, rtol=0)
 
 
+def dpace_reference(per_row, w, width, a):
+    """D-PACE's weights written out: w_j = sum over m >= j of prod over i <= m of ((1 - a) exp(-loss_i) + a), a
+    product of 0 from an unscored position on."""
+    q = (((1 - a) * torch.exp(-per_row.detach()) + a) * (w > 0)).view(-1, width)
+    out = torch.zeros_like(q)
+    for r in range(q.shape[0]):
+        for j in range(width):
+            out[r, j] = sum(math.prod(q[r, i].item() for i in range(m + 1)) for m in range(j, width))
+    return out.reshape(-1)
+
+@pytest.mark.parametrize("dpace", [0.0, 0.5], ids=["decay", "dpace"])
 @pytest.mark.parametrize("distill", [0.0, 0.6, 1.0], ids=["ce", "ce-and-kl", "kl"])
 @pytest.mark.parametrize("chunk_rows", [7, 5], ids=["equal-chunks", "padded-last-chunk"])
-def test_dflash_loss_matches_plain_weighted_ce_and_kl_and_gradient(chunk_rows, distill):
+def test_dflash_loss_matches_plain_weighted_ce_and_kl_and_gradient(chunk_rows, distill, dpace):
     """The chunked LM head + CE, mixed with the KL to a teacher's softmax (the CPU path; test_kernels checks the
     GPU kernel against the same per-chunk function), against dense logits: 24 rows in chunks of at most 7 (4 x 6)
-    or 5 (5 x 5, the last one padded)."""
+    or 5 (5 x 5, the last one padded); with D-PACE each row's weight times dpace_reference's of the rows' losses,
+    no gradient through them."""
     g = torch.Generator().manual_seed(3)
     B, A, bs, H, V = 2, 3, 5, 16, 50
     hidden = torch.randn(B, A * bs, H, generator=g)
@@ -216,7 +228,7 @@ def test_dflash_loss_matches_plain_weighted_ce_and_kl_and_gradient(chunk_rows, d
     teacher = torch.randn(N // 2, H, generator=g) if distill else None
     rows = torch.randint(0, N // 2, (N,), generator=g).sort().values if teacher is not None else None
     loss, acc, counts = dm.dflash_loss(h1, W, labels, weights, chunk_rows=chunk_rows, teacher=teacher,
-                                       teacher_rows=rows, distill=distill)
+                                       teacher_rows=rows, distill=distill, dpace=dpace)
     size, k = dm.chunk_plan(N, chunk_rows)
     assert k > 2 and size * k >= N and size <= chunk_rows                 # several chunks ran
     assert (size * k > N) == (chunk_rows == 5)
@@ -231,7 +243,8 @@ def test_dflash_loss_matches_plain_weighted_ce_and_kl_and_gradient(chunk_rows, d
         kl = F.kl_div(logits.log_softmax(-1), (teacher[rows] @ W.t()).log_softmax(-1), log_target=True,
                       reduction="none").sum(-1)
         per_row = (1 - distill) * per_row + distill * kl
-    ref = (w * per_row).sum() / w.sum()
+    factors = dpace_reference(per_row, w, bs - 1, dpace) if dpace else 1.0
+    ref = (w * factors * per_row).sum() / w.sum()
     (3.0 * ref).backward()
 
     assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6)
@@ -243,6 +256,19 @@ def test_dflash_loss_matches_plain_weighted_ce_and_kl_and_gradient(chunk_rows, d
     hit = (logits.argmax(-1) == top).view(B * A, bs - 1) & sup
     assert torch.equal(counts, sup.sum(0).float())
     assert torch.allclose(acc, hit.sum(0).float() / sup.sum(0).clamp(min=1).float())
+
+
+def test_dpace_weighs_a_position_by_the_confidence_in_it_and_before_it_and_an_unscored_one_ends_the_chain():
+    """Rows of 3 block positions: a position's weight is the block's expected acceptance through it (sum over m >= j of
+    prod over i <= m of the smoothed confidences); a drafter sure of every position weighs them 3, 2, 1; an unscored
+    position gets 0 and ends the chain for the positions after it; a higher loss lowers the later weights only."""
+    sure = torch.zeros(3)
+    assert dm.dpace_factors(sure, torch.ones(3), 3, 0.5).tolist() == [3.0, 2.0, 1.0]
+    assert dm.dpace_factors(sure, torch.tensor([1.0, 0.0, 1.0]), 3, 0.5).tolist() == [1.0, 0.0, 0.0]
+    w = torch.full((3,), 0.25)                                     # weighted losses are w * loss
+    loss = torch.tensor([0.0, math.log(2.0), 0.0])                 # position 2: confidence 1/2, smoothed 3/4
+    assert torch.allclose(dm.dpace_factors(w * loss, w, 3, 0.5), torch.tensor([1 + 0.75 + 0.75, 0.75 + 0.75, 0.75]))
+    assert torch.allclose(dm.dpace_factors(w * loss, w, 3, 1.0), torch.tensor([3.0, 2.0, 1.0]))   # all smoothed away
 
 
 def test_distillation_matches_the_targets_next_token_distributions_and_training_lowers_the_kl():
@@ -284,7 +310,7 @@ def test_distillation_matches_the_targets_next_token_distributions_and_training_
             kl = F.kl_div(q, p, log_target=True, reduction="none").sum(-1)
             return float((kl * w[:, :, 1:]).sum() / w[:, :, 1:].sum())
 
-    batch = dm.make_batch(ids, lm, anchors, valid, c, 7.0, distill=1.0)
+    batch = dm.make_batch(ids, lm, anchors, valid, c, dm.Loss(7.0, distill=1.0))
     loss = float(drafter(feats, batch)[0].detach())
     before = dense_kl()
     assert abs(loss - before) <= 1e-4 * before, (loss, before)
@@ -310,11 +336,11 @@ def test_a_batch_of_many_sequences_gives_the_losses_and_gradients_of_its_rows_ru
     lm = (torch.arange(S)[None] < lengths[:, None]).long()
     lm[:, :10] = 0                                                      # a prompt: no loss there
     anchors, valid = tr.sample_anchors_for(0, [(i, 0) for i in range(B)], lm, lengths, A, bs)
-    wsum = float(dm.make_batch(ids, lm, anchors, valid, cfg, 4.0).weights[:, :, 1:].sum())
+    wsum = float(dm.make_batch(ids, lm, anchors, valid, cfg, dm.Loss(4.0)).weights[:, :, 1:].sum())
 
     def run(rows):
         drafter.zero_grad(set_to_none=True)
-        batch = dm.make_batch(ids[rows], lm[rows], anchors[rows], valid[rows], cfg, 4.0)
+        batch = dm.make_batch(ids[rows], lm[rows], anchors[rows], valid[rows], cfg, dm.Loss(4.0))
         loss, acc, cnt = drafter(feats[rows], batch, wsum)
         loss.backward()
         return loss.detach(), acc * cnt, cnt, [p.grad.clone() for p in drafter.parameters()]
@@ -529,7 +555,7 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
     ids, lm = torch.randint(0, 255, (1, S)), torch.ones(1, S)
     anchors, valid = dm.sample_anchors(lm, torch.tensor([S]), A, bs, torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
-        loss, _, _ = drafter(feats, dm.make_batch(ids, lm, anchors, valid, cfg, 7.0))
+        loss, _, _ = drafter(feats, dm.make_batch(ids, lm, anchors, valid, cfg, dm.Loss(7.0)))
         loss.backward()
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     matmuls = sum(n for op, n in counts.items() if op in ("aten.mm", "aten.addmm", "aten.bmm"))
@@ -548,7 +574,7 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
         dm.batch_flops(cfg, S, anchors2, valid2) + 2 * (30 + 15) * H * 256
     taught = len(dm.teacher_positions(anchors, valid, S, bs)[0])
     feats_final = torch.cat([feats, torch.randn(1, S, H)], -1)     # the target's final states: the teacher
-    batch = dm.make_batch(ids, lm, anchors, valid, cfg, 7.0, distill=0.5)
+    batch = dm.make_batch(ids, lm, anchors, valid, cfg, dm.Loss(7.0, distill=0.5))
     with FlopCounterMode(display=False) as counter:
         drafter(feats_final, batch)[0].backward()
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}

@@ -50,7 +50,7 @@ def batch(c, B=2, S=256, A=16, seed=0):
     valid[1, A // 2:] = False                                      # a row with padding blocks
     ids = torch.randint(0, c.vocab_size - 1, (B, S), generator=g).to(DEV)
     feats = torch.randn(B, S, len(c.target_layer_ids) * c.hidden_size, generator=g).to(DEV)
-    return feats, dm.make_batch(ids, torch.ones(B, S, device=DEV), anchors, valid, c, 2.0)
+    return feats, dm.make_batch(ids, torch.ones(B, S, device=DEV), anchors, valid, c, dm.Loss(2.0))
 
 
 def test_flex_trunk_forward_and_backward_equal_the_dense_trunk():

@@ -266,8 +266,10 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
     assert _files(out) == before                          # refused before any work: not a line of train.log
     p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--lr", 1e-5)
     assert p.rc != 0 and "--lr 1e-05 (checkpoint: 0.0006)" in p.out, p.tail()
-    p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--distill", 0.5, "--gamma", 2)
-    assert p.rc != 0 and "--distill 0.5 (checkpoint: 0.0), --gamma 2.0 (checkpoint: 4.0)" in p.out, p.tail()  # a new run
+    p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--distill", 0.5, "--gamma", 2,
+             "--dpace", 0.5)
+    assert p.rc != 0 and ("--distill 0.5 (checkpoint: 0.0), --gamma 2.0 (checkpoint: 4.0), "
+                          "--dpace 0.5 (checkpoint: 0.0)") in p.out, p.tail()  # a new run
     p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--num-draft-layers", 1)
     assert p.rc != 0 and "--num-draft-layers 1 (checkpoint: 2)" in p.out, p.tail()
     p = here("train_dflash", *common, "--max-steps", last + 2, "--resume", "--seed", 1)
@@ -304,20 +306,23 @@ def test_a_time_budget_stops_at_the_last_step_within_it_and_resume_rules(llama, 
 
 def test_distillation_runs_the_whole_target_and_trains(llama, sharegpt, cache_dir, tmp_path):
     """--distill: the target keeps its last layers and final norm (the teacher's distribution), and the run trains
-    on the mixed loss; --distill outside [0, 1] is an error."""
+    on the mixed loss, here under D-PACE's weights (--dpace, kept in the checkpoint's config); --distill outside
+    [0, 1] is an error."""
     common = [*TINY, "--target", llama, "--data", sharegpt, "--cache-dir", cache_dir, "--max-samples", 30,
               "--heldout", 0, "--out-dir", tmp_path / "out"]
     p = here("train_dflash", *common, "--distill", 1.5)
     assert p.rc != 0 and "--distill must lie in [0, 1], got 1.5" in p.out, p.tail()
     trace = tmp_path / "trace.jsonl"
-    p = run_cmd(traced("train_dflash", [*common, "--distill", 0.5, "--max-steps", 3], trace, ["models:load_target"]))
+    p = run_cmd(traced("train_dflash", [*common, "--distill", 0.5, "--dpace", 0.5, "--max-steps", 3], trace,
+                       ["models:load_target"]))
     assert_ok(p)
     # the target the run trains against is whole: all its layers and its final norm (a cut one has fewer parameters)
     from transformers import AutoModelForCausalLM
     whole = sum(x.numel() for x in AutoModelForCausalLM.from_pretrained(llama).parameters())
     loaded = [e["out"] for e in _calls(read_trace(trace), "models:load_target", "return")]
     assert loaded and all(t["params"] == whole for t in loaded), (loaded, whole)
-    assert load_state(tmp_path / "out" / "step_000003")["config"]["distill"] == 0.5
+    saved = load_state(tmp_path / "out" / "step_000003")["config"]
+    assert saved["distill"] == 0.5 and saved["dpace"] == 0.5
     losses = [r["loss"] for r in metrics(tmp_path / "out")]
     assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses), losses
 
@@ -564,24 +569,28 @@ def test_torchrun_two_processes_keep_identical_replicas_and_resume_on_their_own_
 
 def test_the_loaders_prepared_batch_is_what_the_step_would_compute_itself():
     """prepare_batch (the loader thread's host work) gives each batch its anchors (drawn per sample and epoch), its
-    Batch with distillation's taught positions, and the step's sums (weights, tokens, FLOPs)."""
+    Batch of the run's loss (distillation's taught positions, D-PACE's weights of 1 where --gamma's would decay), and
+    the step's sums (weights, tokens, FLOPs)."""
     import config
     import dflash_model as dm
     import train_dflash as tr
     S, bs, H, B = 128, 8, 64, 3
     torch.manual_seed(5)
-    cfg = config.parse_args(["--num-anchors", "16", "--block-size", str(bs), "--distill", "0.5", "--max-length", "128"])
+    cfg = config.parse_args(["--num-anchors", "16", "--block-size", str(bs), "--distill", "0.5", "--max-length", "128",
+                             "--dpace", "0.5"])
     dcfg = small_config(hidden_size=H, block_size=bs)
     lengths, ids = torch.tensor([128, 90, 41]), torch.randint(0, 255, (B, S))
     lm = (torch.arange(S)[None] < lengths[:, None]).long()
     keys = [(7, 0), (3, 1), (5, 0)]
     b = tr.prepare_batch(cfg, dcfg, keys, ids, lm, lengths, config.anchors_for(cfg, S))
     anchors, valid = tr.sample_anchors_for(cfg.seed, keys, lm, lengths, config.anchors_for(cfg, S), bs)
-    want = dm.make_batch(ids, lm, anchors, valid, dcfg, cfg.gamma, 0.5)
+    want = dm.make_batch(ids, lm, anchors, valid, dcfg, dm.Loss(cfg.gamma, 0.5, 0.5))
     got = b["batch"]
     for k in ("block_ids", "block_pos", "labels", "weights", "anchors"):
         assert torch.equal(getattr(got, k), getattr(want, k)), k
-    assert got.distill == 0.5 and got.shape == (B, S, config.anchors_for(cfg, S))
+    assert got.distill == 0.5 and got.dpace == 0.5 and got.shape == (B, S, config.anchors_for(cfg, S))
+    w = got.weights[:, :, 1:]
+    assert torch.equal(w, (w > 0).float()) and w.sum() > 0
     for g, w in zip(got.taught, dm.teacher_positions(anchors, valid, S, bs)):
         assert torch.equal(g, w)
     assert b["wsum"] == float(want.weights[:, :, 1:].sum())

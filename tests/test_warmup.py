@@ -61,8 +61,8 @@ def test_warmup_py_fills_the_targets_cache_from_random_weights_of_its_shape(tmp_
             f"saved = safetensors.torch.load_file({str(tmp_path / 'm' / 'model.safetensors')!r})\n"
             "same = {n: torch.equal(p, saved[n]) for n, p in t.named_parameters()}\n"
             "compiled.compile_target_layers(t)\n"
-            "rows = compiled.warm_up([], [(2, 64, 8)], None, 7.0, targets=[compiled.GraphedTarget(t, [0, 2], False)], "
-            "log=lambda m: None)\n"
+            "rows = compiled.warm_up([], [(2, 64, 8)], None, dm.Loss(7.0), "
+            "targets=[compiled.GraphedTarget(t, [0, 2], False)], log=lambda m: None)\n"
             "with open(sys.argv[2], 'w') as f:\n"
             "    json.dump({'rows': rows, 'saved_weights': same, 'layers': len(t.model.layers)}, f)\n")
     got = {}
