@@ -184,8 +184,8 @@ def _normalise(record):
         if why:
             return None, why
         messages.append({"role": ROLES[role.strip().lower()], "content": content})
-        if turn.get("unfinished") is True and messages[-1]["role"] == "assistant":   # generate_data.py --unfinished cut
-            messages[-1]["unfinished"] = True
+        if messages[-1]["role"] == "assistant":   # what generate_data.py adds: the mark, the ids the target wrote
+            messages[-1].update({k: turn[k] for k in ("unfinished", "ids") if k in turn and turn[k] is not None})
     first = int(messages[0]["role"] == "system")  # a ShareGPT piece may open with a reply; templates want a user turn
     while len(messages) > first and messages[first]["role"] == "assistant":
         del messages[first]
@@ -383,8 +383,30 @@ def _template_message(tokenizer, what, short, long):
             f"{long[max(0, n - 40):n + 40]!r}, and the reply could not be found in it either. "
             f"Template starts {str(tokenizer.chat_template)[:120]!r}.")
 
+def _written_ids(tokenizer, replies, spans, text, ids, offsets, mask):
+    """(ids, mask, replies whose "ids" were not used) with each reply's text tokens replaced by the ids the target
+    wrote (generate_data.py's "ids": text tokenised again can differ) where they decode to its content and the
+    content's tokens start and end on its edges; its end of turn stays the template's."""
+    cut, unused = [], 0
+    for m, (start, end) in zip(replies, spans):
+        own, content = m.get("ids"), m["content"].strip()
+        if own is None or not content:
+            continue
+        k = text.find(content, start, end)
+        first, last = np.flatnonzero(offsets[:, 0] == k), np.flatnonzero(offsets[:, 1] == k + len(content))
+        ok = (k >= 0 and len(first) and len(last) and isinstance(own, list)
+              and all(isinstance(x, int) and 0 <= x < len(tokenizer) for x in own)
+              and tokenizer.decode(own, skip_special_tokens=True).strip() == content)
+        if ok:
+            cut.append((first[0], last[-1] + 1, own))
+        unused += not ok
+    for a, b, own in reversed(cut):   # from the end: the earlier indices stay valid
+        ids, mask = ids[:a] + own + ids[b:], np.concatenate([mask[:a], np.ones(len(own), np.uint8), mask[b:]])
+    return ids, mask, unused
+
 def _encode(tokenizer, conversations, max_length):
-    """Per conversation, (ids, loss mask, truncated) tokenised in one batch, or why the template fails it."""
+    """Per conversation, (ids, loss mask, truncated, replies whose written ids were not used) tokenised in one batch,
+    or why the template fails it."""
     import jinja2
     out, texts = [None] * len(conversations), {}
     for i, messages in enumerate(conversations):
@@ -402,11 +424,14 @@ def _encode(tokenizer, conversations, max_length):
         except ChatTemplateError as e:
             out[i] = e
             continue
-        offsets = np.asarray(offsets[:max_length], dtype=np.int64).reshape(-1, 2)
+        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
         mask = np.zeros(len(offsets), dtype=np.uint8)
         for start, end in spans:  # a token across a span's edge (a merged "\n\n") carries reply text too
             mask[(offsets[:, 0] < end) & (offsets[:, 1] > start)] = 1
-        out[i] = (ids[:max_length], mask.tolist(), cut is not None)   # lists: what `datasets` writes fastest
+        replies = [m for m in conversations[i] if m["role"] == "assistant"]
+        ids, mask, unused = _written_ids(tokenizer, replies, spans, text, ids, offsets, mask)
+        # lists: what `datasets` writes fastest
+        out[i] = (ids[:max_length], mask[:max_length].tolist(), len(ids) > max_length, unused)
     return out
 
 def _split_heldout(conversations, n):
@@ -426,7 +451,8 @@ def _generate(tokenizer, files, max_length, min_supervised, max_conversations, h
     train, held = _split_heldout(conversations, heldout)
     used = train[:max_conversations or None]
     meta = dict(conversations=len(conversations) + sum(skipped.values()), usable=len(conversations), used=len(used),
-                not_trained=len(conversations) - len(train), truncated=0, first_error="", heldout=held)
+                not_trained=len(conversations) - len(train), truncated=0, written_ids_unused=0, first_error="",
+                heldout=held)
     print(f"data: tokenising {len(used):,} conversations (once: later starts read the cache)", flush=True)
     t0 = said = time.time()
     for start in range(0, len(used), 512):
@@ -440,8 +466,9 @@ def _generate(tokenizer, files, max_length, min_supervised, max_conversations, h
                 skipped["chat template not prefix-consistent" if inconsistent else "chat template error"] += 1
                 meta["first_error"] = meta["first_error"] or f"{type(item).__name__}: {item}"
                 continue
-            ids, mask, truncated = item
+            ids, mask, truncated, unused = item
             meta["truncated"] += truncated
+            meta["written_ids_unused"] += unused
             if sum(mask) < min_supervised:
                 skipped["too few supervised tokens"] += 1
             else:
@@ -482,6 +509,9 @@ def build_dataset(tokenizer, files, max_length, block_size, cache_dir, min_super
     if first_error:
         n = sum(v for k, v in skipped.items() if k.startswith("chat template"))
         log(f"data: WARNING: {n} conversation(s) skipped by the chat template, the first because: {first_error}")
+    if n := meta.get("written_ids_unused"):
+        log(f"data: WARNING: {n} repl(ies) carry target-written ids that do not decode to their text (another "
+            "tokenizer, or an edited file): their text is tokenised instead")
     skips = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
     first = (f" (the first {stats['used']} of {stats['usable']} readable ones tokenised)"
              if stats["used"] < stats["usable"] - stats["not_trained"] else "")

@@ -40,10 +40,11 @@ def parse_args(argv):
                    help="sampling seed: with it, each answer's draws depend on its conversation, copy and turn only")
     p.add_argument("--answers", type=int, default=1,
                    help="K copies of each conversation side by side, each with its own draws (--temperature > 0)")
-    p.add_argument("--unfinished", default="keep", choices=("keep", "cut", "drop"),
+    p.add_argument("--unfinished", default="keep", choices=("keep", "mark", "cut", "drop"),
                    help="an answer reaching --max-new-tokens without a stop token: keep (default: the template adds an "
-                        "end of turn the target never wrote; later turns follow), cut (the conversation ends with it, "
-                        "marked \"unfinished\", its end of turn untrained) or drop (the conversation ends before it)")
+                        "end of turn the target never wrote; later turns follow), mark (kept, marked \"unfinished\": "
+                        "its end of turn untrained; later turns follow), cut (marked, and the conversation ends with "
+                        "it) or drop (the conversation ends before it)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="weights, cache: auto = bfloat16 on GPUs, float32 on CPU (eval_dflash.py verifies in float32)")
     p.add_argument("--shard-size", type=int, default=1024, help="conversations per shard (the restart unit)")
@@ -122,7 +123,8 @@ class Shard:
         return out
 
     def answered(self, k, row):
-        """Keep conversation k's answer `row` as --unfinished says: True if its next turn may be asked for."""
+        """Keep conversation k's answer `row` as --unfinished says, with the ids the target wrote before its stop token
+        (the trainer learns them, not the text tokenised again): True if its next turn may be asked for."""
         finished = row[-1] in self.stops
         new = row[:-1] if finished else row
         beyond = not finished and len(new) < self.a.max_new_tokens   # the answer would pass max-length
@@ -133,9 +135,11 @@ class Shard:
             self.finish(k, "answer beyond max length" if beyond else "unfinished answer dropped")
             return False
         self.st["answers"] += 1
-        self.regen[k].append({"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True).strip()})
-        if mode == "cut":   # the trainer learns no end of turn the target did not write
+        self.regen[k].append({"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True).strip(),
+                              "ids": new})
+        if mode in ("mark", "cut"):   # the trainer learns no end of turn the target did not write
             self.regen[k][-1]["unfinished"] = True
+        if mode == "cut":
             later = any(m["role"] == "assistant" for m in self.convs[k][len(self.regen[k]):])
             self.finish(k, "turns after an unfinished answer" if later else None)
             return False

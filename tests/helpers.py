@@ -333,6 +333,12 @@ def tokenize_conversation(tokenizer, messages, max_length):
     return item[0], item[1]
 
 
+def masked_id_runs(ids, mask):
+    """The ids of each contiguous run of loss-masked tokens."""
+    edges = [i for i in range(len(mask) + 1) if (mask[i - 1] if i else 0) != (mask[i] if i < len(mask) else 0)]
+    return [ids[a:b] for a, b in zip(edges[::2], edges[1::2])]
+
+
 def _masked_runs(tok, ids, mask):
     """Decoded text of each contiguous run of loss-masked tokens."""
     runs, cur = [], []

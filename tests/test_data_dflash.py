@@ -13,7 +13,7 @@ import torch
 
 import data_dflash as D
 from errors import UserError
-from helpers import REPO, _masked_runs, run_cmd, tokenize_conversation
+from helpers import REPO, _masked_runs, masked_id_runs, run_cmd, tokenize_conversation
 
 
 # a Qwen2.5-like ChatML template: default system prompt, no {% generation %} markers
@@ -166,6 +166,34 @@ def test_mask_smollm2_template(smollm, conv):
     assert ids == tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
     want = [m["content"] + "<|im_end|>" for m in conv if m["role"] == "assistant"]
     assert _masked_runs(tok, ids, mask) == want
+
+
+def test_a_reply_is_learnt_as_the_ids_the_target_wrote_and_ids_that_are_not_its_text_are_counted(smollm, tmp_path):
+    """A reply with the "ids" generate_data.py writes is learnt as those tokens (here "hel" "lo" " wor" "ld", which the
+    tokenizer would write as "hello" " world"), its end of turn the template's; ids that do not decode to the reply's
+    text (another tokenizer, an edited file) or lie outside the vocabulary leave its text tokens, counted; the
+    truncation to max_length comes after."""
+    tok = smollm["tok"]
+    own = tok.convert_tokens_to_ids(["hel", "lo", "Ġwor", "ld"])
+    conv = [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": "hello world", "ids": own},
+            {"role": "user", "content": "Again."}, {"role": "assistant", "content": "hello world", "ids": own}]
+    text_ids, text_mask = tokenize_conversation(tok, [{k: m[k] for k in ("role", "content")} for m in conv], 512)
+    ids, mask, truncated, unused = D._encode(tok, [conv], 512)[0]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert masked_id_runs(ids, mask) == [own + [end]] * 2 and unused == 0 and not truncated
+    assert len(ids) == len(text_ids) + 4 and sum(mask) == sum(text_mask) + 4      # 2 tokens became 4, twice
+    for bad in (tok("good bye", add_special_tokens=False)["input_ids"], own[:3] + [len(tok)]):
+        conv[3]["ids"] = bad
+        ids, mask, truncated, unused = D._encode(tok, [conv], 512)[0]
+        assert masked_id_runs(ids, mask) == [own + [end], tok("hello world")["input_ids"] + [end]]
+        assert unused == 1
+    ids, mask, truncated, unused = D._encode(tok, [conv], len(text_ids))[0]
+    assert len(ids) == len(mask) == len(text_ids) and truncated
+    lines = []     # the trainer's log says how many replies it could not learn as written
+    data = D.build_dataset(tok, [_write_jsonl(tmp_path / "d.jsonl", [{"messages": conv}])], 512, 4,
+                           str(tmp_path / "cache"), min_supervised=1, log=lines.append)
+    assert data["stats"]["written_ids_unused"] == 1
+    assert sum("1 repl(ies) carry target-written ids that do not decode to their text" in x for x in lines) == 1, lines
 
 
 # -----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 import data_dflash as D
 import decoding
 import generate_data as G
-from helpers import _masked_runs, broken, run_cmd, tokenize_conversation
+from helpers import _masked_runs, broken, masked_id_runs, run_cmd, tokenize_conversation
 
 
 NEW = 12  # new tokens per answer: a tiny random model rarely stops by itself
@@ -60,11 +60,11 @@ def test_regenerated_answers_are_the_targets_greedy_ones_and_feed_the_trainer(ta
             x = tok.apply_chat_template(conv[:t], add_generation_prompt=True, return_tensors="pt")["input_ids"]
             y = model.generate(x, max_new_tokens=NEW, do_sample=False, eos_token_id=stops, pad_token_id=stops[0])
             new = [i for i in y[0, x.shape[1]:].tolist() if i not in stops]
-            assert conv[t]["content"] == tok.decode(new, skip_special_tokens=True).strip()
+            assert conv[t]["content"] == tok.decode(new, skip_special_tokens=True).strip() and conv[t]["ids"] == new
             assert conv[t]["content"] != before[0][t]["content"]
     assert any(c[2]["content"] for c in convs), "every answer empty: the test would prove little"
     ids, mask = tokenize_conversation(tok, convs[0], 256)
-    assert sum(mask) > 0
+    assert masked_id_runs(ids, mask) == [m["ids"] + [tok.convert_tokens_to_ids("<|im_end|>")] for m in convs[0] if m["role"] == "assistant"]
     data = D.build_dataset(tok, [str(out)], 256, 4, str(tmp_path / "cache"))
     assert data["stats"]["samples"] == 3
     import config
@@ -117,13 +117,14 @@ def test_killed_and_restarted_run_writes_the_same_file_as_an_uninterrupted_one(t
     assert data["stats"]["samples"] == 3 * answers
 
 
-@pytest.mark.parametrize("mode", ["keep", "cut", "drop"])
+@pytest.mark.parametrize("mode", ["keep", "mark", "cut", "drop"])
 def test_an_answer_that_reaches_max_new_tokens_is_kept_cut_or_dropped(tok, tmp_path, mode):
     """--unfinished on given answers (Shard's bookkeeping, no model): conversation 0 answered finished then unfinished
     (4 tokens, no stop token), 1 unfinished first, 2 finished twice. keep: every answer kept unmarked, the next turn
-    asked for; cut: the conversation ends with the unfinished answer, marked, and the trainer learns a finished
-    answer's end-of-turn token but not its; drop: the conversation ends before it, and one left without an answer
-    is skipped. Each case is counted."""
+    asked for; mark: kept, marked, the next turn asked for; cut: the conversation ends with the unfinished answer,
+    marked; a marked answer's end-of-turn token is not learnt, a finished one's is; drop: the conversation ends before
+    it, and one left without an answer is skipped. Each case is counted. The trainer learns the ids the target wrote
+    (the finished answer's leading space too, which its text has lost)."""
     a = G.parse_args(["--out", "x", "--max-new-tokens", "4", "--unfinished", mode])
     convs = D.load_conversations([chats(tmp_path / "in.jsonl")])[0]
     sh = G.Shard(0, convs, tok, a, decoding.stop_token_ids(tok, None))
@@ -137,19 +138,22 @@ def test_an_answer_that_reaches_max_new_tokens_is_kept_cut_or_dropped(tok, tmp_p
         decoded += [row for _, row in ended]
         asked = sh.next_turns([k for k, row in ended if sh.answered(k, row)])
     done = {k: [(m["content"], m.get("unfinished")) for m in c if m["role"] == "assistant"] for k, c in sh.done.items()}
-    fin, unf = ("Paris is big", None), ("one two three four", mode == "cut" or None)
+    fin, unf = ("Paris is big", None), ("one two three four", mode in ("mark", "cut") or None)
     assert done == {"keep": {0: [fin, unf], 1: [unf, fin], 2: [fin, fin]},
+                    "mark": {0: [fin, unf], 1: [unf, fin], 2: [fin, fin]},
                     "cut": {0: [fin, unf], 1: [unf], 2: [fin, fin]},
                     "drop": {0: [fin], 2: [fin, fin]}}[mode]
     assert all(c[-1]["role"] == "assistant" for c in sh.done.values()) and not sh.regen
-    ends = {"keep": {}, "cut": {"cut: turns after an unfinished answer": 1},
+    ends = {"keep": {}, "mark": {}, "cut": {"cut: turns after an unfinished answer": 1},
             "drop": {"cut: unfinished answer dropped": 1, "skipped: unfinished answer dropped": 1}}[mode]
     assert sh.st == {"generated_tokens": sum(map(len, decoded)), "hit_max_new_tokens": 2,
                      "answers": sum(map(len, done.values())), **ends}
     D.write_chat_jsonl(tmp_path / "out.jsonl", [sh.done[k] for k in sorted(sh.done)])
-    conv = D.load_conversations([str(tmp_path / "out.jsonl")])[0][0]   # the mark is read back with the answer
-    assert _masked_runs(tok, *tokenize_conversation(tok, conv, 512)) == \
-        ["Paris is big<|im_end|>", "one two three four" + ("" if mode == "cut" else "<|im_end|>")][:len(done[0])]
+    convs = D.load_conversations([str(tmp_path / "out.jsonl")])[0]   # the mark and the ids are read back
+    assert [m["ids"] for m in convs[0] if m["role"] == "assistant"] == [finished[:-1], unfinished][:len(done[0])]
+    marked = mode in ("mark", "cut")
+    assert _masked_runs(tok, *tokenize_conversation(tok, convs[0], 512)) == \
+        [" Paris is big<|im_end|>", " one two three four" + ("" if marked else "<|im_end|>")][:len(done[0])]
 
 
 def test_bad_records_are_counted_by_reason_and_the_good_ones_regenerated(target, tmp_path, capsys):
