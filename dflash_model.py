@@ -473,12 +473,15 @@ def step_flops(c, S, A, ctx):
     return matmul_flops(c, S, A) + 3 * c.num_draft_layers * 4 * A * c.block_size * \
         c.num_attention_heads * c.head_dim * (ctx + c.block_size)
 
-def batch_flops(c, S, anchors, valid, taught=None):
+def batch_flops(c, S, anchors, valid, taught=None, lengths=None):
     """One drafter step on a (B, S) batch as it runs (padding included), with the teacher's logits (one frozen LM head
-    matmul) at the positions of `taught` (teacher_positions' result; None: no distillation)."""
+    matmul) at the positions of `taught` (teacher_positions' result; None: no distillation). With the rows' `lengths`:
+    only the work on real tokens, each row's context its length and its blocks its valid anchors'."""
     ctx = [float(a[v].float().mean()) if bool(v.any()) else 0.0 for a, v in zip(anchors, valid)]
     teacher = 0 if taught is None else 2 * len(taught[0]) * c.hidden_size * c.vocab_size
-    return sum(step_flops(c, S, anchors.shape[1], x) for x in ctx) + teacher
+    if lengths is None:
+        return sum(step_flops(c, S, anchors.shape[1], x) for x in ctx) + teacher
+    return sum(step_flops(c, int(n), int(v.sum()), x) for n, v, x in zip(lengths, valid, ctx)) + teacher
 
 # ---- 4. The target's features
 

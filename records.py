@@ -40,7 +40,7 @@ class Recorder:
             self.tb = SummaryWriter(cfg.tensorboard, purge_step=step + 1 if step else None)
             log(f"[tensorboard] writing to {cfg.tensorboard} (view: tensorboard --logdir {cfg.tensorboard})")
         self.busy = {role: [0.0] * len(d) for role, d in devices.items()}   # seconds of device work, per device
-        self.tot = {"tokens": 0.0, "flops": 0.0, "sync": 0.0, "pause": 0.0}   # this run's sums
+        self.tot = {"tokens": 0.0, "flops": 0.0, "real_flops": 0.0, "sync": 0.0, "pause": 0.0}   # this run's sums
         self.losses, self.tok_hist, self.last, self.busy_at_last = [], [], None, None
 
     def start(self, t_start):
@@ -84,7 +84,8 @@ class Recorder:
         x = {"loss": last["loss"], "acc@1": last["acc"][0], f"acc@{cfg.block_size - 1}": last["acc"][-1],
              "sim_tau": last["sim_tau"], "lr": last["lr"], "grad_norm": last["grad_norm"],
              "tok_s": (tot["tokens"] - seen["tokens"]) / dt,
-             "mfu_drafter": (tot["flops"] - seen["flops"]) / dt / peak_flops,
+             "mfu_drafter": (tot["flops"] - seen["flops"]) / dt / peak_flops,     # padding counted as work
+             "mfu_drafter_real": (tot["real_flops"] - seen["real_flops"]) / dt / peak_flops,   # real tokens only
              "busy_target": (busy[0] - seen["busy"][0]) / dt, "busy_drafter": (busy[1] - seen["busy"][1]) / dt,
              "queue_load": queues[0], "queue_feat": queues[1],
              "sync_ms": 1e3 * (tot["sync"] - seen["sync"]) / max(1, step - seen["step"]),
@@ -137,7 +138,7 @@ def log_line(step, x, total_steps, cfg):
                 else f"{step}/{total_steps}")
     return (f"step {progress} | loss {x['loss']:.4f} | acc@1 {x['acc@1']:.3f} acc@{bs - 1} {x[f'acc@{bs - 1}']:.3f} "
             f"| sim_tau {x['sim_tau']:.2f} | lr {x['lr']:.2e} | gnorm {x['grad_norm']:.2f} | {x['tok_s']:,.0f} tok/s "
-            f"| MFU drafter {x['mfu_drafter']:.1%} | busy target {x['busy_target']:.0%} drafter "
+            f"| MFU drafter {x['mfu_drafter']:.1%} (real tokens {x['mfu_drafter_real']:.1%}) | busy target {x['busy_target']:.0%} drafter "
             f"{x['busy_drafter']:.0%} | queues load {x['queue_load']} feat {x['queue_feat']} | sync "
             f"{x['sync_ms']:.0f}ms | mem " + (f"{x['mem_gib']:.1f}GiB" if "mem_gib" in x else "-")
             + f" | ETA {x['eta_min']:.1f}min" + (f" | checkpoint pause {x['ckpt_pause_s']:.2f}s (not in the rates)"

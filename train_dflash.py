@@ -190,8 +190,8 @@ class Trainer:
         One loss normaliser over replicas x micro-batches x ranks: the step is one over their concatenation. Returns
         the step's figures and whether a signal on any rank makes it every rank's last."""
         reps, R = self.replicas, len(self.plan.ddevs)
-        wsum, tokens, flops, signalled = over_ranks(self.plan.world, [
-            *(sum(b[k] for b in batches) for k in ("wsum", "tokens", "flops")), bool(self.clock.asked)])
+        wsum, tokens, flops, real_flops, signalled = over_ranks(self.plan.world, [
+            *(sum(b[k] for b in batches) for k in ("wsum", "tokens", "flops", "real_flops")), bool(self.clock.asked)])
         for r in range(R):
             self.threads.put(self.q.inbox[r], (batches[r::R], wsum))
         sums = [self.threads.get(q) for q in self.q.outbox]    # every replica's backward is done
@@ -205,7 +205,7 @@ class Trainer:
             raise FloatingPointError(f"step {step}: {e} (loss {float(stats[0]):.4g}); stopped without "
                                      "stepping, the checkpoints are intact. Usual causes: too high --lr, "
                                      "or a bad batch / target feature") from None
-        self.rec.add(sync=time.time() - t0, tokens=tokens, flops=flops)
+        self.rec.add(sync=time.time() - t0, tokens=tokens, flops=flops, real_flops=real_flops)
         figures = self.rec.step_figures(step, stats, lr, gnorm)
         if step % self.cfg.log_interval == 0:
             reps.check(step)
@@ -277,7 +277,8 @@ def prepare_batch(cfg, dcfg, keys, ids, lm, lengths, A):
     anchors, valid = sample_anchors_for(cfg.seed, keys, lm, lengths, A, dcfg.block_size)
     batch = dm.make_batch(ids, lm, anchors, valid, dcfg, cfg.loss)
     return {"ids": ids, "batch": batch, "wsum": float(batch.weights[:, :, 1:].sum()), "tokens": float(lengths.sum()),
-            "flops": dm.batch_flops(dcfg, ids.shape[1], anchors, valid, batch.taught)}
+            "flops": dm.batch_flops(dcfg, ids.shape[1], anchors, valid, batch.taught),
+            "real_flops": dm.batch_flops(dcfg, ids.shape[1], anchors, valid, batch.taught, lengths)}
 
 def sample_anchors_for(seed, sample_keys, lm, lengths, A, block_size):
     """Drawn per (sample, epoch) with their own generator: the same however batches are split, and again on resume."""

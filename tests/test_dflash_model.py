@@ -567,6 +567,10 @@ def test_matmul_flops_of_the_mfu_equal_torchs_flop_counter_on_a_real_step():
     valid2 = torch.tensor([[True, True, False], [True, False, False]])
     assert dm.batch_flops(cfg, S, anchors2, valid2) == (dm.step_flops(cfg, S, 3, ctx=20.0)
                                                         + dm.step_flops(cfg, S, 3, ctx=50.0))
+    # on real tokens only (the MFU's second figure): each row's own length and its valid anchors' blocks
+    assert dm.batch_flops(cfg, S, anchors2, valid2, lengths=torch.tensor([60, 80])) == \
+        dm.step_flops(cfg, 60, 2, ctx=20.0) + dm.step_flops(cfg, 80, 1, ctx=50.0)
+    assert dm.batch_flops(cfg, S, anchors, valid, lengths=[S]) == dm.batch_flops(cfg, S, anchors, valid)
     # distillation adds one LM head matmul per distinct taught position: 10-24 and 30-44, then 50-64
     taught2 = dm.teacher_positions(anchors2, valid2, S, bs)
     assert len(taught2[0]) == 30 + 15

@@ -15,7 +15,7 @@ def test_tensorboard_events_hold_every_figure_of_the_log_line_at_its_step_equal_
     assert f"  tensorboard    tensorboard --logdir {tb}" in p.out, p.tail()      # the summary says how to view it
     assert re.search(r"step 4/4 .*\| busy target \d+% drafter \d+% \|", p.out), p.tail()
     events, recs = tb_scalars(tb), metrics(out)
-    logged = {"loss", "acc@1", "acc@7", "sim_tau", "lr", "grad_norm", "tok_s", "mfu_drafter", "busy_target",
+    logged = {"loss", "acc@1", "acc@7", "sim_tau", "lr", "grad_norm", "tok_s", "mfu_drafter", "mfu_drafter_real", "busy_target",
               "busy_drafter", "queue_load", "queue_feat", "sync_ms", "eta_min", "ckpt_pause_s"}     # no GPU: no mem_gib
     assert set(events) == logged, sorted(events)
     assert all([s for s, _ in events[tag]] == [1, 2, 3, 4] for tag in logged), events
