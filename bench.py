@@ -32,6 +32,7 @@ QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, interme
                 max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUSY = r"busy\s+(target .*?) \(share"      # the summary's busy line, as train_dflash.py writes it
+MFU = r"MFU drafter ([\d.]+% \(real tokens [\d.]+%\))"     # a log line's
 TINY = dict(QWEN3_8B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
 
@@ -245,7 +246,7 @@ def main_job_figures(text, out, manifest):
             "regen_tokens": gen["counts"]["generated_tokens"], "startup_s": float(find(r"\[run\] start-up ([\d.]+)s")),
             "warmup_s": float(find(r"\[warmup\] done in ([\d.]+)s")), "train_steps": last["step"],
             "train_steps_s": (last["step"] - first["step"]) / max(last["time"] - first["time"], 1e-9),
-            "train_busy": find(BUSY),
+            "train_busy": find(BUSY), "train_mfu_last_line": (re.findall(MFU, text) or [None])[-1],
             "optimiser_sync_share": find(r"optimiser step \+ gradient sync (\d+%)")}
 
 def eval_figures(runs):

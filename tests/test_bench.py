@@ -20,19 +20,20 @@ TIMED_DEPTH = ("import json, sys, bench, models\n"
 
 def test_bench_embedded_reads_the_main_jobs_figures_from_its_files_and_eval_runs(tmp_path):
     """bench.py --embedded's figures (its GPU run is not a CPU test): regeneration from generate_data.py's manifest,
-    start-up, warm-up and the summary's busy and sync shares from the log, steps/s from metrics.jsonl after its
-    first fifth; per method tau and the mean, range and ratio to tau of the batch-1 speed-ups of the eval runs."""
+    start-up, warm-up and the summary's busy and sync shares from the log, the last log line's MFU, steps/s from
+    metrics.jsonl after its first fifth; per method tau and the mean, range and ratio to tau of the batch-1 speed-ups of the eval runs."""
     import bench
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": 100 + s / 40}) + "\n"
                                                     for s in range(1, 101)))
     (tmp_path / "m.json").write_text(json.dumps({"this_run": {"tok_s": 1e5, "generation_seconds": 100.0},
                                                  "counts": {"generated_tokens": 10 ** 7}}))
-    log = ("[run] start-up 201.5s: imports ...\n[warmup] done in 95.0s\n  busy           target 30%; drafter 96% "
+    log = ("[run] start-up 201.5s: imports ...\n[warmup] done in 95.0s\nstep 50 | MFU drafter 20.0% (real tokens 15.0%) "
+           "| busy\nstep 100 | MFU drafter 30.1% (real tokens 25.2%) | busy\n  busy           target 30%; drafter 96% "
            "(share of the training time on device work); optimiser step + gradient sync 4%\n")
     got = bench.main_job_figures(log, tmp_path, tmp_path / "m.json")
     assert got == {"regen_tok_s": 1e5, "regen_s": 100.0, "regen_tokens": 10 ** 7, "startup_s": 201.5, "warmup_s": 95.0,
                    "train_steps": 100, "train_steps_s": pytest.approx(40.0), "train_busy": "target 30%; drafter 96%",
-                   "optimiser_sync_share": "4%"}
+                   "optimiser_sync_share": "4%", "train_mfu_last_line": "30.1% (real tokens 25.2%)"}
     run = lambda up: {"prompts": 100, "methods": {"d": {"mean_tau": 3.0, "lossless": 100}},
                       "speed": {"methods": {"target greedy": {"speedup": 1.0, "tok_s": 600.0},
                                             "d": {"speedup": up, "tok_s": 600.0 * up}}}}
