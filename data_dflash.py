@@ -383,7 +383,16 @@ def _template_message(tokenizer, what, short, long):
             f"{long[max(0, n - 40):n + 40]!r}, and the reply could not be found in it either. "
             f"Template starts {str(tokenizer.chat_template)[:120]!r}.")
 
-def _written_ids(tokenizer, replies, spans, text, ids, offsets, mask):
+def _tokens_of(enc, start, end):
+    """The indices of the tokens of an Encoding that hold chars of [start, end) of its text: looked up at the two ends,
+    or where an end is in no token (a normalizer dropped it) found among all the offsets."""
+    a, b = enc.char_to_token(start), enc.char_to_token(end - 1)
+    if a is not None and b is not None:
+        return range(a, b + 1)
+    offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    return np.flatnonzero((offsets[:, 0] < end) & (offsets[:, 1] > start))
+
+def _written_ids(tokenizer, replies, spans, text, enc, ids, mask):
     """(ids, mask, replies whose "ids" were not used) with each reply's text tokens replaced by the ids the target
     wrote (generate_data.py's "ids": text tokenised again can differ) where they decode to its content and the
     content's tokens start and end on its edges; its end of turn stays the template's."""
@@ -393,12 +402,13 @@ def _written_ids(tokenizer, replies, spans, text, ids, offsets, mask):
         if own is None or not content:
             continue
         k = text.find(content, start, end)
-        first, last = np.flatnonzero(offsets[:, 0] == k), np.flatnonzero(offsets[:, 1] == k + len(content))
-        ok = (k >= 0 and len(first) and len(last) and isinstance(own, list)
+        span = _tokens_of(enc, k, k + len(content)) if k >= 0 else []
+        ok = (len(span) and enc.token_to_chars(span[0])[0] == k
+              and enc.token_to_chars(span[-1])[1] == k + len(content) and isinstance(own, list)
               and all(isinstance(x, int) and 0 <= x < len(tokenizer) for x in own)
               and tokenizer.decode(own, skip_special_tokens=True).strip() == content)
         if ok:
-            cut.append((first[0], last[-1] + 1, own))
+            cut.append((span[0], span[-1] + 1, own))
         unused += not ok
     for a, b, own in reversed(cut):   # from the end: the earlier indices stay valid
         ids, mask = ids[:a] + own + ids[b:], np.concatenate([mask[:a], np.ones(len(own), np.uint8), mask[b:]])
@@ -416,20 +426,23 @@ def _encode(tokenizer, conversations, max_length):
             out[i] = e
     if not texts:
         return out
-    enc = tokenizer(list(texts.values()), add_special_tokens=False, return_offsets_mapping=True)  # BOS: in the text
-    for (i, text), ids, offsets in zip(texts.items(), enc["input_ids"], enc["offset_mapping"]):
-        cut = offsets[max_length - 1][1] if len(ids) > max_length else None
+    backend = tokenizer.backend_tokenizer     # its Encodings map chars to tokens without a list of every offset
+    backend.no_truncation()                   # as tokenizer(...) would: whole texts, unpadded
+    backend.no_padding()
+    for (i, text), enc in zip(texts.items(), backend.encode_batch(list(texts.values()), add_special_tokens=False)):
+        ids = enc.ids   # BOS: in the text
+        cut = enc.token_to_chars(max_length - 1)[1] if len(ids) > max_length else None
         try:
             spans = _assistant_spans(tokenizer, conversations[i], text, cut)
         except ChatTemplateError as e:
             out[i] = e
             continue
-        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-        mask = np.zeros(len(offsets), dtype=np.uint8)
+        mask = np.zeros(len(ids), dtype=np.uint8)
         for start, end in spans:  # a token across a span's edge (a merged "\n\n") carries reply text too
-            mask[(offsets[:, 0] < end) & (offsets[:, 1] > start)] = 1
+            if end > start:
+                mask[_tokens_of(enc, start, end)] = 1
         replies = [m for m in conversations[i] if m["role"] == "assistant"]
-        ids, mask, unused = _written_ids(tokenizer, replies, spans, text, ids, offsets, mask)
+        ids, mask, unused = _written_ids(tokenizer, replies, spans, text, enc, ids, mask)
         # lists: what `datasets` writes fastest
         out[i] = (ids[:max_length], mask[:max_length].tolist(), len(ids) > max_length, unused)
     return out

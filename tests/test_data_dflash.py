@@ -410,6 +410,18 @@ def test_build_dataset_counts_and_cache(qwen_tok, tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(again["loss_mask"], data["loss_mask"]))
 
 
+def test_the_tokens_of_a_span_are_found_at_its_ends_or_among_all_offsets_where_an_end_is_in_no_token():
+    class Encoding:    # 4 tokens over "ab cd ef": char 2 (the space) in none, as a dropping normalizer leaves it
+        offsets = [(0, 2), (3, 5), (5, 6), (6, 8)]
+
+        def char_to_token(self, c):
+            return next((i for i, (s, e) in enumerate(self.offsets) if s <= c < e), None)
+    assert list(D._tokens_of(Encoding(), 3, 6)) == [1, 2]
+    assert list(D._tokens_of(Encoding(), 1, 4)) == [0, 1]        # a token across an edge holds span chars too
+    assert list(D._tokens_of(Encoding(), 2, 6)) == [1, 2]        # the first char in no token
+    assert list(D._tokens_of(Encoding(), 2, 3)) == []
+
+
 def test_cache_is_rebuilt_when_the_file_the_max_length_or_the_chat_template_changes(qwen_tok, tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [_sharegpt(CONV), _sharegpt(CONV_SYS)])
     kw = dict(max_length=128, block_size=4)
