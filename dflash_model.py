@@ -191,7 +191,7 @@ class DFlashDrafter(nn.Module):
         default; acc and counts per block position 1..bs-1)."""
         c, (B, S, _), dev = self.config, batch.shape, features.device
         teacher = rows = None
-        if batch.distill:    # block position k's label is the target's next token after position anchor + k - 1
+        if batch.loss.distill:    # block position k's label is the target's next token after position anchor + k - 1
             features, final = features[..., :-c.hidden_size].contiguous(), features[..., -c.hidden_size:]
             positions, rows = to_device(batch.taught[0], dev), batch.taught[1]
             teacher = final[positions // S, positions % S]
@@ -199,7 +199,8 @@ class DFlashDrafter(nn.Module):
         mask = (create_dflash_block_mask if self.block_mask else dense_dflash_mask)(batch.anchors, S, c.block_size)
         hidden = self.trunk(features, batch.block_ids, ctx_pos, batch.block_pos, mask)
         return dflash_loss(hidden, self.lm_head_weight, batch.labels, batch.weights, weight_sum=weight_sum,
-                           teacher=teacher, teacher_rows=rows, distill=batch.distill, dpace=batch.dpace)
+                           teacher=teacher, teacher_rows=rows, distill=batch.loss.distill,
+                           dpace=batch.loss.dpace)
 
 def attention(q, k, v, mask):
     """SDPA under a dense boolean mask, or flex attention under a BlockMask. Flex runs compiled only: eagerly it is a
@@ -305,20 +306,27 @@ def make_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id,
     block_ids[:, :, 0] = labels[:, :, 0]
     return block_ids.flatten(1), pos.flatten(1), labels, weights
 
+@dataclass(frozen=True)
+class Loss:
+    """What the loss is made of: the block positions' weights, a fixed decay exp(-(k-1)/gamma) or, with dpace > 0,
+    D-PACE's from the drafter's confidence (dpace: its smoothing, see dpace_factors), and the KL's share (distill)."""
+    gamma: float
+    distill: float = 0.0
+    dpace: float = 0.0
+
 @dataclass
 class Batch:
     """A micro-batch's training blocks, built once by make_batch on the host (the loader thread, ahead of its step):
-    block inputs and positions (B, A*bs), labels and loss weights (B, A, bs), the anchors (B, A) the mask reads, and
-    with distillation (distill > 0: the KL's share of the loss) teacher_positions' result."""
+    block inputs and positions (B, A*bs), labels and loss weights (B, A, bs), the anchors (B, A) the mask reads, the
+    Loss it is made for and, with distillation, teacher_positions' result."""
     block_ids: torch.Tensor
     block_pos: torch.Tensor
     labels: torch.Tensor
     weights: torch.Tensor
     anchors: torch.Tensor
     S: int                      # the context length: the target features' positions
-    distill: float = 0.0
+    loss: Loss
     taught: tuple = None
-    dpace: float = 0.0
 
     @property
     def shape(self):
@@ -330,21 +338,13 @@ class Batch:
         move = {k: to_device(getattr(self, k), dev) for k in ("block_ids", "block_pos", "labels", "weights", "anchors")}
         return replace(self, **move)
 
-@dataclass(frozen=True)
-class Loss:
-    """What the loss is made of: the block positions' weights, a fixed decay exp(-(k-1)/gamma) or, with dpace > 0,
-    D-PACE's from the drafter's confidence (dpace: its smoothing, see dpace_factors), and the KL's share (distill)."""
-    gamma: float
-    distill: float = 0.0
-    dpace: float = 0.0
-
 def make_batch(input_ids, loss_mask, anchors, valid, config, loss):
     """The Batch of host tensors input_ids, loss_mask (B, S) and anchors, valid (B, A) for a drafter of `config`,
     for a Loss `loss`."""
     block_ids, block_pos, labels, weights = make_blocks(input_ids, loss_mask, anchors, valid, config.block_size,
                                                         config.mask_token_id, math.inf if loss.dpace else loss.gamma)
     taught = teacher_positions(anchors, valid, input_ids.shape[1], config.block_size) if loss.distill else None
-    return Batch(block_ids, block_pos, labels, weights, anchors, input_ids.shape[1], loss.distill, taught, loss.dpace)
+    return Batch(block_ids, block_pos, labels, weights, anchors, input_ids.shape[1], loss, taught)
 
 def chunk_plan(n, chunk_rows):
     """(rows per chunk, chunks): equal chunks of <= chunk_rows rows covering n, the last padded: one kernel shape."""

@@ -160,12 +160,13 @@ def test_the_warm_up_runs_the_trainers_own_step_on_each_shape():
     seen = []
 
     def step(drafter, work, weight_sum):
-        seen.append((work[0][0].shape[-1], work[0][1].shape, work[0][1].distill, work[0][1].dpace))
+        seen.append((work[0][0].shape[-1], work[0][1].shape, work[0][1].loss))
         return forward_backward(drafter, work, weight_sum)
     for shape, loss in (((1, 64, 4), dm.Loss(7.0)), ((2, 32, 2), dm.Loss(7.0, distill=0.5, dpace=0.5))):
         compiled.warm_shape(d, shape, step, loss)
     n = len(c.target_layer_ids)
-    assert seen == [(n * 32, (1, 64, 4), 0.0, 0.0), ((n + 1) * 32, (2, 32, 2), 0.5, 0.5)]
+    assert seen == [(n * 32, (1, 64, 4), dm.Loss(7.0)),
+                    ((n + 1) * 32, (2, 32, 2), dm.Loss(7.0, distill=0.5, dpace=0.5))]
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in d.parameters())
 
 

@@ -588,7 +588,7 @@ def test_the_loaders_prepared_batch_is_what_the_step_would_compute_itself():
     got = b["batch"]
     for k in ("block_ids", "block_pos", "labels", "weights", "anchors"):
         assert torch.equal(getattr(got, k), getattr(want, k)), k
-    assert got.distill == 0.5 and got.dpace == 0.5 and got.shape == (B, S, config.anchors_for(cfg, S))
+    assert got.loss == dm.Loss(cfg.gamma, 0.5, 0.5) and got.shape == (B, S, config.anchors_for(cfg, S))
     w = got.weights[:, :, 1:]
     assert torch.equal(w, (w > 0).float()) and w.sum() > 0
     for g, w in zip(got.taught, dm.teacher_positions(anchors, valid, S, bs)):
