@@ -185,7 +185,10 @@ def _normalise(record):
             return None, why
         messages.append({"role": ROLES[role.strip().lower()], "content": content})
         if messages[-1]["role"] == "assistant":   # what generate_data.py adds: the mark, the ids the target wrote
-            messages[-1].update({k: turn[k] for k in ("unfinished", "ids") if k in turn and turn[k] is not None})
+            if turn.get("unfinished") is True:
+                messages[-1]["unfinished"] = True
+            if turn.get("ids") is not None:
+                messages[-1]["ids"] = turn["ids"]
     first = int(messages[0]["role"] == "system")  # a ShareGPT piece may open with a reply; templates want a user turn
     while len(messages) > first and messages[first]["role"] == "assistant":
         del messages[first]
@@ -392,10 +395,10 @@ def _tokens_of(enc, start, end):
     offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
     return np.flatnonzero((offsets[:, 0] < end) & (offsets[:, 1] > start))
 
-def _written_ids(tokenizer, replies, spans, text, enc, ids, mask):
+def _written_ids(tokenizer, vocab, replies, spans, text, enc, ids, mask):
     """(ids, mask, replies whose "ids" were not used) with each reply's text tokens replaced by the ids the target
     wrote (generate_data.py's "ids": text tokenised again can differ) where they decode to its content and the
-    content's tokens start and end on its edges; its end of turn stays the template's."""
+    content's tokens start and end on its edges; its end of turn stays the template's. vocab: len(tokenizer)."""
     cut, unused = [], 0
     for m, (start, end) in zip(replies, spans):
         own, content = m.get("ids"), m["content"].strip()
@@ -405,7 +408,7 @@ def _written_ids(tokenizer, replies, spans, text, enc, ids, mask):
         span = _tokens_of(enc, k, k + len(content)) if k >= 0 else []
         ok = (len(span) and enc.token_to_chars(span[0])[0] == k
               and enc.token_to_chars(span[-1])[1] == k + len(content) and isinstance(own, list)
-              and all(isinstance(x, int) and 0 <= x < len(tokenizer) for x in own)
+              and all(isinstance(x, int) and 0 <= x < vocab for x in own)
               and tokenizer.decode(own, skip_special_tokens=True).strip() == content)
         if ok:
             cut.append((span[0], span[-1] + 1, own))
@@ -429,6 +432,7 @@ def _encode(tokenizer, conversations, max_length):
     backend = tokenizer.backend_tokenizer     # its Encodings map chars to tokens without a list of every offset
     backend.no_truncation()                   # as tokenizer(...) would: whole texts, unpadded
     backend.no_padding()
+    vocab = len(tokenizer)                    # not cheap: once, not for each id a reply carries
     for (i, text), enc in zip(texts.items(), backend.encode_batch(list(texts.values()), add_special_tokens=False)):
         ids = enc.ids   # BOS: in the text
         cut = enc.token_to_chars(max_length - 1)[1] if len(ids) > max_length else None
@@ -442,7 +446,7 @@ def _encode(tokenizer, conversations, max_length):
             if end > start:
                 mask[_tokens_of(enc, start, end)] = 1
         replies = [m for m in conversations[i] if m["role"] == "assistant"]
-        ids, mask, unused = _written_ids(tokenizer, replies, spans, text, enc, ids, mask)
+        ids, mask, unused = _written_ids(tokenizer, vocab, replies, spans, text, enc, ids, mask)
         # lists: what `datasets` writes fastest
         out[i] = (ids[:max_length], mask[:max_length].tolist(), len(ids) > max_length, unused)
     return out

@@ -241,8 +241,10 @@ def test_an_unfinished_reply_is_trained_on_without_the_end_of_turn_the_template_
     tok = _tiny_tokenizer(template)
     conv = [dict(m) for m in CONV]
     conv[3]["unfinished"] = True
-    convs, _ = D.load_conversations([_write_jsonl(tmp_path / "d.jsonl", [{"messages": conv}])])
-    assert convs == [conv]
+    other = [dict(m, unfinished="yes") if m["role"] == "assistant" else m for m in CONV]   # only JSON true marks
+    convs, _ = D.load_conversations([_write_jsonl(tmp_path / "d.jsonl", [{"messages": conv}, {"messages": other}])])
+    assert convs == [conv, CONV]
+    convs = convs[:1]
     ids, mask = tokenize_conversation(tok, convs[0], 512)
     assert ids == tokenize_conversation(tok, CONV, 512)[0]
     think = "<think>\n\n</think>\n\n" if template == THINK_TEMPLATE else ""
