@@ -11,7 +11,7 @@ import torch
 
 import data_dflash
 import dflash_model as dm
-from errors import UserError
+from errors import UserError, first_line
 
 def list_checkpoints(out_dir):
     """Complete checkpoints (DONE written), oldest first."""
@@ -128,8 +128,7 @@ class Checkpointer:
                 free = f"its folder unreadable: {gone.strerror}"
             self.log(f"[ckpt] the write of checkpoint {step} failed ({free} on {self.out_dir}'s file system); its "
                      "partial folder was removed")
-            raise WriteError(f"checkpoint {step} could not be written to {tmp}: {type(e).__name__}: "
-                             f"{(str(e).splitlines() or [''])[0]} ({free} there"
+            raise WriteError(f"checkpoint {step} could not be written to {tmp}: {first_line(e)} ({free} there"
                              + ("; the disk is full" if free.startswith("0.00 GiB") else "") + ")") from e
         shutil.rmtree(final, ignore_errors=True)      # a damaged one of an earlier run
         os.replace(tmp, final)

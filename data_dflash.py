@@ -15,7 +15,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from errors import UserError
+from errors import UserError, first_line
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_JSON = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -300,7 +300,7 @@ def _hub_records(name):
         ds = datasets.load_dataset(name)
     except Exception as e:  # noqa: BLE001 - no such data set, no access: the one line names it
         raise UserError(f"--data {name} is no local file or folder, and the hub data set of that name does "
-                        f"not load: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
+                        f"not load: {first_line(e)}") from None
     return ds["train"] if "train" in ds else next(iter(ds.values()))
 
 @functools.cache      # once a process: a script loads the target's config, then its weights

@@ -6,6 +6,11 @@ import functools
 class UserError(Exception):
     one_line = True     # a thread that raises it is reported by its message alone (pipeline.Threads.fail)
 
+def first_line(e):
+    """An exception said in one line: its type and its message's first line (a chained traceback says no more)."""
+    first = (str(e).splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
 def script(main):
     """main(argv) whose UserError leaves as SystemExit('error: ...'): Python prints that line and exits with 1."""
     @functools.wraps(main)

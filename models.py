@@ -9,7 +9,7 @@ import torch
 
 import data_dflash
 import dflash_model as dm
-from errors import UserError
+from errors import UserError, first_line
 
 def target_and_data(cfg):
     """(target path, data files): --target and --data, or the embedded default's, prepared once in the cache."""
@@ -17,10 +17,6 @@ def target_and_data(cfg):
         return cfg.target, cfg.data
     target, data = data_dflash.prepare_embedded_default(cfg.cache_dir)
     return target, cfg.data or [data]
-
-def first_line(e):
-    """An exception's first message line, or its type where the message is empty."""
-    return (str(e).splitlines() or [type(e).__name__])[0]
 
 def load_target_config(path):
     """(config, tokenizer). random:<config.json>: a config for random weights, and no tokenizer."""
@@ -142,7 +138,7 @@ def load_model(path, device, dtype):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=bool(offline))
     except Exception as e:    # no such folder or hub name, missing or cut weights: name it, in one line
         raise UserError(f"cannot load the target {path!r}: "
-                        f"{offline or type(e).__name__ + ': ' + first_line(e)}") from None
+                        f"{offline or first_line(e)}") from None
     return model.to(device).eval().requires_grad_(False)
 
 def load_target(path, device, dtype, layer_ids, log=print, random_weights=False, whole=False):
