@@ -140,7 +140,8 @@ def log_line(step, x, total_steps, cfg):
             f"| sim_tau {x['sim_tau']:.2f} | lr {x['lr']:.2e} | gnorm {x['grad_norm']:.2f} | {x['tok_s']:,.0f} tok/s "
             f"| MFU drafter {x['mfu_drafter']:.1%} (real tokens {x['mfu_drafter_real']:.1%}) "
             f"| busy target {x['busy_target']:.0%} drafter {x['busy_drafter']:.0%} | queues load {x['queue_load']} "
-            f"feat {x['queue_feat']} | sync {x['sync_ms']:.0f}ms | mem " + (f"{x['mem_gib']:.1f}GiB" if "mem_gib" in x else "-")
+            f"feat {x['queue_feat']} | sync {x['sync_ms']:.0f}ms | mem "
+            + (f"{x['mem_gib']:.1f}GiB" if "mem_gib" in x else "-")
             + f" | ETA {x['eta_min']:.1f}min" + (f" | checkpoint pause {x['ckpt_pause_s']:.2f}s (not in the rates)"
                                                  if x["ckpt_pause_s"] else ""))
 
